@@ -1,0 +1,12 @@
+"""nvmeswap: move tensors between memory and files on fast SSDs at the speed of the device.
+
+A drop-in for DeepSpeed DeepNVMe's ``aio_handle`` built on kernel AIO in Cython and a
+pool of worker processes. Importing it loads neither torch nor CUDA.
+"""
+from .errors import (BufferedIOWarning, MemoryLockWarning, ShortFileError, ValidationError,
+                     WorkerDied)
+from .handle import aio_handle
+
+__version__ = "0.1.0"
+__all__ = ["aio_handle", "WorkerDied", "ValidationError", "ShortFileError",
+           "BufferedIOWarning", "MemoryLockWarning"]

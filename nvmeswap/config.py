@@ -1,0 +1,65 @@
+"""Reading handle settings from a DeepSpeed ``"aio"`` section or a tuner result."""
+import json
+
+# Names DeepSpeed and its tuner have used for the same setting.
+_ALIASES = {
+    "block_size": "block_size",
+    "queue_depth": "queue_depth",
+    "single_submit": "single_submit",
+    "overlap_events": "overlap_events",
+    "intra_op_parallelism": "intra_op_parallelism",
+    "thread_count": "intra_op_parallelism",
+    "num_threads": "intra_op_parallelism",
+    "io_parallel": "intra_op_parallelism",
+}
+# Keys of a DeepSpeed "aio" section that say nothing about a handle.
+_IGNORED = {"use_gds"}
+_SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def handle_arguments(config):
+    """Keyword arguments for ``aio_handle`` from a dict or JSON text.
+
+    Accepts ``{"aio": {...}}`` or the section itself, DeepSpeed's legacy names
+    (``num_threads``, ``thread_count``), ``"true"``/``"false"`` strings and sizes
+    such as ``"1M"``.
+    """
+    if isinstance(config, (str, bytes)):
+        config = json.loads(config)
+    if not isinstance(config, dict):
+        raise TypeError(f"expected a dict or JSON text, got {type(config).__name__}")
+    section = config.get("aio", config)
+    arguments = {}
+    for key, value in section.items():
+        if key in _IGNORED:
+            continue
+        if key not in _ALIASES:
+            raise ValueError(f"unknown aio setting {key!r}; known: {sorted(_ALIASES)}")
+        name = _ALIASES[key]
+        if name in ("single_submit", "overlap_events"):
+            arguments[name] = _boolean(key, value)
+        else:
+            arguments[name] = _integer(key, value)
+    return arguments
+
+
+def _boolean(key, value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{key} must be true or false, got {value!r}")
+
+
+def _integer(key, value):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().upper().removesuffix("B")
+        scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit():
+            return int(digits) * scale
+    raise ValueError(f"{key} must be a whole number, got {value!r}")

@@ -1,0 +1,132 @@
+"""Opening the file of one operation: O_DIRECT where the filesystem allows it.
+
+Note [O_DIRECT tail]
+O_DIRECT needs the file offset, the length and the memory address aligned to the
+device's logical block. Operations of any size at any offset are split: the aligned
+middle goes through O_DIRECT, the unaligned head and tail (less than one block each)
+through a second, buffered descriptor of the same file. Linux keeps the two coherent
+(direct I/O writes back and invalidates the cached range), no block is ever read,
+patched and rewritten, and the file ends exactly at ``offset + nbytes``.
+"""
+import errno
+import fcntl
+import os
+import stat
+import warnings
+
+from .errors import BufferedIOWarning, os_error, short_file_error
+
+ALIGNMENT = 4096
+_buffered_devices_warned = set()
+
+
+class TargetFile:
+    """The descriptors of one operation's file and what was true of it when opened."""
+
+    __slots__ = ("name", "path", "direct_fd", "buffered_fd", "alignment", "size_before")
+
+    def __init__(self, name, path, direct_fd, buffered_fd, alignment, size_before):
+        self.name = name
+        self.path = path
+        self.direct_fd = direct_fd
+        self.buffered_fd = buffered_fd
+        self.alignment = alignment
+        self.size_before = size_before
+
+    def descriptors(self):
+        if self.buffered_fd < 0:
+            return [self.direct_fd]
+        return [self.direct_fd, self.buffered_fd]
+
+    def undo_growth(self):
+        """After a failed write: cut the file back so that it cannot look complete."""
+        try:
+            if os.fstat(self.direct_fd).st_size > self.size_before:
+                os.ftruncate(self.direct_fd, self.size_before)
+        except OSError:
+            pass
+
+    def close(self):
+        for fd in self.descriptors():
+            os.close(fd)
+        self.direct_fd = self.buffered_fd = -1
+
+
+def open_target(target, *, for_write, offset, nbytes, o_direct):
+    """Open ``target`` (a path or an int fd) for one operation.
+
+    ``o_direct``: True requires O_DIRECT, False never uses it, None tries it and falls
+    back to buffered I/O with one warning per filesystem. A read that would run past
+    the end of the file is refused here, before anything is submitted.
+    """
+    if isinstance(target, bool) or not isinstance(target, (int, str, bytes, os.PathLike)):
+        raise TypeError(f"expected a file name or an int file descriptor, got {type(target).__name__}")
+    if isinstance(target, int):
+        name, path = _reopen_path(target, for_write)
+    else:
+        name = path = os.fsdecode(target)
+    flags = (os.O_WRONLY | os.O_CREAT if for_write else os.O_RDONLY) | os.O_CLOEXEC
+    if isinstance(target, int):
+        flags &= ~os.O_CREAT
+    direct_fd, alignment = _open_direct(path, name, flags, o_direct)
+    buffered_fd = -1
+    try:
+        size = _checked_size(direct_fd, name)
+        if not for_write and offset + nbytes > size:
+            raise short_file_error(
+                name, f"cannot read {nbytes} bytes at offset {offset}: the file is {size} bytes long")
+        if alignment > 1 and (offset % alignment or (offset + nbytes) % alignment):
+            buffered_fd = os.open(path, flags & ~os.O_CREAT)
+    except BaseException:
+        os.close(direct_fd)
+        raise
+    return TargetFile(name, path, direct_fd, buffered_fd, alignment, size)
+
+
+def _reopen_path(fd, for_write):
+    """A caller's fd is reopened through /proc so that it keeps its flags and stays open."""
+    try:
+        access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as error:
+        raise os_error(error.errno, f"<fd {fd}>", "not an open file descriptor") from None
+    if for_write and access == os.O_RDONLY:
+        raise os_error(errno.EBADF, name, f"file descriptor {fd} is open read-only")
+    if not for_write and access == os.O_WRONLY:
+        raise os_error(errno.EBADF, name, f"file descriptor {fd} is open write-only")
+    return name, f"/proc/self/fd/{fd}"
+
+
+def _open_direct(path, name, flags, o_direct):
+    if o_direct is False:
+        return _open(path, name, flags), 1
+    try:
+        return _open(path, name, flags | os.O_DIRECT), ALIGNMENT
+    except OSError as error:
+        if error.errno != errno.EINVAL or o_direct:
+            raise
+    fd = _open(path, name, flags)
+    device = os.fstat(fd).st_dev
+    if device not in _buffered_devices_warned:
+        _buffered_devices_warned.add(device)
+        warnings.warn(f"{name}: the filesystem refuses O_DIRECT; using buffered I/O "
+                      "(pass o_direct=True to make this an error)", BufferedIOWarning, stacklevel=5)
+    return fd, 1
+
+
+def _open(path, name, flags):
+    try:
+        return os.open(path, flags, 0o644)
+    except OSError as error:
+        raise os_error(error.errno, name) from None
+
+
+def _checked_size(fd, name):
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode):
+        return info.st_size
+    if stat.S_ISBLK(info.st_mode):
+        return os.lseek(fd, 0, os.SEEK_END)
+    if stat.S_ISDIR(info.st_mode):
+        raise os_error(errno.EISDIR, name)
+    raise os_error(errno.EINVAL, name, "not a regular file or block device")

@@ -1,0 +1,93 @@
+"""Page-locked shared memory: the regions that locked tensors and staging buffers live in.
+
+A region is a memfd, so it reaches a worker as a file descriptor over its socket and
+can never be left behind in /dev/shm; the memory is gone once the last mapping goes.
+"""
+import itertools
+import os
+import threading
+import warnings
+
+from ._memory import Mapping
+from .errors import MemoryLockWarning
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_lock_refusal_warned = False
+_region_ids = itertools.count(1)
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+class SharedRegion:
+    """Page-aligned, page-locked (when allowed) memory that workers can map by fd."""
+
+    __slots__ = ("region_id", "fd", "mapping", "size", "address", "__weakref__")
+
+    def __init__(self, nbytes):
+        self.region_id = next(_region_ids)
+        self.size = round_up(max(nbytes, 1), PAGE)
+        self.fd = os.memfd_create("nvmeswap", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.mapping = Mapping(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.address = self.mapping.address
+        _warn_if_refused(self.mapping.lock(), self.size)
+
+    def contains(self, address, nbytes):
+        return self.address <= address and address + nbytes <= self.address + self.size
+
+    def close(self):
+        """Drop our descriptor; the memory goes when the last mapping of it goes."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.mapping = None
+
+
+def _warn_if_refused(err, size):
+    global _lock_refusal_warned
+    if err and not _lock_refusal_warned:
+        _lock_refusal_warned = True
+        warnings.warn(
+            f"could not page-lock {size} bytes ({os.strerror(err)}); continuing with unlocked "
+            "shared memory. Raise the limit with `ulimit -l unlimited` (or memlock in "
+            "/etc/security/limits.conf) for locked tensors.", MemoryLockWarning, stacklevel=4)
+
+
+class StagingPool:
+    """Reusable locked regions that ordinary buffers are copied through.
+
+    Regions are kept after use, so an operation costs no allocation, page fault or
+    mlock once the pool has grown to the sizes in use; the pool never holds more than
+    the largest set of staged operations that were in flight at once.
+    """
+
+    GRANULE = 1 << 21
+
+    def __init__(self):
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes):
+        with self._lock:
+            fitting = [r for r in self._idle if r.size >= nbytes]
+            if fitting:
+                region = min(fitting, key=lambda r: r.size)
+                self._idle.remove(region)
+                return region
+        return SharedRegion(round_up(nbytes, self.GRANULE))
+
+    def release(self, region):
+        with self._lock:
+            self._idle.append(region)
+
+    def drain(self):
+        """Hand back every idle region (for the caller to unmap and close)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        return idle

@@ -1,0 +1,144 @@
+"""The worker processes of one handle: start, talk to, watch, and stop them."""
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from . import protocol
+from .errors import WorkerDied, os_error
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from nvmeswap.worker import main; main(*map(int, sys.argv[2:8]))")
+STARTUP_TIMEOUT = 60.0
+STOP_GRACE = 1.0
+
+
+class Worker:
+    """One worker process, the parent's end of its socket, and a pidfd that fires at its death."""
+
+    def __init__(self, engine_args):
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # -I: the worker sees our nvmeswap, not whatever the current directory holds.
+            command = [sys.executable, "-I", "-c", _BOOT, _PACKAGE_ROOT, str(child_end.fileno()),
+                       str(os.getpid()), *map(str, engine_args)]
+            self.process = subprocess.Popen(command, pass_fds=[child_end.fileno()],
+                                            stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
+        self.sock = parent_end
+        self.pidfd = os.pidfd_open(self.process.pid)
+        self.mapped = set()
+
+    def send(self, header, fds=()):
+        socket.send_fds(self.sock, [header], list(fds))
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+
+    def close(self):
+        self.sock.close()
+        os.close(self.pidfd)
+        self.process.wait()
+
+
+class WorkerPool:
+    """``size`` workers with identical engines; one generation, replaced whole if one dies."""
+
+    def __init__(self, size, engine_args):
+        self.workers = []
+        self.failure = None
+        try:
+            for _ in range(size):
+                self.workers.append(Worker(engine_args))
+            self._await_ready()
+        except BaseException:
+            self.kill()
+            raise
+        self._poller = select.poll()
+        self._by_fd = {}
+        for worker in self.workers:
+            for fd in (worker.sock.fileno(), worker.pidfd):
+                self._poller.register(fd, select.POLLIN)
+                self._by_fd[fd] = worker
+
+    def _await_ready(self):
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for worker in self.workers:
+            ready, _, _ = select.select([worker.sock, worker.pidfd], [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            data = worker.sock.recv(protocol.RESPONSE.size) if worker.sock in ready else b""
+            if not data:
+                raise WorkerDied(f"worker process {worker.process.pid} did not start "
+                                 f"(exit status {worker.process.poll()})")
+            err = protocol.RESPONSE.unpack(data)[2]
+            if err:
+                raise os_error(err, "/proc/sys/fs/aio-max-nr",
+                               "io_setup failed: too many kernel AIO contexts are in use; raise "
+                               "the limit with `sysctl -w fs.aio-max-nr=1048576` or close handles")
+
+    def receive(self, timeout=None):
+        """Wait for responses; return them, or raise WorkerDied if a worker has gone."""
+        events = self._poller.poll(None if timeout is None else timeout * 1000)
+        responses = []
+        for fd, _ in events:
+            worker = self._by_fd[fd]
+            if fd == worker.pidfd:
+                continue
+            while True:
+                try:
+                    data = worker.sock.recv(protocol.RESPONSE.size, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    break
+                responses.append(protocol.RESPONSE.unpack(data))
+        # Responses that arrived before a death still count; the death is seen next call.
+        if not responses:
+            for fd, _ in events:
+                worker = self._by_fd[fd]
+                if fd == worker.pidfd or worker.process.poll() is not None:
+                    worker.process.wait()
+                    raise WorkerDied(_death_message(worker.process))
+        return responses
+
+    def kill(self):
+        """SIGKILL every worker and reap it; kernel AIO in flight ends with the process."""
+        for worker in self.workers:
+            worker.kill()
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
+
+    def stop(self):
+        """Ask every worker to finish (EOF on its socket), then TERM, then KILL."""
+        for worker in self.workers:
+            worker.sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + STOP_GRACE
+        for worker in self.workers:
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.process.terminate()
+        for worker in self.workers:
+            try:
+                worker.process.wait(STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+
+def _death_message(process):
+    status = process.returncode
+    how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+    return f"nvmeswap worker process {process.pid} died ({how}); its operations failed"

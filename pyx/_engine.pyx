@@ -1,0 +1,236 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The kernel AIO engine: one worker's transfer loop, run without the GIL.
+
+A transfer moves ``nbytes`` between memory at ``address`` and a file at ``offset``.
+Its aligned middle goes through kernel AIO on the O_DIRECT descriptor in requests of
+``block_size`` bytes; an unaligned head or tail goes through plain pread/pwrite on a
+buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/files.py).
+"""
+from libc.stdlib cimport malloc, free
+from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
+from posix.types cimport off_t
+
+from includes.kernel_aio cimport (
+    aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
+    nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
+    nvmeswap_pread, nvmeswap_pwrite,
+)
+import os
+
+
+cdef struct Outcome:
+    # The first failure: its errno (0 for a short transfer), where it happened, and
+    # how many of the bytes requested there came back.
+    bint failed
+    int err
+    long long at_offset
+    long long requested
+    long long got
+
+
+cdef class AioEngine:
+    """One kernel AIO context and the request slots for up to ``queue_depth`` requests."""
+    cdef aio_context_t ctx
+    cdef iocb *slots
+    cdef iocb **batch
+    cdef io_event *events
+    cdef int *free_slots
+    cdef readonly size_t block_size
+    cdef readonly int queue_depth
+    cdef readonly bint single_submit
+    cdef readonly bint overlap_events
+
+    def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
+                  bint overlap_events):
+        self.ctx = 0
+        self.slots = NULL
+        self.batch = NULL
+        self.events = NULL
+        self.free_slots = NULL
+        if block_size == 0 or queue_depth <= 0:
+            raise ValueError("block_size and queue_depth must be positive")
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.single_submit = single_submit
+        self.overlap_events = overlap_events
+        self.slots = <iocb *>malloc(sizeof(iocb) * queue_depth)
+        self.batch = <iocb **>malloc(sizeof(iocb *) * queue_depth)
+        self.events = <io_event *>malloc(sizeof(io_event) * queue_depth)
+        self.free_slots = <int *>malloc(sizeof(int) * queue_depth)
+        if not (self.slots and self.batch and self.events and self.free_slots):
+            raise MemoryError()
+        cdef long ret = nvmeswap_io_setup(queue_depth, &self.ctx)
+        if ret < 0:
+            self.ctx = 0
+            raise OSError(-ret, os.strerror(-ret))
+
+    def __dealloc__(self):
+        if self.ctx:
+            nvmeswap_io_destroy(self.ctx)
+        free(self.slots)
+        free(self.batch)
+        free(self.events)
+        free(self.free_slots)
+
+    def transfer(self, bint is_read, int direct_fd, int buffered_fd, size_t address,
+                 size_t nbytes, long long offset, size_t alignment):
+        """Move the bytes; return ``(errno, at_offset, requested, got)``, errno 0 on success.
+
+        The caller keeps the memory mapped until this returns. ``alignment`` is 1 when
+        ``direct_fd`` is not O_DIRECT; otherwise ``address - offset`` must be a multiple of it.
+        """
+        cdef Outcome out
+        cdef long long end = offset + <long long>nbytes
+        cdef long long middle_start, middle_end
+        out.failed = False
+        out.err = 0
+        out.at_offset = 0
+        out.requested = 0
+        out.got = 0
+        if alignment == 0 or (address - <size_t>offset) % alignment:
+            return (EINVAL, offset, nbytes, 0)
+        middle_start = min(end, (offset + <long long>alignment - 1) // <long long>alignment * <long long>alignment)
+        middle_end = max(middle_start, end // <long long>alignment * <long long>alignment)
+        if (middle_start > offset or middle_end < end) and buffered_fd < 0:
+            return (EINVAL, offset, nbytes, 0)
+        with nogil:
+            if middle_start > offset:
+                _plain_transfer(is_read, buffered_fd, <char *>address, middle_start - offset,
+                                offset, &out)
+            if not out.failed and middle_end > middle_start:
+                self._aio_transfer(is_read, direct_fd,
+                                   <char *>address + (middle_start - offset),
+                                   middle_end - middle_start, middle_start, &out)
+            if not out.failed and end > middle_end:
+                _plain_transfer(is_read, buffered_fd,
+                                <char *>address + (middle_end - offset),
+                                end - middle_end, middle_end, &out)
+        if not out.failed:
+            return (0, 0, 0, 0)
+        return (out.err, out.at_offset, out.requested, out.got)
+
+    cdef void _aio_transfer(self, bint is_read, int fd, char *buf, long long nbytes,
+                            long long offset, Outcome *out) noexcept nogil:
+        cdef long long bs = <long long>self.block_size
+        cdef long long total = (nbytes + bs - 1) // bs
+        cdef long long prepared = 0, completed = 0
+        cdef int in_flight = 0, n_free = self.queue_depth, ready, i, slot, n_events
+        cdef int submitted
+        cdef long ret
+        cdef long long expected
+        cdef bint stopping = False
+        cdef iocb *cb
+        for i in range(self.queue_depth):
+            self.free_slots[i] = i
+        while completed < prepared or (prepared < total and not stopping):
+            # Submit: with overlap_events refill whatever slots are free, otherwise only
+            # start a new batch once the previous one has fully completed.
+            if not stopping and prepared < total and (self.overlap_events or in_flight == 0):
+                ready = 0
+                while n_free > 0 and prepared < total:
+                    n_free -= 1
+                    slot = self.free_slots[n_free]
+                    cb = &self.slots[slot]
+                    _clear_iocb(cb)
+                    cb.aio_data = slot
+                    cb.aio_lio_opcode = IOCB_CMD_PREAD if is_read else IOCB_CMD_PWRITE
+                    cb.aio_fildes = fd
+                    cb.aio_buf = <unsigned long long>(buf + prepared * bs)
+                    cb.aio_nbytes = <unsigned long long>min(bs, nbytes - prepared * bs)
+                    cb.aio_offset = offset + prepared * bs
+                    self.batch[ready] = cb
+                    ready += 1
+                    prepared += 1
+                submitted = self._submit(ready, in_flight, out)
+                in_flight += submitted
+                if submitted < ready:
+                    # Never submitted: give the slots back and stop (the error is in out).
+                    for i in range(submitted, ready):
+                        self.free_slots[n_free] = <int>self.batch[i].aio_data
+                        n_free += 1
+                    prepared -= ready - submitted
+                    if out.failed:
+                        stopping = True
+            if in_flight == 0:
+                continue
+            ret = nvmeswap_io_getevents(self.ctx, 1 if self.overlap_events else in_flight,
+                                        self.queue_depth, self.events, NULL)
+            if ret == -EINTR:
+                continue
+            if ret < 0:
+                # The context itself failed: nothing more can be reaped safely.
+                _fail(out, <int>-ret, offset, 0, 0)
+                return
+            n_events = <int>ret
+            for i in range(n_events):
+                slot = <int>self.events[i].data
+                cb = &self.slots[slot]
+                expected = <long long>cb.aio_nbytes
+                if self.events[i].res != expected and not out.failed:
+                    if self.events[i].res < 0:
+                        _fail(out, <int>-self.events[i].res, cb.aio_offset, expected, 0)
+                    else:
+                        _fail(out, 0, cb.aio_offset, expected, self.events[i].res)
+                    stopping = True
+                self.free_slots[n_free] = slot
+                n_free += 1
+            in_flight -= n_events
+            completed += n_events
+
+    cdef int _submit(self, int ready, int in_flight, Outcome *out) noexcept nogil:
+        """Submit batch[0:ready]; return how many the kernel took."""
+        cdef int done = 0
+        cdef long ret
+        while done < ready:
+            if self.single_submit:
+                ret = nvmeswap_io_submit(self.ctx, 1, &self.batch[done])
+            else:
+                ret = nvmeswap_io_submit(self.ctx, ready - done, &self.batch[done])
+            if ret > 0:
+                done += <int>ret     # a partial submit: resubmit the rest
+            elif ret == -EINTR:
+                continue
+            elif ret == -EAGAIN and in_flight + done > 0:
+                break                # the context is full: reap first, the caller retries
+            else:
+                _fail(out, <int>(-ret if ret < 0 else EIO),
+                      self.batch[done].aio_offset, <long long>self.batch[done].aio_nbytes, 0)
+                break
+        return done
+
+
+cdef inline void _clear_iocb(iocb *cb) noexcept nogil:
+    cdef char *p = <char *>cb
+    cdef size_t i
+    for i in range(sizeof(iocb)):
+        p[i] = 0
+
+
+cdef inline void _fail(Outcome *out, int err, long long at, long long requested,
+                       long long got) noexcept nogil:
+    out.failed = True
+    out.err = err
+    out.at_offset = at
+    out.requested = requested
+    out.got = got
+
+
+cdef void _plain_transfer(bint is_read, int fd, char *buf, long long nbytes,
+                          long long offset, Outcome *out) noexcept nogil:
+    """pread/pwrite until done; a read that meets end of file is a short transfer."""
+    cdef long long done = 0
+    cdef long ret
+    while done < nbytes:
+        if is_read:
+            ret = nvmeswap_pread(fd, buf + done, nbytes - done, offset + done)
+        else:
+            ret = nvmeswap_pwrite(fd, buf + done, nbytes - done, offset + done)
+        if ret == -EINTR:
+            continue
+        if ret < 0:
+            _fail(out, <int>-ret, offset + done, nbytes - done, 0)
+            return
+        if ret == 0:
+            _fail(out, 0, offset + done, nbytes - done, 0)
+            return
+        done += ret

@@ -1,0 +1,100 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Shared mappings that the parent and its workers both see, and raw copies between them."""
+from cpython.buffer cimport (
+    PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo,
+    PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBUF_SIMPLE,
+)
+from libc.errno cimport errno
+from libc.string cimport memcpy, memcmp
+
+from includes.memory cimport (
+    mmap, munmap, mlock, MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE,
+)
+import os
+
+
+cdef class Mapping:
+    """A read-write ``MAP_SHARED`` mapping of a file descriptor, exposed as a buffer.
+
+    The mapping lives until this object is garbage: tensors and arrays made from it
+    hold a reference, so freeing a locked tensor never leaves one pointing at nothing.
+    """
+    cdef char *base
+    cdef readonly size_t size
+    cdef readonly bint locked
+
+    def __cinit__(self, int fd, size_t size):
+        self.base = NULL
+        self.size = size
+        self.locked = False
+        cdef void *p
+        with nogil:
+            p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError(errno, os.strerror(errno))
+        self.base = <char *>p
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+
+    @property
+    def address(self):
+        return <size_t>self.base
+
+    def lock(self):
+        """Page-lock the mapping; return 0 or the errno that refused it."""
+        cdef int ret
+        with nogil:
+            ret = mlock(self.base, self.size)
+        if ret == 0:
+            self.locked = True
+            return 0
+        return errno
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        PyBuffer_FillInfo(view, self, self.base, self.size, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
+
+
+def buffer_address(obj, bint writable):
+    """Return ``(address, nbytes)`` of a C-contiguous buffer-protocol object.
+
+    The address stays valid only while the caller keeps ``obj`` alive.
+    """
+    cdef Py_buffer view
+    cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
+    PyObject_GetBuffer(obj, &view, flags)
+    try:
+        return <size_t>view.buf, <size_t>view.len
+    finally:
+        PyBuffer_Release(&view)
+
+
+def copy_memory(size_t destination, size_t source, size_t nbytes):
+    """memcpy without the GIL; both ranges must be valid and must not overlap."""
+    with nogil:
+        memcpy(<void *>destination, <const void *>source, nbytes)
+
+
+def first_difference(size_t a, size_t b, size_t nbytes):
+    """Index of the first byte where the two ranges differ, or -1 if they are equal."""
+    cdef size_t step = 1 << 16, start = 0, i, n
+    cdef const unsigned char *pa = <const unsigned char *>a
+    cdef const unsigned char *pb = <const unsigned char *>b
+    cdef int differs = 0
+    with nogil:
+        while start < nbytes:
+            n = min(step, nbytes - start)
+            if memcmp(pa + start, pb + start, n) != 0:
+                differs = 1
+                break
+            start += n
+    if not differs:
+        return -1
+    for i in range(start, start + n):
+        if pa[i] != pb[i]:
+            return i
+    return -1

@@ -1,0 +1,13 @@
+# mmap/mlock and friends; only what nvmeswap uses.
+from posix.types cimport off_t
+
+
+cdef extern from "<sys/mman.h>" nogil:
+    enum:
+        PROT_READ
+        PROT_WRITE
+        MAP_SHARED
+    void *MAP_FAILED
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)
+    int munmap(void *addr, size_t length)
+    int mlock(const void *addr, size_t length)

@@ -1,0 +1,21 @@
+"""Builds nvmeswap's two Cython extensions; needs only setuptools, Cython and a C compiler."""
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+
+def extension(name):
+    return Extension(
+        f"nvmeswap._{name}",
+        sources=[f"pyx/_{name}.pyx"],
+        include_dirs=["cdeps"],
+        extra_compile_args=["-O2"],
+    )
+
+
+setup(
+    ext_modules=cythonize(
+        [extension("engine"), extension("memory")],
+        include_path=["pyx"],
+        compiler_directives={"language_level": "3"},
+    ),
+)
