@@ -18,6 +18,9 @@ class ValidationError(Exception):
 class ShortFileError(OSError):
     """A read asked for bytes beyond the end of the file."""
 
+    def __str__(self):
+        return self.args[0]
+
 
 class BufferedIOWarning(RuntimeWarning):
     """The filesystem refused O_DIRECT, so I/O goes through the page cache."""

@@ -106,7 +106,10 @@ def _open_direct(path, name, flags, o_direct):
         if error.errno != errno.EINVAL or o_direct:
             raise
     fd = _open(path, name, flags)
-    device = os.fstat(fd).st_dev
+    info = os.fstat(fd)
+    if stat.S_ISDIR(info.st_mode):
+        return fd, 1    # not a filesystem's refusal: _checked_size says what is wrong
+    device = info.st_dev
     if device not in _buffered_devices_warned:
         _buffered_devices_warned.add(device)
         warnings.warn(f"{name}: the filesystem refuses O_DIRECT; using buffered I/O "

@@ -1,0 +1,124 @@
+"""Worker processes: a death becomes WorkerDied promptly, and nothing outlives its owner."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import nvmeswap
+from conftest import random_bytes
+
+DEADLINE = 10.0
+
+
+def _workers():
+    return [p for p in psutil.Process().children() if "nvmeswap.worker" in " ".join(p.cmdline())]
+
+
+def _call_with_deadline(function):
+    """Run ``function`` in a thread; fail the test instead of hanging."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = function()
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(DEADLINE)
+    assert not thread.is_alive(), f"no answer within {DEADLINE} s"
+    return outcome, time.monotonic() - started
+
+
+@pytest.fixture
+def big_file(tmp_path):
+    # Real data (holes are read without touching the device) that takes a second or
+    # so to read with 4 KiB requests, one in flight.
+    path = tmp_path / "big"
+    path.write_bytes(random_bytes(64 << 20))
+    return path
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_killed_worker_fails_the_operation_then_recovers(handle_factory, big_file, tmp_path,
+                                                         use_async):
+    h = handle_factory(block_size=4096, queue_depth=1, intra_op_parallelism=2)
+    target = h.new_cpu_locked_tensor(64 << 20, torch.empty(0, dtype=torch.uint8))
+    victim = _workers()[0]
+    if use_async:
+        h.async_pread(target, big_file)
+        h.async_pread(bytearray(4096), big_file)      # another operation queued behind it
+        operation = h.wait
+    else:
+        operation = lambda: h.sync_pread(target, big_file)
+    threading.Timer(0.1, victim.send_signal, args=(signal.SIGKILL,)).start()
+    outcome, elapsed = _call_with_deadline(operation)
+    assert isinstance(outcome.get("error"), nvmeswap.WorkerDied), outcome
+    assert elapsed < 3.0, f"WorkerDied took {elapsed:.1f} s"
+    assert "killed by signal 9" in str(outcome["error"]) and str(big_file) in str(outcome["error"])
+    assert not victim.is_running()
+    # Recovered: new workers, and a correct round trip.
+    data = random_bytes(3 << 20)
+    h.sync_pwrite(bytearray(data), tmp_path / "after")
+    back = bytearray(len(data))
+    h.sync_pread(back, tmp_path / "after")
+    assert back == data and len(_workers()) == 2
+
+
+def test_worker_dead_before_the_operation(handle, tmp_path):
+    for worker in _workers():
+        worker.kill()
+        worker.wait(5)
+    outcome, _ = _call_with_deadline(lambda: handle.sync_pwrite(bytearray(10), tmp_path / "x"))
+    assert isinstance(outcome.get("error"), nvmeswap.WorkerDied)
+    handle.sync_pwrite(bytearray(b"k" * 10), tmp_path / "x")
+    assert (tmp_path / "x").read_bytes() == b"k" * 10
+
+
+def test_close_leaves_no_process(handle_factory):
+    h = handle_factory(intra_op_parallelism=4)
+    workers = _workers()
+    assert len(workers) == 4
+    h.close()
+    assert not any(w.is_running() for w in workers)
+
+
+PARENT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    import nvmeswap
+    h = nvmeswap.aio_handle(block_size=4096, queue_depth=1, intra_op_parallelism=2)
+    h.async_pread(bytearray(64 << 20), sys.argv[1])
+    print(" ".join(str(p.pid) for p in __import__("psutil").Process().children()), flush=True)
+    time.sleep(60)
+""")
+
+
+def test_killed_parent_takes_its_workers_along(big_file):
+    package_root = os.path.dirname(os.path.dirname(nvmeswap.__file__))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_SCRIPT, str(big_file), package_root],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        time.sleep(0.2)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+            time.sleep(0.02)
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                       for p in pids)
+    finally:
+        parent.kill()
+        parent.stdout.close()
+        parent.wait()
