@@ -13,6 +13,7 @@ import warnings
 import weakref
 
 from . import protocol
+from ._engine import transfer_in_caller
 from ._memory import buffer_address, copy_memory, first_difference
 from .buffers import io_buffer
 from .config import handle_arguments
@@ -24,6 +25,8 @@ from .pool import WorkerPool
 
 MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
+# Synchronous operations up to this size (and one block) run in the calling thread.
+INLINE_LIMIT = 256 << 10
 
 
 class Operation:
@@ -277,14 +280,23 @@ class aio_handle:
 
     # -- the road of one operation -------------------------------------------------------
     def _run(self, buffer, target, file_offset, *, is_read, validate):
-        op = self._submit(buffer, target, file_offset, is_read=is_read, validate=validate,
-                          is_async=False)
-        self._wait_until(lambda: op.done)
+        op = self._open_operation(buffer, target, file_offset, is_read, validate)
+        if op.buffer.nbytes <= min(INLINE_LIMIT, self._block_size):
+            self._run_inline(op)
+        else:
+            self._start(op, is_async=False)
+            self._wait_until(lambda: op.done)
         if op.error is not None:
             raise op.error
         return 1
 
     def _submit(self, buffer, target, file_offset, *, is_read, validate, is_async):
+        op = self._open_operation(buffer, target, file_offset, is_read, validate)
+        self._start(op, is_async)
+        return op
+
+    def _open_operation(self, buffer, target, file_offset, is_read, validate):
+        """Check the arguments and open the file: everything that can fail before I/O."""
         self._check_usable()
         buf = io_buffer(buffer, writable=is_read)
         file_offset = _checked_int("file_offset", file_offset, 0, None)
@@ -292,7 +304,10 @@ class aio_handle:
             raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
         file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
                            o_direct=self._o_direct)
-        op = Operation(next(self._op_ids), is_read, buf, file, file_offset, validate)
+        return Operation(next(self._op_ids), is_read, buf, file, file_offset, validate)
+
+    def _start(self, op, is_async):
+        """Place the operation and hand its chunks to the workers."""
         try:
             with self._cond:
                 self._check_usable()
@@ -302,12 +317,37 @@ class aio_handle:
                     self._async_ops.append(op)
                 self._dispatch(op)
         except BaseException:
-            if not op.done and op.op_id not in self._ops:
-                file.close()
-                if op.staged:
-                    self._resources.staging.release(op.region)
+            if op.op_id not in self._ops:
+                self._abandon(op)
             raise
-        return op
+
+    def _run_inline(self, op):
+        """Note [small synchronous operations]: an operation of one request runs in the
+        calling thread. A round trip to a worker costs two process wake-ups, more than
+        the request itself on a fast device, and one request gains nothing from fan-out.
+        """
+        try:
+            with self._cond:
+                self._check_usable()
+                self._place(op)
+            if op.staged and not op.is_read:
+                copy_memory(op.region.address + op.region_offset, op.buffer.address,
+                            op.buffer.nbytes)
+            result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
+                                        op.region.address + op.region_offset, op.buffer.nbytes,
+                                        op.file_offset, op.file.alignment)
+        except BaseException:
+            self._abandon(op)
+            raise
+        with self._cond:
+            self._ops[op.op_id] = op
+            self._on_response((op.op_id, 0, *result))
+
+    def _abandon(self, op):
+        """Give back what an operation that never started holds."""
+        op.file.close()
+        if op.staged:
+            self._resources.staging.release(op.region)
 
     def _place(self, op):
         """Choose the memory the workers use, and cut the operation into chunks."""

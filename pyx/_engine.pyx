@@ -79,35 +79,8 @@ cdef class AioEngine:
         The caller keeps the memory mapped until this returns. ``alignment`` is 1 when
         ``direct_fd`` is not O_DIRECT; otherwise ``address - offset`` must be a multiple of it.
         """
-        cdef Outcome out
-        cdef long long end = offset + <long long>nbytes
-        cdef long long middle_start, middle_end
-        out.failed = False
-        out.err = 0
-        out.at_offset = 0
-        out.requested = 0
-        out.got = 0
-        if alignment == 0 or (address - <size_t>offset) % alignment:
-            return (EINVAL, offset, nbytes, 0)
-        middle_start = min(end, (offset + <long long>alignment - 1) // <long long>alignment * <long long>alignment)
-        middle_end = max(middle_start, end // <long long>alignment * <long long>alignment)
-        if (middle_start > offset or middle_end < end) and buffered_fd < 0:
-            return (EINVAL, offset, nbytes, 0)
-        with nogil:
-            if middle_start > offset:
-                _plain_transfer(is_read, buffered_fd, <char *>address, middle_start - offset,
-                                offset, &out)
-            if not out.failed and middle_end > middle_start:
-                self._aio_transfer(is_read, direct_fd,
-                                   <char *>address + (middle_start - offset),
-                                   middle_end - middle_start, middle_start, &out)
-            if not out.failed and end > middle_end:
-                _plain_transfer(is_read, buffered_fd,
-                                <char *>address + (middle_end - offset),
-                                end - middle_end, middle_end, &out)
-        if not out.failed:
-            return (0, 0, 0, 0)
-        return (out.err, out.at_offset, out.requested, out.got)
+        return _transfer(self, is_read, direct_fd, buffered_fd, address, nbytes, offset,
+                         alignment)
 
     cdef void _aio_transfer(self, bint is_read, int fd, char *buf, long long nbytes,
                             long long offset, Outcome *out) noexcept nogil:
@@ -197,6 +170,50 @@ cdef class AioEngine:
                       self.batch[done].aio_offset, <long long>self.batch[done].aio_nbytes, 0)
                 break
         return done
+
+
+def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t address,
+                       size_t nbytes, long long offset, size_t alignment):
+    """``AioEngine.transfer`` with plain pread/pwrite in the calling thread, GIL released.
+
+    For operations of one request, where a round trip to a worker costs more than it gains.
+    """
+    return _transfer(None, is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
+
+
+cdef tuple _transfer(AioEngine engine, bint is_read, int direct_fd, int buffered_fd,
+                     size_t address, size_t nbytes, long long offset, size_t alignment):
+    """Head and tail through the buffered fd, the aligned middle through the direct one."""
+    cdef Outcome out
+    cdef long long end = offset + <long long>nbytes
+    cdef long long a = <long long>alignment
+    cdef long long middle_start, middle_end
+    out.failed = False
+    out.err = 0
+    if alignment == 0 or (address - <size_t>offset) % alignment:
+        return (EINVAL, offset, nbytes, 0)
+    middle_start = min(end, (offset + a - 1) // a * a)
+    middle_end = max(middle_start, end // a * a)
+    if (middle_start > offset or middle_end < end) and buffered_fd < 0:
+        return (EINVAL, offset, nbytes, 0)
+    with nogil:
+        if middle_start > offset:
+            _plain_transfer(is_read, buffered_fd, <char *>address, middle_start - offset,
+                            offset, &out)
+        if not out.failed and middle_end > middle_start:
+            if engine is None:
+                _plain_transfer(is_read, direct_fd, <char *>address + (middle_start - offset),
+                                middle_end - middle_start, middle_start, &out)
+            else:
+                engine._aio_transfer(is_read, direct_fd,
+                                     <char *>address + (middle_start - offset),
+                                     middle_end - middle_start, middle_start, &out)
+        if not out.failed and end > middle_end:
+            _plain_transfer(is_read, buffered_fd, <char *>address + (middle_end - offset),
+                            end - middle_end, middle_end, &out)
+    if not out.failed:
+        return (0, 0, 0, 0)
+    return (out.err, out.at_offset, out.requested, out.got)
 
 
 cdef inline void _clear_iocb(iocb *cb) noexcept nogil:

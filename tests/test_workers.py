@@ -78,10 +78,12 @@ def test_worker_dead_before_the_operation(handle, tmp_path):
     for worker in _workers():
         worker.kill()
         worker.wait(5)
-    outcome, _ = _call_with_deadline(lambda: handle.sync_pwrite(bytearray(10), tmp_path / "x"))
+    data = random_bytes(4 << 20)
+    outcome, _ = _call_with_deadline(lambda: handle.sync_pwrite(bytearray(data), tmp_path / "x"))
     assert isinstance(outcome.get("error"), nvmeswap.WorkerDied)
-    handle.sync_pwrite(bytearray(b"k" * 10), tmp_path / "x")
-    assert (tmp_path / "x").read_bytes() == b"k" * 10
+    assert not (tmp_path / "x").exists() or os.path.getsize(tmp_path / "x") == 0
+    handle.sync_pwrite(bytearray(data), tmp_path / "x")
+    assert (tmp_path / "x").read_bytes() == data
 
 
 def test_close_leaves_no_process(handle_factory):

@@ -1,0 +1,147 @@
+"""nvmeswap against fio and DeepSpeed's aio_handle, in one run on one folder.
+
+    python bench/compare_peers.py --folder /nvme/scratch --size 1G --rounds 3
+
+Each round runs every contender once, in turn, for three jobs: write into a fresh file,
+overwrite that file, and read it back after dropping the page cache. Machines are noisy,
+so what counts is the median over rounds of each per-round ratio against fio and
+DeepSpeed. Then small synchronous reads (4 KiB, 64 KiB) are counted per second.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import peers  # noqa: E402
+
+JOBS = ("fresh write", "overwrite", "read")
+
+
+def parse_size(text):
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def contenders(size, with_deepspeed, with_fio):
+    made = {
+        "nvmeswap locked": lambda: peers.NvmeswapContender(size, "locked"),
+        "nvmeswap locked P2": lambda: peers.NvmeswapContender(size, "locked",
+                                                              intra_op_parallelism=2),
+        "nvmeswap plain": lambda: peers.NvmeswapContender(size, "plain"),
+        "nvmeswap plain P2": lambda: peers.NvmeswapContender(size, "plain",
+                                                             intra_op_parallelism=2),
+    }
+    if with_deepspeed:
+        made["deepspeed locked"] = lambda: peers.DeepSpeedContender(size, "locked")
+        made["deepspeed plain"] = lambda: peers.DeepSpeedContender(size, "plain")
+    if with_fio:
+        made["fio libaio"] = lambda: peers.FioContender(size)
+    return {name: make() for name, make in made.items()}
+
+
+def run_rounds(folder, size, rounds, everyone):
+    seconds = {(name, job): [] for name in everyone for job in JOBS}
+    for round_number in range(rounds):
+        for name, contender in everyone.items():
+            path = os.path.join(folder, "bench-" + name.replace(" ", "-"))
+            peers.fresh(path)
+            seconds[name, "fresh write"].append(contender.write(path))
+            os.sync()
+            seconds[name, "overwrite"].append(contender.write(path))
+            peers.drop_page_cache()
+            seconds[name, "read"].append(contender.read(path))
+            os.unlink(path)
+        print(f"round {round_number + 1}/{rounds} done", file=sys.stderr)
+    return seconds
+
+
+def small_reads(folder, everyone_small, op_size, duration):
+    """Synchronous reads of ``op_size`` bytes at random aligned offsets, per second."""
+    path = os.path.join(folder, "bench-small")
+    with open(path, "wb") as f:
+        f.write(os.urandom(64 << 20))
+    os.sync()
+    slots = (64 << 20) // op_size
+    rates = {}
+    for name, (handle, buffer) in everyone_small.items():
+        offsets = torch.randint(0, slots, (100_000,)).tolist()
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < duration:
+            handle.sync_pread(buffer, path, offsets[count % len(offsets)] * op_size)
+            count += 1
+        rates[name] = count / (time.perf_counter() - started)
+    os.unlink(path)
+    return rates
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default="nvmeswap-bench-data")
+    parser.add_argument("--size", default="1G")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--small-seconds", type=float, default=3.0)
+    arguments = parser.parse_args()
+    os.makedirs(arguments.folder, exist_ok=True)
+    size = parse_size(arguments.size)
+    with_deepspeed = peers.deepspeed_available()
+    with_fio = peers.fio_available()
+    for missing, have in (("DeepSpeed", with_deepspeed), ("fio", with_fio)):
+        if not have:
+            print(f"{missing} is not installed: its column is left out", file=sys.stderr)
+    everyone = contenders(size, with_deepspeed, with_fio)
+    try:
+        seconds = run_rounds(arguments.folder, size, arguments.rounds, everyone)
+    finally:
+        for contender in everyone.values():
+            contender.close()
+    report_bandwidth(seconds, size, arguments.rounds, everyone, with_deepspeed, with_fio)
+    report_small_reads(arguments.folder, with_deepspeed, arguments.small_seconds)
+
+
+def report_bandwidth(seconds, size, rounds, everyone, with_deepspeed, with_fio):
+    print(f"\n{size / 2**30:.2f} GiB per job, {rounds} rounds, GB/s (median over rounds)")
+    print(f"{'contender':<22}" + "".join(f"{job:>14}" for job in JOBS))
+    for name in everyone:
+        cells = [statistics.median(size / s / 1e9 for s in seconds[name, job]) for job in JOBS]
+        print(f"{name:<22}" + "".join(f"{c:>14.2f}" for c in cells))
+    baselines = [("fio libaio", "fio libaio")] if with_fio else []
+    if with_deepspeed:
+        baselines += [("deepspeed locked", "deepspeed locked"),
+                      ("deepspeed plain", "deepspeed plain")]
+    print("\nmedian per-round ratio (higher is better for nvmeswap)")
+    for name in everyone:
+        if not name.startswith("nvmeswap"):
+            continue
+        for baseline, label in baselines:
+            if ("plain" in name) != ("plain" in baseline) and baseline != "fio libaio":
+                continue
+            ratios = [statistics.median(b / a for a, b in zip(seconds[name, job],
+                                                               seconds[baseline, job]))
+                      for job in JOBS]
+            print(f"{name:<22} vs {label:<18}" + "".join(f"{job}: {r:5.2f}x   "
+                                                        for job, r in zip(JOBS, ratios)))
+
+
+def report_small_reads(folder, with_deepspeed, duration):
+    print("\nsynchronous reads per second (locked buffers, random aligned offsets)")
+    for op_size in (4096, 65536):
+        handles = {"nvmeswap": __import__("nvmeswap").aio_handle()}
+        if with_deepspeed:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+            handles["deepspeed"] = AsyncIOBuilder().load(verbose=False).aio_handle()
+        small = {name: (h, h.new_cpu_locked_tensor(op_size, torch.empty(0, dtype=torch.uint8)))
+                 for name, h in handles.items()}
+        rates = small_reads(folder, small, op_size, duration)
+        line = "  ".join(f"{name}: {rate:8.0f}/s" for name, rate in rates.items())
+        if "deepspeed" in rates:
+            line += f"  ratio: {rates['nvmeswap'] / rates['deepspeed']:.2f}x"
+        print(f"{op_size // 1024:>3} KiB  {line}")
+        handles["nvmeswap"].close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The contenders of the side-by-side benchmarks: nvmeswap, fio and DeepSpeed, one call each.
+
+Every function moves ``size`` bytes once and returns the seconds it took. Peers that
+are not installed are reported as missing, never as zero.
+"""
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import torch
+
+import nvmeswap
+
+
+def drop_page_cache():
+    """Best effort: reads after this come from the device (needs root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def fresh(path):
+    if os.path.exists(path):
+        os.unlink(path)
+    os.sync()
+
+
+def timed(function, *args):
+    started = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - started
+
+
+class NvmeswapContender:
+    def __init__(self, size, buffer, **handle_args):
+        self.handle = nvmeswap.aio_handle(**handle_args)
+        if buffer == "locked":
+            self.tensor = self.handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+        else:
+            self.tensor = torch.empty(size, dtype=torch.uint8)
+        self.tensor.random_(0, 255)
+
+    def write(self, path):
+        return timed(self.handle.sync_pwrite, self.tensor, path)
+
+    def read(self, path):
+        return timed(self.handle.sync_pread, self.tensor, path)
+
+    def close(self):
+        self.handle.close()
+
+
+class DeepSpeedContender:
+    """DeepSpeed's aio_handle; its plain-tensor path allocates a locked bounce buffer per call."""
+
+    def __init__(self, size, buffer, **handle_args):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        self.handle = AsyncIOBuilder().load(verbose=False).aio_handle(**handle_args)
+        if buffer == "locked":
+            self.tensor = self.handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+        else:
+            self.tensor = torch.empty(size, dtype=torch.uint8)
+        self.tensor.random_(0, 255)
+
+    def write(self, path):
+        return timed(self.handle.sync_pwrite, self.tensor, path)
+
+    def read(self, path):
+        return timed(self.handle.sync_pread, self.tensor, path)
+
+    def close(self):
+        if self.tensor.is_pinned() or self.handle.is_pinned(self.tensor):
+            self.handle.free_cpu_locked_tensor(self.tensor)
+
+
+def deepspeed_available():
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        return AsyncIOBuilder().is_compatible(verbose=False)
+    except Exception:
+        return False
+
+
+class FioContender:
+    """fio with O_DIRECT, 1 MiB blocks, iodepth 128: the device's own limit."""
+
+    def __init__(self, size, engine="libaio", numjobs=1):
+        self.size = size
+        self.engine = engine
+        self.numjobs = numjobs
+
+    def _run(self, path, rw):
+        command = ["fio", "--name=nvmeswap-peer", f"--filename={path}", f"--rw={rw}",
+                   "--bs=1M", "--iodepth=128", "--direct=1", f"--ioengine={self.engine}",
+                   f"--size={self.size}", f"--numjobs={self.numjobs}", "--group_reporting",
+                   "--output-format=json", "--thread", "--fallocate=none"]
+        if self.numjobs > 1:
+            command.append(f"--offset_increment={self.size // self.numjobs}")
+            command[command.index(f"--size={self.size}")] = f"--size={self.size // self.numjobs}"
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        job = json.loads(output[output.index("{"):])["jobs"][0]
+        side = job["read" if rw == "read" else "write"]
+        return side["io_bytes"] / max(side["bw_bytes"], 1)
+
+    def write(self, path):
+        return self._run(path, "write")
+
+    def read(self, path):
+        return self._run(path, "read")
+
+    def close(self):
+        pass
+
+
+def fio_available():
+    return shutil.which("fio") is not None
