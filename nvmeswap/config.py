@@ -1,6 +1,8 @@
 """Reading handle settings from a DeepSpeed ``"aio"`` section or a tuner result."""
 import json
 
+from .units import parse_size
+
 # Names DeepSpeed and its tuner have used for the same setting.
 _ALIASES = {
     "block_size": "block_size",
@@ -14,7 +16,6 @@ _ALIASES = {
 }
 # Keys of a DeepSpeed "aio" section that say nothing about a handle.
 _IGNORED = {"use_gds"}
-_SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def handle_arguments(config):
@@ -54,12 +55,9 @@ def _boolean(key, value):
 
 
 def _integer(key, value):
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().upper().removesuffix("B")
-        scale = _SIZE_SUFFIXES.get(text[-1:], 1)
-        digits = text[:-1] if scale > 1 else text
-        if digits.isdigit():
-            return int(digits) * scale
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return parse_size(value)
+        except ValueError:
+            pass
     raise ValueError(f"{key} must be a whole number, got {value!r}")

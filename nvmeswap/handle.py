@@ -168,20 +168,33 @@ class aio_handle:
         self._submit(buffer, filename, file_offset, is_read=False, validate=False, is_async=True)
         return 0
 
-    def pread(self, buffer, filename, validate=False, async_op=False, file_offset=0):
-        """DeepNVMe's pread: 1 when done synchronously, 0 when started (``async_op``)."""
+    def pread(self, buffer, filename, validate=False, async_op=False, file_offset=0, **kwargs):
+        """DeepNVMe's pread: 1 when done synchronously, 0 when started (``async_op``).
+
+        DeepNVMe's keyword ``async`` is accepted too: ``pread(..., **{"async": True})``.
+        """
+        async_op = _async_keyword(async_op, kwargs)
         if async_op:
             self._submit(buffer, filename, file_offset, is_read=True, validate=validate,
                          is_async=True)
             return 0
         return self._run(buffer, filename, file_offset, is_read=True, validate=validate)
 
-    def pwrite(self, buffer, filename, validate=False, async_op=False, file_offset=0):
+    def pwrite(self, buffer, filename, validate=False, async_op=False, file_offset=0, **kwargs):
         """DeepNVMe's pwrite: 1 when done synchronously, 0 when started (``async_op``)."""
+        async_op = _async_keyword(async_op, kwargs)
         if async_op:
             self._submit(buffer, filename, file_offset, is_read=False, validate=validate,
                          is_async=True)
             return 0
+        return self._run(buffer, filename, file_offset, is_read=False, validate=validate)
+
+    def read(self, buffer, filename, validate=False, file_offset=0):
+        """DeepNVMe's synchronous read; returns 1."""
+        return self._run(buffer, filename, file_offset, is_read=True, validate=validate)
+
+    def write(self, buffer, filename, validate=False, file_offset=0):
+        """DeepNVMe's synchronous write; returns 1."""
         return self._run(buffer, filename, file_offset, is_read=False, validate=validate)
 
     def wait(self):
@@ -509,6 +522,12 @@ def _validate(op):
                                       "the file and the buffer differ", op.file.name, at)
     finally:
         os.close(fd)
+
+
+def _async_keyword(async_op, kwargs):
+    if set(kwargs) - {"async"}:
+        raise TypeError(f"unexpected keyword arguments: {sorted(set(kwargs) - {'async'})}")
+    return bool(kwargs.get("async", async_op))
 
 
 def _checked_int(name, value, low, high):

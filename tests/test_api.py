@@ -42,6 +42,9 @@ def test_return_values(handle, tmp_path):
     assert handle.pwrite(buf, path, False, True) == 0
     assert handle.pread(buf, path, True, True, 0) == 0
     assert handle.wait() == 2
+    assert handle.pread(buf, path, False, **{"async": True}) == 0     # DeepNVMe's keyword
+    assert handle.wait() == 1
+    assert handle.write(buf, path, True) == 1 and handle.read(buf, path, True, 0) == 1
 
 
 def test_offset_write_keeps_the_other_bytes(handle, tmp_path):
