@@ -8,6 +8,7 @@
 #define NVMESWAP_KERNEL_AIO_H
 
 #include <errno.h>
+#include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
 #include <sys/syscall.h>
@@ -48,6 +49,12 @@ static inline long nvmeswap_pread(int fd, void *buf, size_t count, off_t offset)
 static inline long nvmeswap_pwrite(int fd, const void *buf, size_t count, off_t offset)
 {
     return nvmeswap_sys_result(pwrite(fd, buf, count, offset));
+}
+
+/* Allocate blocks for [offset, offset + len) and extend the file to cover them. */
+static inline long nvmeswap_fallocate(int fd, off_t offset, off_t len)
+{
+    return nvmeswap_sys_result(fallocate(fd, 0, offset, len));
 }
 
 #endif

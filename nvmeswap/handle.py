@@ -27,6 +27,8 @@ MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
 # Synchronous operations up to this size (and one block) run in the calling thread.
 INLINE_LIMIT = 256 << 10
+# Writes that grow a file by at least this much preallocate (Note [preallocation]).
+PREALLOCATE_MIN = 1 << 20
 
 
 class Operation:
@@ -317,6 +319,12 @@ class aio_handle:
             raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
         file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
                            o_direct=self._o_direct)
+        if not is_read and buf.nbytes >= PREALLOCATE_MIN:
+            try:
+                file.preallocate(file_offset + buf.nbytes)
+            except BaseException:
+                file.close()
+                raise
         return Operation(next(self._op_ids), is_read, buf, file, file_offset, validate)
 
     def _start(self, op, is_async):
@@ -472,7 +480,7 @@ class aio_handle:
             except (ValidationError, OSError) as error:
                 op.error = error
         if op.error is not None and not op.is_read:
-            op.file.undo_growth()
+            op.file.undo_growth(op.file_offset + op.buffer.nbytes)
         op.file.close()
         if op.staged:
             self._resources.staging.release(op.region)

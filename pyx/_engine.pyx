@@ -13,7 +13,7 @@ from posix.types cimport off_t
 from includes.kernel_aio cimport (
     aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
     nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
-    nvmeswap_pread, nvmeswap_pwrite,
+    nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate,
 )
 import os
 
@@ -179,6 +179,14 @@ def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t addr
     For operations of one request, where a round trip to a worker costs more than it gains.
     """
     return _transfer(None, is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
+
+
+def preallocate(int fd, long long offset, long long length):
+    """fallocate(2) without glibc's fallback of writing zeros; returns 0 or the errno."""
+    cdef long ret
+    with nogil:
+        ret = nvmeswap_fallocate(fd, offset, length)
+    return <int>-ret if ret < 0 else 0
 
 
 cdef tuple _transfer(AioEngine engine, bint is_read, int direct_fd, int buffered_fd,

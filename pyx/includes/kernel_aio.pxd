@@ -34,3 +34,4 @@ cdef extern from "kernel_aio.h" nogil:
                                io_event *events, timespec *timeout)
     long nvmeswap_pread(int fd, void *buf, size_t count, off_t offset)
     long nvmeswap_pwrite(int fd, const void *buf, size_t count, off_t offset)
+    long nvmeswap_fallocate(int fd, off_t offset, off_t len)
