@@ -2,7 +2,7 @@
 
     python bench/compare_peers.py --folder /nvme/scratch --size 1G --rounds 3
 
-Each round runs every contender once, in turn, for three jobs: write into a fresh file,
+Each round runs every contender once, in turn (rotated each round), for three jobs: write into a fresh file,
 overwrite that file, and read it back after dropping the page cache. Machines are noisy,
 so what counts is the median over rounds of each per-round ratio against fio and
 DeepSpeed. Then small synchronous reads (4 KiB, 64 KiB) are counted per second.
@@ -26,7 +26,7 @@ def parse_size(text):
     return int(text[:-1] if scale > 1 else text) * scale
 
 
-def contenders(size, with_deepspeed, with_fio):
+def contenders(size, with_deepspeed, with_fio, only=()):
     made = {
         "nvmeswap locked": lambda: peers.NvmeswapContender(size, "locked"),
         "nvmeswap locked P2": lambda: peers.NvmeswapContender(size, "locked",
@@ -40,13 +40,17 @@ def contenders(size, with_deepspeed, with_fio):
         made["deepspeed plain"] = lambda: peers.DeepSpeedContender(size, "plain")
     if with_fio:
         made["fio libaio"] = lambda: peers.FioContender(size)
-    return {name: make() for name, make in made.items()}
+    return {name: make() for name, make in made.items() if not only or name in only}
 
 
 def run_rounds(folder, size, rounds, everyone):
     seconds = {(name, job): [] for name in everyone for job in JOBS}
+    names = list(everyone)
     for round_number in range(rounds):
-        for name, contender in everyone.items():
+        # Rotate who goes first, so that no contender always follows the same neighbour.
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            contender = everyone[name]
             path = os.path.join(folder, "bench-" + name.replace(" ", "-"))
             peers.fresh(path)
             seconds[name, "fresh write"].append(contender.write(path))
@@ -83,7 +87,10 @@ def main():
     parser.add_argument("--folder", default="nvmeswap-bench-data")
     parser.add_argument("--size", default="1G")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--small-seconds", type=float, default=3.0)
+    parser.add_argument("--small-seconds", type=float, default=3.0,
+                        help="seconds per small-read contender (0: skip)")
+    parser.add_argument("--only", action="append", default=[], metavar="CONTENDER",
+                        help='run just these, e.g. --only "nvmeswap locked" --only "fio libaio"')
     arguments = parser.parse_args()
     os.makedirs(arguments.folder, exist_ok=True)
     size = parse_size(arguments.size)
@@ -92,14 +99,15 @@ def main():
     for missing, have in (("DeepSpeed", with_deepspeed), ("fio", with_fio)):
         if not have:
             print(f"{missing} is not installed: its column is left out", file=sys.stderr)
-    everyone = contenders(size, with_deepspeed, with_fio)
+    everyone = contenders(size, with_deepspeed, with_fio, arguments.only)
     try:
         seconds = run_rounds(arguments.folder, size, arguments.rounds, everyone)
     finally:
         for contender in everyone.values():
             contender.close()
     report_bandwidth(seconds, size, arguments.rounds, everyone, with_deepspeed, with_fio)
-    report_small_reads(arguments.folder, with_deepspeed, arguments.small_seconds)
+    if arguments.small_seconds > 0:
+        report_small_reads(arguments.folder, with_deepspeed, arguments.small_seconds)
 
 
 def report_bandwidth(seconds, size, rounds, everyone, with_deepspeed, with_fio):
@@ -108,8 +116,8 @@ def report_bandwidth(seconds, size, rounds, everyone, with_deepspeed, with_fio):
     for name in everyone:
         cells = [statistics.median(size / s / 1e9 for s in seconds[name, job]) for job in JOBS]
         print(f"{name:<22}" + "".join(f"{c:>14.2f}" for c in cells))
-    baselines = [("fio libaio", "fio libaio")] if with_fio else []
-    if with_deepspeed:
+    baselines = [("fio libaio", "fio libaio")] if "fio libaio" in everyone else []
+    if "deepspeed locked" in everyone and "deepspeed plain" in everyone:
         baselines += [("deepspeed locked", "deepspeed locked"),
                       ("deepspeed plain", "deepspeed plain")]
     print("\nmedian per-round ratio (higher is better for nvmeswap)")

@@ -60,14 +60,16 @@ class TargetFile:
         so that it cannot look complete, unless something else has grown it further since.
         """
         try:
-            if os.fstat(self.direct_fd).st_size == end > self.size_before:
-                os.ftruncate(self.direct_fd, self.size_before)
+            if os.stat(self.path).st_size == end > self.size_before:
+                os.truncate(self.path, self.size_before)
         except OSError:
             pass
 
     def close(self):
+        """Close our descriptors (idempotent); the workers hold their own copies."""
         for fd in self.descriptors():
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.direct_fd = self.buffered_fd = -1
 
 

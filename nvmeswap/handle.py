@@ -27,6 +27,8 @@ MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
 # Synchronous operations up to this size (and one block) run in the calling thread.
 INLINE_LIMIT = 256 << 10
+# Started operations wait while this many chunks are with the workers.
+MAX_CHUNKS_IN_FLIGHT = 128
 # Writes that grow a file by at least this much preallocate (Note [preallocation]).
 PREALLOCATE_MIN = 1 << 20
 
@@ -121,6 +123,7 @@ class aio_handle:
         self._async_ops = []
         self._op_ids = itertools.count(1)
         self._next_worker = 0
+        self._chunks_in_flight = 0
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.release, self._creator_pid)
         with self._cond:
@@ -330,6 +333,8 @@ class aio_handle:
     def _start(self, op, is_async):
         """Place the operation and hand its chunks to the workers."""
         try:
+            # Back-pressure: every chunk in flight holds descriptors in a worker.
+            self._wait_until(lambda: self._chunks_in_flight < MAX_CHUNKS_IN_FLIGHT)
             with self._cond:
                 self._check_usable()
                 self._place(op)
@@ -361,8 +366,7 @@ class aio_handle:
             self._abandon(op)
             raise
         with self._cond:
-            self._ops[op.op_id] = op
-            self._on_response((op.op_id, 0, *result))
+            self._complete_chunk(op, 0, *result)
 
     def _abandon(self, op):
         """Give back what an operation that never started holds."""
@@ -394,6 +398,7 @@ class aio_handle:
         workers = pool.workers
         first = self._next_worker
         self._next_worker = (first + len(op.chunks)) % len(workers)
+        self._chunks_in_flight += len(op.chunks)
         for index, (start, length) in enumerate(op.chunks):
             if op.staged and not op.is_read:
                 copy_memory(region.address + op.region_offset + start, op.buffer.address + start,
@@ -410,7 +415,8 @@ class aio_handle:
             except OSError:
                 # The worker is dead or dying; the pump sees its pidfd and fails the
                 # operations in flight, this one included.
-                return
+                break
+        op.file.close()
 
     def _running_pool(self):
         if self._resources.pool is None:
@@ -450,6 +456,10 @@ class aio_handle:
         op = self._ops.get(op_id)
         if op is None:
             return
+        self._chunks_in_flight -= 1
+        self._complete_chunk(op, chunk, err, at_offset, requested, got)
+
+    def _complete_chunk(self, op, chunk, err, at_offset, requested, got):
         start, length = op.chunks[chunk]
         if err or got != requested:
             if op.error is None:
@@ -467,13 +477,14 @@ class aio_handle:
             return
         pool.kill()     # reaped: no kernel AIO of theirs touches our memory any more
         self._resources.pool = None
+        self._chunks_in_flight = 0
         for op in list(self._ops.values()):
             if op.error is None:
                 op.error = WorkerDied(f"{death}: {op.describe()}")
             self._finish(op)
 
     def _finish(self, op):
-        del self._ops[op.op_id]
+        self._ops.pop(op.op_id, None)
         if op.error is None and op.validate:
             try:
                 _validate(op)
