@@ -149,3 +149,20 @@ def test_block_device_style_sizes_are_exact(handle, tmp_path):
         data = random_bytes(size)
         handle.sync_pwrite(bytearray(data), path)
         assert os.path.getsize(path) == size and path.read_bytes() == data
+
+
+def test_thousands_of_async_ops_then_one_wait(handle_factory, tmp_path):
+    """More operations in flight than a process has descriptors: back-pressure, no EMFILE."""
+    import resource
+    h = handle_factory(intra_op_parallelism=2)
+    data = random_bytes(16 * MiB)
+    (tmp_path / "src").write_bytes(data)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    count = max(3000, soft + 500)
+    offsets = np.random.default_rng(1).integers(0, len(data) - 5000, count)
+    targets = [bytearray(4096 + i % 7) for i in range(count)]
+    for target, offset in zip(targets, offsets):
+        h.async_pread(target, tmp_path / "src", int(offset))
+    assert h.wait() == count
+    for target, offset in zip(targets, offsets):
+        assert target == data[offset:offset + len(target)]
