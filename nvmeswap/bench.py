@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from .units import format_size, parse_size
+from .units import format_size, human_size, parse_size
 
 BUFFERS = ("locked", "pinned", "plain", "numpy")
 
@@ -115,8 +115,8 @@ def _check_space(plan):
         need = ranks_here * plan["io_size"]
         free = shutil.disk_usage(folder).free
         if need > free:
-            raise OSError(f"folder {folder} has {format_size(free)} bytes free; the job "
-                          f"needs {format_size(need)} ({ranks_here} rank(s) x --io-size)")
+            raise OSError(f"folder {folder} has {human_size(free)} free; the job "
+                          f"needs {human_size(need)} ({ranks_here} rank(s) x --io-size)")
 
 
 def _run_ranks(plan):

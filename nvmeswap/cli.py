@@ -2,15 +2,16 @@
 import argparse
 import sys
 
-from . import bench
+from . import bench, report
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="nvmeswap", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     bench.add_arguments(commands.add_parser("bench", help="throughput test (like ds_io)"))
+    report.add_arguments(commands.add_parser("report", help="can nvmeswap work here?"))
     args = parser.parse_args(argv)
-    return {"bench": bench.run}[args.command](args)
+    return {"bench": bench.run, "report": report.run}[args.command](args)
 
 
 if __name__ == "__main__":

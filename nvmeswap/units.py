@@ -20,3 +20,11 @@ def format_size(n):
         if n >= scale and n % scale == 0:
             return f"{n // scale}{suffix}"
     return str(n)
+
+
+def human_size(n):
+    """``80000000000`` -> ``"74.5 GiB"``: for people, not for parsing."""
+    for suffix, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {suffix}"
+    return f"{n} bytes"

@@ -1,0 +1,188 @@
+"""``nvmeswap report``: can nvmeswap work here, and how well (``ds_report``'s async_io lines).
+
+Every check gives a status, what it found and, for a problem, the fix in one line.
+"""
+import ctypes
+import errno
+import json
+import os
+import platform
+import resource
+import shutil
+
+from .units import human_size
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+DEFAULT_EVENTS_PER_HANDLE = 2 * 128     # the kernel doubles each context's queue depth
+
+
+def add_arguments(parser):
+    parser.add_argument("--folder", action="append", dest="folders", metavar="DIR",
+                        help="folder to check (repeatable; default: the current directory)")
+    parser.add_argument("--json", metavar="FILE", help="write the checks to FILE")
+
+
+def run(args):
+    checks = machine_checks() + [c for folder in (args.folders or ["."])
+                                 for c in folder_checks(folder)]
+    for check in checks:
+        mark = {OK: "[ OK ]", WARN: "[WARN]", FAIL: "[FAIL]"}[check["status"]]
+        print(f"{mark} {check['name']}: {check['found']}")
+        if check.get("fix"):
+            print(f"       fix: {check['fix']}")
+    usable = all(c["status"] != FAIL for c in checks)
+    print("nvmeswap can work here" if usable else "nvmeswap cannot work here: see [FAIL] above")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"usable": usable, "checks": checks}, f, indent=2)
+    return 0 if usable else 1
+
+
+def _check(name, status, found, fix=None):
+    return {"name": name, "status": status, "found": found, "fix": fix}
+
+
+def machine_checks():
+    return [_kernel_aio(), _aio_limit(), _memlock(), _io_uring(), *_cuda()]
+
+
+def _kernel_aio():
+    from ._engine import AioEngine
+    try:
+        AioEngine(4096, 1, False, False)
+    except OSError as error:
+        return _check("kernel AIO", FAIL, f"io_setup failed: {os.strerror(error.errno)}",
+                      "raise fs.aio-max-nr (sysctl -w fs.aio-max-nr=1048576); in a container, "
+                      "allow the io_setup system call in its seccomp profile")
+    return _check("kernel AIO", OK, f"io_setup works (Linux {platform.release()})")
+
+
+def _aio_limit():
+    try:
+        limit = int(open("/proc/sys/fs/aio-max-nr").read())
+        used = int(open("/proc/sys/fs/aio-nr").read())
+    except OSError:
+        return _check("aio-max-nr", WARN, "cannot read /proc/sys/fs/aio-max-nr")
+    fit = (limit - used) // DEFAULT_EVENTS_PER_HANDLE
+    found = (f"{used} of {limit} AIO events in use; room for {fit} more workers of the "
+             "default queue depth (one per intra_op_parallelism per handle)")
+    if fit < 64:
+        return _check("aio-max-nr", WARN, found, "sysctl -w fs.aio-max-nr=1048576")
+    return _check("aio-max-nr", OK, found)
+
+
+def _memlock():
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return _check("ulimit -l", OK, "unlimited: locked tensors of any size")
+    if os.geteuid() == 0:
+        return _check("ulimit -l", OK, f"{human_size(soft)}, but root may lock any amount")
+    found = (f"{human_size(soft)}: larger locked tensors and staging buffers work "
+             "unlocked (one MemoryLockWarning), which can be slower")
+    return _check("ulimit -l", WARN, found,
+                  "ulimit -l unlimited (or 'memlock unlimited' in /etc/security/limits.conf)")
+
+
+def _io_uring():
+    try:
+        disabled = int(open("/proc/sys/kernel/io_uring_disabled").read())
+    except OSError:
+        disabled = 0
+    if disabled == 2:
+        return _check("io_uring", WARN, "disabled (kernel.io_uring_disabled=2); nvmeswap uses "
+                                        "kernel AIO and does not need it")
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)
+    fd = libc.syscall(425, 4, params)       # io_uring_setup on x86-64 and arm64
+    if fd < 0:
+        err = ctypes.get_errno()
+        return _check("io_uring", WARN, f"io_uring_setup failed ({os.strerror(err)}); nvmeswap "
+                                        "uses kernel AIO and does not need it")
+    os.close(fd)
+    return _check("io_uring", OK, "available (fio's io_uring engine can be compared)")
+
+
+def _cuda():
+    checks = []
+    try:
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        gpus = 0
+    if gpus:
+        checks.append(_check("CUDA", OK, f"{gpus} GPU(s); CUDA tensors are not moved by this "
+                                         "version of nvmeswap yet"))
+    else:
+        checks.append(_check("CUDA", OK, "no GPU: host tensors only (nothing needed)"))
+    try:
+        ctypes.CDLL("libcufile.so.0")
+        cufile = True
+    except OSError:
+        cufile = False
+    nvidia_fs = os.path.exists("/sys/module/nvidia_fs") or os.path.exists("/proc/driver/nvidia-fs")
+    if cufile:
+        mode = "GDS proper (nvidia-fs loaded)" if nvidia_fs else "compat mode (no nvidia-fs)"
+        checks.append(_check("cuFile", OK, f"libcufile.so.0 loads; GDS would run in {mode}"))
+    else:
+        checks.append(_check("cuFile", OK, "libcufile.so.0 not found: no GPUDirect Storage "
+                                           "(pip install nvidia-cufile-cu12 to add it)"))
+    return checks
+
+
+def folder_checks(folder):
+    name = f"folder {folder}"
+    if not os.path.isdir(folder):
+        return [_check(name, FAIL, "does not exist", f"mkdir -p {folder}")]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return [_check(name, FAIL, "not writable", f"chmod u+w {folder}, or pick another folder")]
+    fs_type, device = _mount_of(folder)
+    free = shutil.disk_usage(folder).free
+    checks = [_check(name, OK, f"{fs_type} on {device}, {human_size(free)} free")]
+    checks.append(_o_direct(folder))
+    return checks
+
+
+def _o_direct(folder):
+    name = f"O_DIRECT in {folder}"
+    path = os.path.join(folder, f".nvmeswap-report-{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return _check(name, WARN, "refused by the filesystem: I/O goes through the page "
+                                      "cache (slower, uses memory)",
+                          "put the files on ext4, XFS or another filesystem with O_DIRECT")
+        return _check(name, FAIL, f"cannot create a file: {os.strerror(error.errno)}")
+    try:
+        from .memory import SharedRegion
+        region = SharedRegion(4096)
+        try:
+            os.pwrite(fd, region.mapping, 0)
+        finally:
+            region.close()
+    except OSError as error:
+        return _check(name, WARN, f"open works but a 4 KiB direct write failed "
+                                  f"({os.strerror(error.errno)})")
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return _check(name, OK, "accepted")
+
+
+def _mount_of(folder):
+    """Filesystem type and source of the mount that holds ``folder``."""
+    target = os.path.realpath(folder)
+    best = ("unknown", "unknown", "")
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                point = fields[4]
+                fs_type, source = fields[fields.index("-") + 1:fields.index("-") + 3]
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best[2]):
+                    best = (fs_type, source, point)
+    except OSError:
+        pass
+    return best[0], best[1]
+
