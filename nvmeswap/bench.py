@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from .units import format_size, human_size, parse_size
+from .units import format_size, human_size, size_argument
 
 BUFFERS = ("locked", "pinned", "plain", "numpy")
 
@@ -21,11 +21,11 @@ def add_arguments(parser):
     parser.add_argument("--folder", action="append", dest="folders", metavar="DIR",
                         help="folder to put the files in; repeat for several devices "
                              "(default: a fresh folder here, removed afterwards)")
-    parser.add_argument("--io-size", "--io_size", default="1G", type=parse_size,
+    parser.add_argument("--io-size", "--io_size", default="1G", type=size_argument,
                         help="bytes per operation and rank, e.g. 400M (default 1G)")
     parser.add_argument("--read", action="store_true", help="measure reads")
     parser.add_argument("--write", action="store_true", help="measure writes")
-    parser.add_argument("--block-size", "--block_size", type=parse_size, default=None)
+    parser.add_argument("--block-size", "--block_size", type=size_argument, default=None)
     parser.add_argument("--queue-depth", "--queue_depth", type=int, default=None)
     parser.add_argument("--single-submit", "--single_submit", action="store_true", default=None)
     parser.add_argument("--overlap-events", "--overlap_events", action="store_true",

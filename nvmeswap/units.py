@@ -28,3 +28,12 @@ def human_size(n):
         if n >= scale:
             return f"{n / scale:.1f} {suffix}"
     return f"{n} bytes"
+
+
+def size_argument(text):
+    """``parse_size`` for argparse, so that its message reaches the user."""
+    import argparse
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

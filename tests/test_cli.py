@@ -1,0 +1,157 @@
+"""The nvmeswap command: bench, tune and report on a small folder, their JSON and exit codes."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import nvmeswap
+
+
+def nvmeswap_command(*args, cwd=None, prefix=()):
+    result = subprocess.run([*prefix, sys.executable, "-m", "nvmeswap", *map(str, args)],
+                            capture_output=True, text=True, timeout=240, cwd=cwd)
+    return result
+
+
+def test_bench_json_and_ds_io_lines(tmp_path):
+    out = tmp_path / "bench.json"
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "3M", "--loops", 2,
+                              "--validate", "--intra-op-parallelism", 2, "--json", out)
+    assert result.returncode == 0, result.stderr
+    for job in ("Read", "Write"):
+        for line in (f"Task {job} Speed = ", f"E2E {job} Speed = ", f"Task {job} Latency = "):
+            assert line in result.stdout
+    summary = json.loads(out.read_text())
+    assert set(summary["jobs"]) == {"write", "read"}
+    for figures in summary["jobs"].values():
+        assert figures["gb_per_s"] > 0 and figures["bytes_per_loop"] == 3 << 20
+        assert figures["latency_p50_s"] <= figures["latency_p99_s"]
+    assert summary["config"]["handle"] == {"intra_op_parallelism": 2}
+    assert os.listdir(tmp_path) == ["bench.json"]       # its data files are gone
+
+
+@pytest.mark.parametrize("buffer", ["plain", "numpy"])
+def test_bench_two_ranks_read_only(tmp_path, buffer):
+    out = tmp_path / "ranks.json"
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--read",
+                              "--ranks", 2, "--buffer", buffer, "--loops", 1, "--json", out)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert list(summary["jobs"]) == ["read"]
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert len({r["file"] for r in summary["ranks"]}) == 2
+    assert len(summary["jobs"]["read"]["per_rank_gb_per_s"]) == 2
+
+
+def test_bench_default_folder_is_removed(tmp_path):
+    result = nvmeswap_command("bench", "--io-size", "1M", "--loops", 1, "--warmup-loops", 0,
+                              cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_bench_config_file(tmp_path):
+    config = tmp_path / "tuned.json"
+    config.write_text(json.dumps({"aio": {"block_size": "256K", "queue_depth": 8,
+                                          "single_submit": "true", "overlap_events": "false",
+                                          "num_threads": 2}}))
+    out = tmp_path / "b.json"
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                              "--config", config, "--json", out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["config"]["handle"] == {
+        "block_size": 262144, "queue_depth": 8, "single_submit": True,
+        "overlap_events": False, "intra_op_parallelism": 2}
+
+
+def test_bench_errors(tmp_path):
+    missing = nvmeswap_command("bench", "--folder", tmp_path / "nope", "--io-size", "1M")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    too_big = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "64T")
+    assert too_big.returncode == 1 and "free" in too_big.stderr
+    gpu = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--gpu")
+    assert gpu.returncode == 2 and "CUDA" in gpu.stderr
+    bad_size = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "lots")
+    assert bad_size.returncode == 2 and "not a size" in bad_size.stderr
+
+
+def _without_file_privileges():
+    """A command prefix under which permission bits apply, even to root."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root and setpriv is not installed")
+    return ("setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+            "--inh-caps", "-dac_override,-dac_read_search")
+
+
+def test_bench_and_tune_refuse_an_unwritable_folder(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chown(locked, 65534, 65534)
+    locked.chmod(0o555)
+    prefix = _without_file_privileges()
+    bench = nvmeswap_command("bench", "--folder", locked, "--io-size", "1M", prefix=prefix)
+    assert bench.returncode == 2 and "not writable" in bench.stderr
+    tune = nvmeswap_command("tune", "--folder", locked, "--io-size", "1M", prefix=prefix)
+    assert tune.returncode == 2 and "not writable" in tune.stderr
+
+
+def test_tune_json_feeds_from_config(tmp_path):
+    out = tmp_path / "tune.json"
+    result = nvmeswap_command("tune", "--folder", tmp_path, "--io-size", "2M", "--loops", 1,
+                              "--json", out)
+    assert result.returncode == 0, result.stderr
+    tuned = json.loads(out.read_text())
+    section = tuned["aio"]
+    assert isinstance(section["single_submit"], bool)
+    assert isinstance(section["overlap_events"], bool)
+    assert tuned["combined"]["gb_per_s"] > 0 and tuned["configurations_measured"] >= 5
+    with nvmeswap.aio_handle.from_config(tuned) as handle:
+        assert handle.get_block_size() == section["block_size"]
+        assert handle.get_queue_depth() == section["queue_depth"]
+        assert handle.get_intra_op_parallelism() == section["intra_op_parallelism"]
+    assert os.listdir(tmp_path) == ["tune.json"]
+
+
+def test_tune_missing_folder(tmp_path):
+    result = nvmeswap_command("tune", "--folder", tmp_path / "nope")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_report_json(tmp_path):
+    out = tmp_path / "report.json"
+    result = nvmeswap_command("report", "--folder", tmp_path, "--json", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["usable"] is True
+    names = [c["name"] for c in report["checks"]]
+    for expected in ("kernel AIO", "aio-max-nr", "ulimit -l", "io_uring", "CUDA", "cuFile",
+                     f"folder {tmp_path}", f"O_DIRECT in {tmp_path}"):
+        assert expected in names
+    assert os.listdir(tmp_path) == ["report.json"]
+
+
+def test_report_missing_folder_fails_with_a_fix(tmp_path):
+    out = tmp_path / "report.json"
+    result = nvmeswap_command("report", "--folder", tmp_path / "nope", "--json", out)
+    assert result.returncode == 1 and "[FAIL]" in result.stdout
+    failed = [c for c in json.loads(out.read_text())["checks"] if c["status"] == "fail"]
+    assert failed and failed[0]["fix"].startswith("mkdir")
+
+
+def test_tune_plot(tmp_path):
+    png = tmp_path / "landscape.png"
+    result = nvmeswap_command("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                              "--plot", png)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert result.returncode == 2 and "needs matplotlib" in result.stderr
+        assert not png.exists()
+    else:
+        assert result.returncode == 0, result.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
