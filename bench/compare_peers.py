@@ -2,7 +2,8 @@
 
     python bench/compare_peers.py --folder /nvme/scratch --size 1G --rounds 3
 
-Each round runs every contender once, in turn (rotated each round), for three jobs: write into a fresh file,
+Each round runs every contender once, in turn (rotated each round), for three jobs:
+write into a fresh file,
 overwrite that file, and read it back after dropping the page cache. Machines are noisy,
 so what counts is the median over rounds of each per-round ratio against fio and
 DeepSpeed. Then small synchronous reads (4 KiB, 64 KiB) are counted per second.
@@ -52,14 +53,15 @@ def run_rounds(folder, size, rounds, everyone):
         for name in names[shift:] + names[:shift]:
             contender = everyone[name]
             path = os.path.join(folder, "bench-" + name.replace(" ", "-"))
-            peers.fresh(path)
+            peers.fresh(contender, path)
             seconds[name, "fresh write"].append(contender.write(path))
             os.sync()
             seconds[name, "overwrite"].append(contender.write(path))
             peers.drop_page_cache()
             seconds[name, "read"].append(contender.read(path))
-            os.unlink(path)
         print(f"round {round_number + 1}/{rounds} done", file=sys.stderr)
+    for name, contender in everyone.items():
+        contender.remove(os.path.join(folder, "bench-" + name.replace(" ", "-")))
     return seconds
 
 

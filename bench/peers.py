@@ -24,9 +24,8 @@ def drop_page_cache():
         pass
 
 
-def fresh(path):
-    if os.path.exists(path):
-        os.unlink(path)
+def fresh(contender, path):
+    contender.remove(path)
     os.sync()
 
 
@@ -51,6 +50,10 @@ class NvmeswapContender:
     def read(self, path):
         return timed(self.handle.sync_pread, self.tensor, path)
 
+    def remove(self, path):
+        if os.path.exists(path):
+            os.unlink(path)
+
     def close(self):
         self.handle.close()
 
@@ -73,6 +76,10 @@ class DeepSpeedContender:
     def read(self, path):
         return timed(self.handle.sync_pread, self.tensor, path)
 
+    def remove(self, path):
+        if os.path.exists(path):
+            os.unlink(path)
+
     def close(self):
         if self.tensor.is_pinned() or self.handle.is_pinned(self.tensor):
             self.handle.free_cpu_locked_tensor(self.tensor)
@@ -87,7 +94,10 @@ def deepspeed_available():
 
 
 class FioContender:
-    """fio with O_DIRECT, 1 MiB blocks, iodepth 128: the device's own limit."""
+    """fio with O_DIRECT, 1 MiB blocks, iodepth 128: the device's own limit.
+
+    With ``numjobs`` > 1 each job has its own file of ``size`` bytes, like nvmeswap's ranks.
+    """
 
     def __init__(self, size, engine="libaio", numjobs=1):
         self.size = size
@@ -95,13 +105,11 @@ class FioContender:
         self.numjobs = numjobs
 
     def _run(self, path, rw):
-        command = ["fio", "--name=nvmeswap-peer", f"--filename={path}", f"--rw={rw}",
+        command = ["fio", "--name=nvmeswap-peer", f"--directory={os.path.dirname(path) or '.'}",
+                   f"--filename_format={os.path.basename(path)}.$jobnum", f"--rw={rw}",
                    "--bs=1M", "--iodepth=128", "--direct=1", f"--ioengine={self.engine}",
                    f"--size={self.size}", f"--numjobs={self.numjobs}", "--group_reporting",
                    "--output-format=json", "--thread", "--fallocate=none"]
-        if self.numjobs > 1:
-            command.append(f"--offset_increment={self.size // self.numjobs}")
-            command[command.index(f"--size={self.size}")] = f"--size={self.size // self.numjobs}"
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         job = json.loads(output[output.index("{"):])["jobs"][0]
         side = job["read" if rw == "read" else "write"]
@@ -112,6 +120,11 @@ class FioContender:
 
     def read(self, path):
         return self._run(path, "read")
+
+    def remove(self, path):
+        for job in range(self.numjobs):
+            if os.path.exists(f"{path}.{job}"):
+                os.unlink(f"{path}.{job}")
 
     def close(self):
         pass

@@ -3,8 +3,13 @@
 A drop-in for DeepSpeed DeepNVMe's ``aio_handle`` built on kernel AIO in Cython and a
 pool of worker processes. Importing it loads neither torch nor CUDA.
 """
-from .errors import (BufferedIOWarning, MemoryLockWarning, ShortFileError, ValidationError,
-                     WorkerDied)
+from .errors import (
+    BufferedIOWarning,
+    MemoryLockWarning,
+    ShortFileError,
+    ValidationError,
+    WorkerDied,
+)
 from .handle import aio_handle
 
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 
+from .errors import ValidationError
 from .units import format_size, human_size, size_argument
 
 BUFFERS = ("locked", "pinned", "plain", "numpy")
@@ -60,7 +61,7 @@ def run(args):
     try:
         _check_space(plan)
         results = _run_ranks(plan)
-    except (ValueError, OSError, RuntimeError) as error:
+    except (ValueError, OSError, RuntimeError, ValidationError) as error:
         print(f"nvmeswap bench: {error}", file=sys.stderr)
         return 1
     finally:
@@ -265,7 +266,8 @@ def _percentile(sorted_values, p):
 def _print_report(summary):
     config = summary["config"]
     print(f"nvmeswap bench: {format_size(config['io_size'])} per operation, "
-          f"{config['ranks']} rank(s), buffer {config['buffer']}, handle {config['handle'] or 'defaults'}")
+          f"{config['ranks']} rank(s), buffer {config['buffer']}, "
+          f"handle {config['handle'] or 'defaults'}")
     print(f"{'job':<7}{'rank':>6}{'GB/s':>9}{'p50 ms':>10}{'p99 ms':>10}{'CPU s/GB':>10}"
           f"{'bytes':>15}")
     for job, figures in summary["jobs"].items():

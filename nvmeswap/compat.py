@@ -1,4 +1,4 @@
-"""DeepSpeed's op-builder entry point, so ``AsyncIOBuilder().load().aio_handle(...)`` works as is."""
+"""DeepSpeed's op-builder entry point: ``AsyncIOBuilder().load().aio_handle(...)`` works as is."""
 import types
 
 from .handle import aio_handle

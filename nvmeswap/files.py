@@ -56,11 +56,12 @@ class TargetFile:
                                            f"at offset {self.size_before}")
 
     def undo_growth(self, end):
-        """After a failed write that ended at ``end``: cut the file back to where it was,
-        so that it cannot look complete, unless something else has grown it further since.
+        """After a failed write that would have ended at ``end``: cut the file back to
+        where it was, so that it cannot look complete, unless something else has grown it
+        beyond this write since.
         """
         try:
-            if os.stat(self.path).st_size == end > self.size_before:
+            if self.size_before < os.stat(self.path).st_size <= end:
                 os.truncate(self.path, self.size_before)
         except OSError:
             pass
@@ -81,7 +82,8 @@ def open_target(target, *, for_write, offset, nbytes, o_direct):
     the end of the file is refused here, before anything is submitted.
     """
     if isinstance(target, bool) or not isinstance(target, (int, str, bytes, os.PathLike)):
-        raise TypeError(f"expected a file name or an int file descriptor, got {type(target).__name__}")
+        raise TypeError("expected a file name or an int file descriptor, "
+                        f"got {type(target).__name__}")
     if isinstance(target, int):
         name, path = _reopen_path(target, for_write)
     else:
@@ -95,7 +97,8 @@ def open_target(target, *, for_write, offset, nbytes, o_direct):
         size = _checked_size(direct_fd, name)
         if not for_write and offset + nbytes > size:
             raise short_file_error(
-                name, f"cannot read {nbytes} bytes at offset {offset}: the file is {size} bytes long")
+                name, f"cannot read {nbytes} bytes at offset {offset}: "
+                      f"the file is {size} bytes long")
         if alignment > 1 and (offset % alignment or (offset + nbytes) % alignment):
             buffered_fd = os.open(path, flags & ~os.O_CREAT)
     except BaseException:

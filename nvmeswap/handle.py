@@ -25,6 +25,7 @@ from .pool import WorkerPool
 
 MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
+MAX_FILE_END = (1 << 63) - 1
 # Synchronous operations up to this size (and one block) run in the calling thread.
 INLINE_LIMIT = 256 << 10
 # Started operations wait while this many chunks are with the workers.
@@ -317,7 +318,7 @@ class aio_handle:
         """Check the arguments and open the file: everything that can fail before I/O."""
         self._check_usable()
         buf = io_buffer(buffer, writable=is_read)
-        file_offset = _checked_int("file_offset", file_offset, 0, None)
+        file_offset = _checked_int("file_offset", file_offset, 0, MAX_FILE_END - buf.nbytes)
         if buf.nbytes == 0:
             raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
         file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,

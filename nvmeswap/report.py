@@ -13,7 +13,7 @@ import shutil
 from .units import human_size
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-DEFAULT_EVENTS_PER_HANDLE = 2 * 128     # the kernel doubles each context's queue depth
+DEFAULT_EVENTS_PER_HANDLE = 128     # aio-nr counts each context's queue depth
 
 
 def add_arguments(parser):

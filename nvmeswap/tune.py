@@ -104,6 +104,7 @@ class Tuner:
     def measure(self, key, loops=None):
         """Write and read ``io_size`` bytes ``loops`` times; record median GB/s per job."""
         import torch
+
         from .handle import aio_handle
         with aio_handle(**config_of(key)) as handle:
             tensor = handle.new_cpu_locked_tensor(self.io_size, torch.empty(0, dtype=torch.uint8))

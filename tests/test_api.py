@@ -4,9 +4,9 @@ import os
 
 import pytest
 import torch
+from conftest import random_bytes
 
 import nvmeswap
-from conftest import random_bytes
 from nvmeswap.compat import AsyncIOBuilder
 
 ARGS = dict(block_size=65536, queue_depth=16, single_submit=True, overlap_events=True,

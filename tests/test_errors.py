@@ -9,9 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import random_bytes
 
 import nvmeswap
-from conftest import random_bytes
 
 
 def test_missing_file(handle, tmp_path):

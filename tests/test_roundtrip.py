@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from conftest import random_bytes
 
 MiB = 1 << 20

@@ -10,9 +10,9 @@ import time
 import psutil
 import pytest
 import torch
+from conftest import random_bytes
 
 import nvmeswap
-from conftest import random_bytes
 
 DEADLINE = 10.0
 
@@ -59,7 +59,8 @@ def test_killed_worker_fails_the_operation_then_recovers(handle_factory, big_fil
         h.async_pread(bytearray(4096), big_file)      # another operation queued behind it
         operation = h.wait
     else:
-        operation = lambda: h.sync_pread(target, big_file)
+        def operation():
+            return h.sync_pread(target, big_file)
     threading.Timer(0.1, victim.send_signal, args=(signal.SIGKILL,)).start()
     outcome, elapsed = _call_with_deadline(operation)
     assert isinstance(outcome.get("error"), nvmeswap.WorkerDied), outcome

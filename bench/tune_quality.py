@@ -1,0 +1,63 @@
+"""Is ``nvmeswap tune``'s quick pick as good as the exhaustive grid's best, and how quick?
+
+    python bench/tune_quality.py --folder /nvme/scratch
+
+Runs ``nvmeswap tune`` (default search) and ``nvmeswap tune --exhaustive`` on the same
+folder, then measures both picks again, interleaved over several rounds (one-off
+measurements are noisy), and prints the wall-clock times and the median ratio.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+import nvmeswap.tune as tune  # noqa: E402
+
+
+def run_tune(folder, *extra):
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, "-m", "nvmeswap", "tune", "--folder", folder,
+                        "--json", out.name, *extra], check=True, capture_output=True)
+        return json.load(out)
+
+
+def key_of(config):
+    return (config["block_size"], config["queue_depth"], config["intra_op_parallelism"],
+            config["single_submit"], config["overlap_events"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default="nvmeswap-bench-data")
+    parser.add_argument("--rounds", type=int, default=5)
+    arguments = parser.parse_args()
+    os.makedirs(arguments.folder, exist_ok=True)
+    quick = run_tune(arguments.folder)
+    full = run_tune(arguments.folder, "--exhaustive")
+    tuner = tune.Tuner(arguments.folder, quick["io_size"], loops=1)
+    picks = {"quick": key_of(quick["aio"]), "exhaustive": key_of(full["aio"])}
+    try:
+        rates = {name: [] for name in picks}
+        for _ in range(arguments.rounds):
+            for name, key in picks.items():
+                tuner.samples.pop(key, None)
+                rates[name].append(tuner.measure(key)["combined"])
+    finally:
+        tuner.close()
+    print(f"nvmeswap tune:              {quick['seconds']:6.1f} s, "
+          f"{quick['configurations_measured']} configurations, pick {quick['aio']}")
+    print(f"nvmeswap tune --exhaustive: {full['seconds']:6.1f} s, "
+          f"{full['configurations_measured']} configurations, pick {full['aio']}")
+    for name in picks:
+        print(f"{name:<11} pick, re-measured: {statistics.median(rates[name]):.2f} GB/s "
+              "(read+write, median)")
+    ratios = [q / e for q, e in zip(rates["quick"], rates["exhaustive"])]
+    print(f"quick / exhaustive: {statistics.median(ratios):.3f} (median per-round ratio)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Faults from outside: a full disk, a file changed under a read, Ctrl-C, exhausted limits."""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import nvmeswap
+from conftest import random_bytes
+
+MiB = 1 << 20
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 4 MiB tmpfs of the test's own (needs root and mount(2))."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                            capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def test_disk_full_is_enospc_and_leaves_no_complete_looking_file(handle_factory,
+                                                                 small_filesystem):
+    h = handle_factory(intra_op_parallelism=2)
+    warnings.simplefilter("ignore", nvmeswap.BufferedIOWarning)   # tmpfs before Linux 6.6
+    big = small_filesystem / "big"
+    with pytest.raises(OSError) as info:
+        h.sync_pwrite(bytearray(random_bytes(6 * MiB)), big)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(big)
+    assert not big.exists() or os.path.getsize(big) == 0
+    # Fill it up piece by piece: the piece that does not fit fails, the others stay intact.
+    piece = random_bytes(512 << 10 | 123)
+    path, written = small_filesystem / "pieces", 0
+    with pytest.raises(OSError) as info:
+        for _ in range(20):
+            h.sync_pwrite(bytearray(piece), path, written)
+            written += len(piece)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
+    assert os.path.getsize(path) == written
+    assert path.read_bytes() == piece * (written // len(piece))
+
+
+def _slow_reader(handle_factory):
+    # 4 KiB requests, one in flight: a 64 MiB read takes long enough to act during it.
+    return handle_factory(block_size=4096, queue_depth=1)
+
+
+def test_file_deleted_during_a_read_still_reads_it(handle_factory, tmp_path):
+    h = _slow_reader(handle_factory)
+    data = random_bytes(64 * MiB)
+    (tmp_path / "doomed").write_bytes(data)
+    target = h.new_cpu_locked_tensor(len(data), torch.empty(0, dtype=torch.uint8))
+    h.async_pread(target, tmp_path / "doomed")
+    os.unlink(tmp_path / "doomed")          # the open file lives on until we close it
+    assert h.wait() == 1
+    assert bytes(target.numpy()) == data
+
+
+def test_file_truncated_during_a_read_is_a_short_read(handle_factory, tmp_path):
+    h = _slow_reader(handle_factory)
+    (tmp_path / "shrinks").write_bytes(random_bytes(64 * MiB))
+    target = h.new_cpu_locked_tensor(64 * MiB, torch.empty(0, dtype=torch.uint8))
+    h.async_pread(target, tmp_path / "shrinks")
+    time.sleep(0.1)
+    os.truncate(tmp_path / "shrinks", 4096)
+    with pytest.raises(nvmeswap.ShortFileError) as info:
+        h.wait()
+    assert info.value.filename == str(tmp_path / "shrinks") and "short read" in str(info.value)
+
+
+CTRL_C_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, sys.argv[2])
+    import nvmeswap, torch
+    with nvmeswap.aio_handle(block_size=4096, queue_depth=1) as h:
+        t = h.new_cpu_locked_tensor(64 << 20, torch.empty(0, dtype=torch.uint8))
+        print("reading", flush=True)
+        try:
+            h.sync_pread(t, sys.argv[1])
+        except KeyboardInterrupt:
+            print("interrupted", time.monotonic(), flush=True)
+        else:
+            print("finished before the signal", flush=True)
+        data = bytearray(os.urandom(3 << 20))
+        h.sync_pwrite(data, sys.argv[1] + ".after")
+        back = bytearray(len(data))
+        h.sync_pread(back, sys.argv[1] + ".after")
+        print("usable" if back == data else "corrupt", flush=True)
+""")
+
+
+def test_ctrl_c_during_a_long_sync_pread(tmp_path):
+    path = tmp_path / "long"
+    path.write_bytes(random_bytes(64 * MiB))
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(path), PACKAGE_ROOT],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "reading"
+        time.sleep(0.3)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    lines = out.split("\n")
+    assert lines[0].startswith("interrupted"), out
+    assert float(lines[0].split()[1]) - sent < 0.5      # promptly, not after the read
+    assert lines[1] == "usable" and child.returncode == 0
+
+
+@pytest.fixture
+def low_aio_limit():
+    """Lower fs.aio-max-nr to just above what is in use now (root only), then restore it."""
+    limit_file = "/proc/sys/fs/aio-max-nr"
+    original = open(limit_file).read()
+    used = int(open("/proc/sys/fs/aio-nr").read())
+    try:
+        with open(limit_file, "w") as f:
+            f.write(str(used + 300))
+    except OSError as error:
+        pytest.skip(f"cannot lower {limit_file}: {error.strerror}")
+    try:
+        yield
+    finally:
+        with open(limit_file, "w") as f:
+            f.write(original)
+
+
+def test_aio_max_nr_exhausted_is_a_clear_error(low_aio_limit):
+    first = nvmeswap.aio_handle(queue_depth=128)     # fits in the 300 events left
+    try:
+        with pytest.raises(OSError) as info:
+            nvmeswap.aio_handle(queue_depth=128, intra_op_parallelism=2)
+        assert info.value.errno == errno.EAGAIN
+        assert "aio-max-nr" in str(info.value) and "sysctl" in str(info.value)
+    finally:
+        first.close()
+
+
+MEMLOCK_SCRIPT = textwrap.dedent("""
+    import sys, warnings
+    sys.path.insert(0, sys.argv[2])
+    import nvmeswap, torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nvmeswap.aio_handle() as h:
+            tensors = [h.new_cpu_locked_tensor(8 << 20, torch.empty(0, dtype=torch.uint8))
+                       for _ in range(2)]
+            for i, t in enumerate(tensors):
+                t.fill_(i + 7)
+                h.sync_pwrite(t, f"{sys.argv[1]}.{i}")
+                t.zero_()
+                h.sync_pread(t, f"{sys.argv[1]}.{i}")
+                assert int(t.min()) == int(t.max()) == i + 7
+    lock_warnings = [w for w in caught if issubclass(w.category, nvmeswap.MemoryLockWarning)]
+    print(len(lock_warnings), str(lock_warnings[0].message) if lock_warnings else "")
+""")
+
+
+def test_small_memlock_limit_warns_once_and_works(tmp_path):
+    import resource
+    import shutil
+    command = [sys.executable, "-c", MEMLOCK_SCRIPT, str(tmp_path / "m"), PACKAGE_ROOT]
+    if os.geteuid() == 0:
+        # Root ignores RLIMIT_MEMLOCK through CAP_IPC_LOCK; drop it.
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv is not installed")
+        command = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock"] + command
+
+    def small_limit():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            preexec_fn=small_limit)
+    assert result.returncode == 0, result.stderr
+    count, message = result.stdout.split(" ", 1)
+    assert count == "1" and "ulimit -l" in message
+
+
+def test_symlink_loop_and_long_names(handle, tmp_path):
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(OSError) as info:
+        handle.sync_pread(bytearray(10), tmp_path / "a")
+    assert info.value.errno == errno.ELOOP and info.value.filename == str(tmp_path / "a")
+    long_name = str(tmp_path / ("x" * 300))
+    with pytest.raises(OSError) as info:
+        handle.sync_pwrite(bytearray(10), long_name)
+    assert info.value.errno == errno.ENAMETOOLONG and info.value.filename == long_name
+
+
+def test_huge_offsets(handle, tmp_path):
+    (tmp_path / "f").write_bytes(b"q" * 100)
+    with pytest.raises(nvmeswap.ShortFileError):
+        handle.sync_pread(bytearray(10), tmp_path / "f", 1 << 50)
+    with pytest.raises(OSError) as info:
+        handle.sync_pwrite(bytearray(4 << 20), tmp_path / "f", (1 << 62))
+    assert info.value.errno in (errno.EFBIG, errno.EINVAL, errno.ENOSPC)
+    assert os.path.getsize(tmp_path / "f") == 100
+    with pytest.raises(ValueError, match="file_offset"):
+        handle.sync_pwrite(bytearray(10), tmp_path / "f", 1 << 63)
+    assert (tmp_path / "f").read_bytes() == b"q" * 100
+
+
+def test_wait_from_another_thread_while_submitting(handle_factory, tmp_path):
+    h = handle_factory(intra_op_parallelism=2)
+    pieces = [random_bytes(4096 + i, seed=i) for i in range(300)]
+    offsets = [i * 8192 for i in range(300)]
+    counted, done = [], threading.Event()
+
+    def waiter():
+        while not done.is_set():
+            counted.append(h.wait())
+        counted.append(h.wait())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    for piece, offset in zip(pieces, offsets):
+        h.async_pwrite(bytearray(piece), tmp_path / "shared", offset)
+    done.set()
+    thread.join(30)
+    assert not thread.is_alive() and sum(counted) == len(pieces)
+    content = (tmp_path / "shared").read_bytes()
+    assert all(content[o:o + len(p)] == p for p, o in zip(pieces, offsets))
