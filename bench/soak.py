@@ -93,7 +93,7 @@ def main():
             with open(path, "rb") as f:
                 assert f.read() == model, f"{path} differs from its model"
             counts["bytes verified"] += len(model)
-        del locked, buffer
+        locked = buffer = None     # the locked memory goes with its last tensor
     after = snapshot(me)
     for path in paths:
         os.unlink(path)

@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import random_bytes
 
 import nvmeswap
-from conftest import random_bytes
 
 MiB = 1 << 20
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
