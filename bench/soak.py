@@ -21,6 +21,8 @@ import torch
 
 import nvmeswap
 
+FILE_LIMIT = 64 << 20     # files stop growing here, so the models' memory stays flat
+
 
 def shared_mappings():
     with open("/proc/self/maps") as maps:
@@ -63,7 +65,7 @@ def main():
                     assert buffer.numpy().tobytes() == model[offset:offset + size], "corrupt read"
                     counts["bytes verified"] += size
             else:
-                offset = int(rng.integers(0, len(model) + 65536))
+                offset = int(rng.integers(0, min(len(model) + 65536, FILE_LIMIT - size) + 1))
                 data = rng.integers(0, 256, size, dtype=np.uint8)
                 buffer.numpy()[:] = data
                 use_async = rng.random() < 0.5

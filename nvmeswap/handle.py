@@ -420,6 +420,15 @@ class aio_handle:
         op.file.close()
 
     def _running_pool(self):
+        """The current workers; a set with a member that died while idle is replaced.
+
+        (Only when no thread is reading responses: that thread sees the death itself.)
+        """
+        pool = self._resources.pool
+        if pool is not None and not self._pumping:
+            death = pool.first_death()
+            if death is not None:
+                self._fail_pool(pool, death)
         if self._resources.pool is None:
             self._resources.pool = WorkerPool(
                 self._parallelism, (self._block_size, self._queue_depth,

@@ -85,6 +85,13 @@ class WorkerPool:
                                "io_setup failed: too many kernel AIO contexts are in use; raise "
                                "the limit with `sysctl -w fs.aio-max-nr=1048576` or close handles")
 
+    def first_death(self):
+        """WorkerDied for a worker that has exited, or None; never blocks."""
+        for worker in self.workers:
+            if worker.process.poll() is not None:
+                return WorkerDied(_death_message(worker.process))
+        return None
+
     def receive(self, timeout=None):
         """Wait for responses; return them, or raise WorkerDied if a worker has gone."""
         events = self._poller.poll(None if timeout is None else timeout * 1000)

@@ -237,3 +237,26 @@ def test_wait_from_another_thread_while_submitting(handle_factory, tmp_path):
     assert not thread.is_alive() and sum(counted) == len(pieces)
     content = (tmp_path / "shared").read_bytes()
     assert all(content[o:o + len(p)] == p for p, o in zip(pieces, offsets))
+
+
+@pytest.mark.parametrize("overlap_events", [False, True])
+def test_engine_reports_a_failed_request(tmp_path, overlap_events):
+    """A request the kernel fails (here EFAULT: the memory is not accessible, a stand-in for
+    a device's EIO, which needs a device-mapper target this test cannot make) comes back as
+    its errno and offset, after every other request in flight has been reaped."""
+    import mmap
+
+    from nvmeswap._engine import AioEngine
+    from nvmeswap._memory import buffer_address
+    path = tmp_path / "f"
+    path.write_bytes(random_bytes(8 << 20))
+    engine = AioEngine(1 << 20, 8, False, overlap_events)
+    inaccessible = mmap.mmap(-1, 8 << 20, prot=mmap.PROT_NONE)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        address = buffer_address(inaccessible, False)[0]
+        err, at_offset, requested, got = engine.transfer(True, fd, -1, address, 8 << 20, 0, 4096)
+    finally:
+        os.close(fd)
+        inaccessible.close()
+    assert err == errno.EFAULT and at_offset == 0 and requested == 1 << 20 and got == 0

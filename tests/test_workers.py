@@ -75,16 +75,35 @@ def test_killed_worker_fails_the_operation_then_recovers(handle_factory, big_fil
     assert back == data and len(_workers()) == 2
 
 
-def test_worker_dead_before_the_operation(handle, tmp_path):
-    for worker in _workers():
-        worker.kill()
-        worker.wait(5)
+@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGSEGV])
+def test_worker_that_died_while_idle_is_replaced(handle, tmp_path, signal_number):
+    """A death between operations fails nothing: the next operation gets new workers."""
     data = random_bytes(4 << 20)
-    outcome, _ = _call_with_deadline(lambda: handle.sync_pwrite(bytearray(data), tmp_path / "x"))
-    assert isinstance(outcome.get("error"), nvmeswap.WorkerDied)
-    assert not (tmp_path / "x").exists() or os.path.getsize(tmp_path / "x") == 0
     handle.sync_pwrite(bytearray(data), tmp_path / "x")
-    assert (tmp_path / "x").read_bytes() == data
+    for worker in _workers():
+        worker.send_signal(signal_number)
+        worker.wait(5)
+    back = bytearray(len(data))
+    outcome, _ = _call_with_deadline(lambda: handle.sync_pread(back, tmp_path / "x"))
+    assert outcome == {"value": 1} and back == data
+
+
+def test_worker_killed_with_operations_queued_behind(handle_factory, tmp_path):
+    """Every operation out at the death fails with WorkerDied; later ones succeed."""
+    h = handle_factory(block_size=4096, queue_depth=1, intra_op_parallelism=2)
+    data = random_bytes(16 << 20)
+    (tmp_path / "src").write_bytes(data)
+    targets = [bytearray(len(data)) for _ in range(3)]
+    for target in targets:
+        h.async_pread(target, tmp_path / "src")
+    _workers()[1].send_signal(signal.SIGSEGV)
+    outcome, _ = _call_with_deadline(h.wait)
+    error = outcome.get("error")
+    assert isinstance(error, nvmeswap.WorkerDied) and "signal 11" in str(error)
+    assert any("3 of 3 operations failed" in note for note in error.__notes__)
+    assert h.wait() == 0
+    h.async_pread(targets[0], tmp_path / "src")
+    assert h.wait() == 1 and targets[0] == data
 
 
 def test_close_leaves_no_process(handle_factory):

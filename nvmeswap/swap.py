@@ -1,0 +1,227 @@
+"""Swapping tensors out to files and back: the layer ZeRO-Infinity style offload needs.
+
+``TensorSwapper`` keeps, per key, where a tensor is (in memory, being written, on disk,
+being read) and moves it with two handles, one for reads and one for writes, so that a
+prefetch never waits behind a write-back. ``SwapBufferPool`` is a set of locked buffers
+allocated once, for callers that swap the same sizes over and over.
+"""
+import enum
+import os
+import re
+
+from .handle import aio_handle
+
+
+class SwapState(enum.Enum):
+    IN_MEMORY = "in memory"
+    WRITING = "being written"
+    ON_DISK = "on disk"
+    READING = "being read"
+
+
+class SwapError(RuntimeError):
+    """A swap finished with other counts or sizes than were started."""
+
+
+class SwapBufferPool:
+    """``count`` locked, page-aligned buffers of ``nbytes`` each, allocated once.
+
+    ``get()`` checks one out (zeroed if ``zero``), ``put()`` returns it; ``close()``
+    frees them all. I/O on them is zero-copy for the handle that made them.
+    """
+
+    def __init__(self, handle, count, nbytes, *, zero=False):
+        import torch
+        self._handle = handle
+        self._zero = zero
+        self._all = [handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+                     for _ in range(count)]
+        self._free = list(self._all)
+        self.nbytes = nbytes
+
+    def get(self):
+        if not self._free:
+            raise RuntimeError(f"all {len(self._all)} swap buffers are in use")
+        buffer = self._free.pop()
+        if self._zero:
+            buffer.zero_()
+        return buffer
+
+    def put(self, buffer):
+        if not any(buffer is mine for mine in self._all):
+            raise ValueError("this buffer does not belong to the pool")
+        if any(buffer is free for free in self._free):
+            raise ValueError("this buffer was returned already")
+        self._free.append(buffer)
+
+    @property
+    def available(self):
+        return len(self._free)
+
+    def close(self):
+        for buffer in self._all:
+            self._handle.free_cpu_locked_tensor(buffer)
+        self._all, self._free = [], []
+
+
+class _Entry:
+    __slots__ = ("path", "shape", "dtype", "nbytes", "state", "tensor")
+
+    def __init__(self, path, shape, dtype, nbytes):
+        self.path = path
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.state = SwapState.IN_MEMORY
+        self.tensor = None      # held while an operation on it is in flight
+
+
+class TensorSwapper:
+    """Swap tensors of any size and dtype to files in ``folder``, one file per key.
+
+    Parameters
+    ----------
+    folder : str
+        Where the swap files go; created if missing. Files are removed by ``release``
+        and ``close``.
+    read_handle, write_handle : aio_handle, optional
+        The handles to use; by default two of its own (``**handle_args``), so reads are
+        never queued behind writes.
+    """
+
+    def __init__(self, folder, read_handle=None, write_handle=None, **handle_args):
+        os.makedirs(folder, exist_ok=True)
+        self.folder = folder
+        self._own = [h is None for h in (read_handle, write_handle)]
+        self.read_handle = read_handle or aio_handle(**handle_args)
+        self.write_handle = write_handle or aio_handle(**handle_args)
+        self._entries = {}
+        self._reading = []
+        self._writing = []
+
+    def state(self, key):
+        return self._entries[key].state
+
+    def swap_out(self, key, tensor, async_op=True):
+        """Write ``tensor`` under ``key``. The tensor must not change until
+        ``synchronize_writes()`` (async) or this call (sync) returns."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.state in (SwapState.WRITING, SwapState.READING):
+            raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
+        flat = _as_bytes(tensor)
+        entry = _Entry(self._path_of(key), tuple(tensor.shape), tensor.dtype, flat.numel())
+        self._entries[key] = entry
+        if entry.nbytes == 0:
+            entry.state = SwapState.ON_DISK         # nothing to write
+        elif async_op:
+            entry.state, entry.tensor = SwapState.WRITING, flat
+            self._writing.append(key)
+            self.write_handle.async_pwrite(flat, entry.path)
+        else:
+            self.write_handle.sync_pwrite(flat, entry.path)
+            entry.state = SwapState.ON_DISK
+
+    def swap_in(self, key, out=None, async_op=True):
+        """Read ``key`` into ``out`` (or a new tensor of its shape and dtype) and return it;
+        with ``async_op`` the data is there after ``synchronize_reads()`` (a prefetch)."""
+        import torch
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"nothing swapped out under {key!r}")
+        if entry.state is not SwapState.ON_DISK:
+            raise RuntimeError(f"swap key {key!r} is {entry.state.value}, not on disk")
+        if out is None:
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+        flat = _as_bytes(out)
+        if flat.numel() != entry.nbytes:
+            raise ValueError(f"swap key {key!r} holds {entry.nbytes} bytes; the output "
+                             f"tensor has {flat.numel()}")
+        if entry.nbytes == 0:
+            entry.state = SwapState.IN_MEMORY
+        elif async_op:
+            entry.state, entry.tensor = SwapState.READING, flat
+            self._reading.append(key)
+            self.read_handle.async_pread(flat, entry.path)
+        else:
+            self.read_handle.sync_pread(flat, entry.path)
+            entry.state = SwapState.IN_MEMORY
+        return out
+
+    def synchronize_writes(self):
+        """Wait for every swap_out; check that all of them, and all their bytes, landed.
+
+        A key whose file came up short is forgotten (its file deleted) and named in the
+        SwapError; the caller still holds the tensor and can swap it out again.
+        """
+        keys, self._writing = self._writing, []
+        done = self.write_handle.wait()
+        problems = [] if done == len(keys) else [f"{done} writes completed, {len(keys)} were "
+                                                 "started"]
+        for key in keys:
+            entry = self._entries[key]
+            entry.tensor = None
+            size = os.stat(entry.path).st_size if entry.nbytes else 0
+            entry.state = SwapState.ON_DISK
+            if size < entry.nbytes:
+                problems.append(f"swap file {entry.path} has {size} bytes, expected "
+                                f"{entry.nbytes}")
+                self.release(key)
+        if problems:
+            raise SwapError("; ".join(problems))
+        return done
+
+    def synchronize_reads(self):
+        """Wait for every swap_in; check the count and that every byte arrived."""
+        keys, self._reading = self._reading, []
+        done = self.read_handle.wait()
+        problems = [] if done == len(keys) else [f"{done} reads completed, {len(keys)} were "
+                                                 "started"]
+        for key in keys:
+            entry = self._entries[key]
+            if entry.tensor.numel() != entry.nbytes:
+                problems.append(f"swap key {key!r} read {entry.tensor.numel()} bytes, "
+                                f"expected {entry.nbytes}")
+            entry.tensor = None
+            entry.state = SwapState.IN_MEMORY
+        if problems:
+            raise SwapError("; ".join(problems))
+        return done
+
+    def release(self, key):
+        """Forget ``key`` and delete its file."""
+        entry = self._entries[key]
+        if entry.state in (SwapState.WRITING, SwapState.READING):
+            raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
+        del self._entries[key]
+        if os.path.exists(entry.path):
+            os.unlink(entry.path)
+
+    def close(self):
+        if self._writing:
+            self.synchronize_writes()
+        if self._reading:
+            self.synchronize_reads()
+        for key in list(self._entries):
+            self.release(key)
+        for own, handle in zip(self._own, (self.read_handle, self.write_handle)):
+            if own:
+                handle.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _path_of(self, key):
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
+        return os.path.join(self.folder, f"{safe}.{abs(hash(key)) & 0xFFFFFF:06x}.swp")
+
+
+def _as_bytes(tensor):
+    """The tensor's bytes as a flat uint8 view (the swap files hold raw bytes)."""
+    import torch
+    if not tensor.is_contiguous():
+        raise ValueError("swap needs a contiguous tensor")
+    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else \
+        torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,172 @@
+"""The swapping layer: buffer pool, TensorSwapper, OffloadedOptimizer, per-rank offload."""
+import os
+import sys
+
+import pytest
+import torch
+
+from nvmeswap.offload import OffloadedOptimizer
+from nvmeswap.swap import SwapBufferPool, SwapError, SwapState, TensorSwapper
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def test_buffer_pool(handle):
+    pool = SwapBufferPool(handle, 3, 10_000, zero=True)
+    buffers = [pool.get() for _ in range(3)]
+    assert pool.available == 0 and all(handle.is_pinned(b) for b in buffers)
+    assert all(b.numel() == 10_000 and b.data_ptr() % 4096 == 0 for b in buffers)
+    with pytest.raises(RuntimeError, match="all 3 swap buffers are in use"):
+        pool.get()
+    buffers[0].fill_(9)
+    pool.put(buffers[0])
+    with pytest.raises(ValueError, match="returned already"):
+        pool.put(buffers[0])
+    with pytest.raises(ValueError, match="does not belong"):
+        pool.put(torch.empty(10_000, dtype=torch.uint8))
+    assert int(pool.get().sum()) == 0          # zeroed on the way out
+    pool.close()
+    assert not any(handle.is_pinned(b) for b in buffers)
+
+
+TENSORS = {
+    "empty": torch.empty(0),
+    "scalar": torch.tensor(3.5, dtype=torch.float64),
+    "odd bytes": torch.arange(4097, dtype=torch.uint8),
+    "bf16 matrix": torch.randn(333, 77).to(torch.bfloat16),
+    "big": torch.randn(3 << 20 | 5),
+    "ints": torch.arange(-5000, 5000, dtype=torch.int64).reshape(100, 100),
+}
+
+
+def test_swap_out_and_in_round_trip(tmp_path):
+    with TensorSwapper(tmp_path / "swap", intra_op_parallelism=2) as swapper:
+        assert swapper.read_handle is not swapper.write_handle
+        for key, tensor in TENSORS.items():
+            swapper.swap_out(key, tensor)
+        assert swapper.state("big") is SwapState.WRITING
+        assert swapper.synchronize_writes() == len(TENSORS) - 1     # the empty one has no I/O
+        assert all(swapper.state(k) is SwapState.ON_DISK for k in TENSORS)
+        back = {key: swapper.swap_in(key) for key in TENSORS}        # prefetch all
+        assert swapper.state("big") is SwapState.READING
+        swapper.synchronize_reads()
+        for key, tensor in TENSORS.items():
+            assert back[key].dtype == tensor.dtype and back[key].shape == tensor.shape
+            assert torch.equal(back[key], tensor), key
+            assert swapper.state(key) is SwapState.IN_MEMORY
+        out = torch.empty(100, 100, dtype=torch.int64)
+        swapper.swap_out("ints", TENSORS["ints"], async_op=False)
+        assert swapper.swap_in("ints", out=out, async_op=False) is out
+        assert torch.equal(out, TENSORS["ints"])
+        files = os.listdir(tmp_path / "swap")
+        swapper.release("ints")
+        assert len(os.listdir(tmp_path / "swap")) == len(files) - 1
+    assert os.listdir(tmp_path / "swap") == []
+
+
+def test_swapper_refuses_what_would_lose_data(tmp_path):
+    with TensorSwapper(tmp_path) as swapper:
+        with pytest.raises(KeyError):
+            swapper.swap_in("never")
+        swapper.swap_out("t", torch.ones(1000))
+        with pytest.raises(RuntimeError, match="being written"):
+            swapper.swap_in("t")
+        with pytest.raises(RuntimeError, match="being written"):
+            swapper.release("t")
+        swapper.synchronize_writes()
+        with pytest.raises(ValueError, match="holds 4000 bytes"):
+            swapper.swap_in("t", out=torch.empty(10))
+        with pytest.raises(ValueError, match="contiguous"):
+            swapper.swap_out("u", torch.ones(10, 10).t())
+
+
+def test_synchronize_checks_counts_and_bytes(tmp_path, monkeypatch):
+    with TensorSwapper(tmp_path) as swapper:
+        swapper.swap_out("a", torch.ones(5000))
+        real_wait = swapper.write_handle.wait
+        monkeypatch.setattr(swapper.write_handle, "wait", lambda: real_wait() - 1)
+        with pytest.raises(SwapError, match="0 writes completed, 1 were started"):
+            swapper.synchronize_writes()
+        monkeypatch.setattr(swapper.write_handle, "wait", real_wait)
+        swapper.swap_out("b", torch.ones(5000))
+        import nvmeswap.swap as swap_module
+
+        class Shrunk:
+            st_size = 100
+        monkeypatch.setattr(swap_module.os, "stat", lambda path: Shrunk)
+        with pytest.raises(SwapError, match="has 100 bytes, expected 20000"):
+            swapper.synchronize_writes()
+        monkeypatch.undo()
+
+
+def _train(optimizer_factory, steps=6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(),
+                                torch.nn.Linear(300, 5))
+    layers = list(model.parameters())
+    optimizer = optimizer_factory([{"params": layers[:2]}, {"params": layers[2:], "lr": 3e-3}])
+    generator = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 40, generator=generator)
+        loss = (model(x) - x[:, :5]).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()], optimizer
+
+
+def test_offloaded_adam_is_bit_identical_and_its_state_leaves_memory(tmp_path):
+    plain_losses, plain_params, _ = _train(lambda groups: torch.optim.Adam(groups, lr=1e-3))
+    offloaded = []
+
+    def make(groups):
+        offloaded.append(OffloadedOptimizer(torch.optim.Adam(groups, lr=1e-3), tmp_path))
+        return offloaded[0]
+
+    losses, params, optimizer = _train(make)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    in_memory = [v for state in optimizer.optimizer.state.values() for v in state.values()
+                 if torch.is_tensor(v) and v.numel() > 1]
+    assert in_memory == []                           # only Adam's step counters stayed
+    assert len(os.listdir(tmp_path)) == 2 * 4        # exp_avg and exp_avg_sq of 4 params
+    optimizer.close()
+    assert os.listdir(tmp_path) == []
+
+
+SPAWN_SCRIPT = """
+import os, sys
+import torch
+import torch.multiprocessing as mp
+sys.path.insert(0, sys.argv[1])
+from offload_ddp import train
+
+def rank_main(rank, folder, offload, init_file, results):
+    losses = train(rank, 2, folder, offload, steps=5, init_method=f"file://{init_file}")
+    torch.save(losses, os.path.join(results, f"{'offload' if offload else 'plain'}{rank}.pt"))
+
+if __name__ == "__main__":
+    folder, results = sys.argv[2], sys.argv[3]
+    for offload in (False, True):
+        mp.spawn(rank_main, args=(folder, offload, os.path.join(results, f"init{offload}"),
+                                  results), nprocs=2, join=True)
+"""
+
+
+def test_two_ranks_with_offload_match_two_ranks_without(tmp_path):
+    """2 ranks (torch.multiprocessing spawn, gloo), each offloading its own Adam state.
+
+    The spawning happens in a child interpreter, whose multiprocessing helpers end with it.
+    """
+    import subprocess
+    script = tmp_path / "spawn_ranks.py"
+    script.write_text(SPAWN_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), EXAMPLES, str(tmp_path / "swap"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        plain = torch.load(tmp_path / f"plain{rank}.pt")
+        assert torch.load(tmp_path / f"offload{rank}.pt") == plain and len(plain) == 5
+    assert sorted(os.listdir(tmp_path / "swap")) == ["rank0", "rank1"]
