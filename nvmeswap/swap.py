@@ -65,10 +65,11 @@ class SwapBufferPool:
 
 
 class _Entry:
-    __slots__ = ("path", "shape", "dtype", "nbytes", "state", "tensor")
+    __slots__ = ("path", "offset", "shape", "dtype", "nbytes", "state", "tensor")
 
-    def __init__(self, path, shape, dtype, nbytes):
+    def __init__(self, path, offset, shape, dtype, nbytes):
         self.path = path
+        self.offset = offset
         self.shape = shape
         self.dtype = dtype
         self.nbytes = nbytes
@@ -87,9 +88,15 @@ class TensorSwapper:
     read_handle, write_handle : aio_handle, optional
         The handles to use; by default two of its own (``**handle_args``), so reads are
         never queued behind writes.
+    pack_below : int
+        Tensors smaller than this many bytes share one pack file, each in a 4 KiB-aligned
+        slot that it keeps when swapped out again; their writes wait until
+        ``synchronize_writes()`` and go out as one write per run of adjacent slots
+        (write-behind batching). 0 (default): one file per tensor.
     """
 
-    def __init__(self, folder, read_handle=None, write_handle=None, **handle_args):
+    def __init__(self, folder, read_handle=None, write_handle=None, *, pack_below=0,
+                 **handle_args):
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
         self._own = [h is None for h in (read_handle, write_handle)]
@@ -98,6 +105,12 @@ class TensorSwapper:
         self._entries = {}
         self._reading = []
         self._writing = []
+        self.pack_below = pack_below
+        self._pack_path = os.path.join(folder, "pack.swp")
+        self._pack_end = 0
+        self._slots = {}            # packed key -> (offset, capacity) in the pack file
+        self._batched = []          # packed keys written at the next synchronize_writes
+        self._batch_buffers = []    # staging of the batched writes in flight
 
     def state(self, key):
         return self._entries[key].state
@@ -109,10 +122,19 @@ class TensorSwapper:
         if entry is not None and entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
         flat = _as_bytes(tensor)
-        entry = _Entry(self._path_of(key), tuple(tensor.shape), tensor.dtype, flat.numel())
+        packed = 0 < flat.numel() < self.pack_below
+        path, offset = (self._pack_path, self._slot(key, flat.numel())) if packed else \
+            (self._path_of(key), 0)
+        entry = _Entry(path, offset, tuple(tensor.shape), tensor.dtype, flat.numel())
         self._entries[key] = entry
         if entry.nbytes == 0:
             entry.state = SwapState.ON_DISK         # nothing to write
+        elif packed:
+            entry.state, entry.tensor = SwapState.WRITING, flat
+            self._writing.append(key)
+            self._batched.append(key)
+            if not async_op:
+                self.synchronize_writes()
         elif async_op:
             entry.state, entry.tensor = SwapState.WRITING, flat
             self._writing.append(key)
@@ -141,9 +163,9 @@ class TensorSwapper:
         elif async_op:
             entry.state, entry.tensor = SwapState.READING, flat
             self._reading.append(key)
-            self.read_handle.async_pread(flat, entry.path)
+            self.read_handle.async_pread(flat, entry.path, entry.offset)
         else:
-            self.read_handle.sync_pread(flat, entry.path)
+            self.read_handle.sync_pread(flat, entry.path, entry.offset)
             entry.state = SwapState.IN_MEMORY
         return out
 
@@ -154,13 +176,15 @@ class TensorSwapper:
         SwapError; the caller still holds the tensor and can swap it out again.
         """
         keys, self._writing = self._writing, []
+        started = len(keys) - len(self._batched) + self._write_batches()
         done = self.write_handle.wait()
-        problems = [] if done == len(keys) else [f"{done} writes completed, {len(keys)} were "
-                                                 "started"]
+        self._batch_buffers = []
+        problems = [] if done == started else [f"{done} writes completed, {started} were "
+                                               "started"]
         for key in keys:
             entry = self._entries[key]
             entry.tensor = None
-            size = os.stat(entry.path).st_size if entry.nbytes else 0
+            size = os.stat(entry.path).st_size - entry.offset if entry.nbytes else 0
             entry.state = SwapState.ON_DISK
             if size < entry.nbytes:
                 problems.append(f"swap file {entry.path} has {size} bytes, expected "
@@ -193,8 +217,39 @@ class TensorSwapper:
         if entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
         del self._entries[key]
-        if os.path.exists(entry.path):
+        if self._slots.pop(key, None) is None and os.path.exists(entry.path):
             os.unlink(entry.path)
+
+    def _slot(self, key, nbytes):
+        """The key's place in the pack file: the one it had if it still fits."""
+        offset, capacity = self._slots.get(key, (0, 0))
+        if capacity < nbytes:
+            capacity = -(-nbytes // 4096) * 4096
+            offset, self._pack_end = self._pack_end, self._pack_end + capacity
+            self._slots[key] = (offset, capacity)
+        return offset
+
+    def _write_batches(self):
+        """Write the batched tensors, one write per run of adjacent slots; return how many."""
+        import torch
+        keys = sorted(self._batched, key=lambda k: self._slots[k][0])
+        self._batched = []
+        runs = []
+        for key in keys:
+            offset, capacity = self._slots[key]
+            if runs and runs[-1][-1][0] + runs[-1][-1][1] == offset:
+                runs[-1].append((offset, capacity, key))
+            else:
+                runs.append([(offset, capacity, key)])
+        for run in runs:
+            start = run[0][0]
+            staging = torch.zeros(run[-1][0] + run[-1][1] - start, dtype=torch.uint8)
+            for offset, _, key in run:
+                flat = self._entries[key].tensor
+                staging[offset - start:offset - start + flat.numel()] = flat
+            self._batch_buffers.append(staging)
+            self.write_handle.async_pwrite(staging, self._pack_path, start)
+        return len(runs)
 
     def close(self):
         if self._writing:
@@ -203,6 +258,8 @@ class TensorSwapper:
             self.synchronize_reads()
         for key in list(self._entries):
             self.release(key)
+        if os.path.exists(self._pack_path):
+            os.unlink(self._pack_path)
         for own, handle in zip(self._own, (self.read_handle, self.write_handle)):
             if own:
                 handle.close()

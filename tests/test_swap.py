@@ -170,3 +170,26 @@ def test_two_ranks_with_offload_match_two_ranks_without(tmp_path):
         plain = torch.load(tmp_path / f"plain{rank}.pt")
         assert torch.load(tmp_path / f"offload{rank}.pt") == plain and len(plain) == 5
     assert sorted(os.listdir(tmp_path / "swap")) == ["rank0", "rank1"]
+
+
+def test_small_tensors_share_a_pack_file_and_batch_their_writes(tmp_path):
+    small = {f"t{i}": torch.randn(i * 37 + 1) for i in range(50)}
+    with TensorSwapper(tmp_path, pack_below=64 << 10) as swapper:
+        for key, tensor in small.items():
+            swapper.swap_out(key, tensor)
+        assert swapper.synchronize_writes() == 1         # 50 tensors, one write
+        assert os.listdir(tmp_path) == ["pack.swp"]
+        size = os.path.getsize(tmp_path / "pack.swp")
+        back = {key: swapper.swap_in(key) for key in small}
+        swapper.synchronize_reads()
+        assert all(torch.equal(back[k], small[k]) for k in small)
+        # Swapped out again (as an optimizer does every step): same slots, same file size.
+        for key, tensor in small.items():
+            swapper.swap_out(key, tensor * 2)
+        swapper.swap_out("large", torch.randn(100_000))   # not packed: a file of its own
+        assert swapper.synchronize_writes() == 2
+        assert os.path.getsize(tmp_path / "pack.swp") == size
+        assert torch.equal(swapper.swap_in("t7", async_op=False), small["t7"] * 2)
+        swapper.swap_out("t3", torch.randn(5000), async_op=False)      # grew: a new slot
+        assert swapper.swap_in("t3", async_op=False).numel() == 5000
+    assert os.listdir(tmp_path) == []
