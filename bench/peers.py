@@ -35,11 +35,13 @@ def timed(function, *args):
     return time.perf_counter() - started
 
 
-class NvmeswapContender:
-    def __init__(self, size, buffer, **handle_args):
-        self.handle = nvmeswap.aio_handle(**handle_args)
+class HandleContender:
+    """An aio_handle (nvmeswap's or DeepSpeed's) moving one tensor, locked or plain."""
+
+    def __init__(self, handle, size, buffer):
+        self.handle = handle
         if buffer == "locked":
-            self.tensor = self.handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+            self.tensor = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
         else:
             self.tensor = torch.empty(size, dtype=torch.uint8)
         self.tensor.random_(0, 255)
@@ -55,34 +57,26 @@ class NvmeswapContender:
             os.unlink(path)
 
     def close(self):
+        if self.handle.is_pinned(self.tensor):
+            self.handle.free_cpu_locked_tensor(self.tensor)
+
+
+class NvmeswapContender(HandleContender):
+    def __init__(self, size, buffer, **handle_args):
+        super().__init__(nvmeswap.aio_handle(**handle_args), size, buffer)
+
+    def close(self):
+        super().close()
         self.handle.close()
 
 
-class DeepSpeedContender:
+class DeepSpeedContender(HandleContender):
     """DeepSpeed's aio_handle; its plain-tensor path allocates a locked bounce buffer per call."""
 
     def __init__(self, size, buffer, **handle_args):
         from deepspeed.ops.op_builder import AsyncIOBuilder
-        self.handle = AsyncIOBuilder().load(verbose=False).aio_handle(**handle_args)
-        if buffer == "locked":
-            self.tensor = self.handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
-        else:
-            self.tensor = torch.empty(size, dtype=torch.uint8)
-        self.tensor.random_(0, 255)
-
-    def write(self, path):
-        return timed(self.handle.sync_pwrite, self.tensor, path)
-
-    def read(self, path):
-        return timed(self.handle.sync_pread, self.tensor, path)
-
-    def remove(self, path):
-        if os.path.exists(path):
-            os.unlink(path)
-
-    def close(self):
-        if self.tensor.is_pinned() or self.handle.is_pinned(self.tensor):
-            self.handle.free_cpu_locked_tensor(self.tensor)
+        super().__init__(AsyncIOBuilder().load(verbose=False).aio_handle(**handle_args), size,
+                         buffer)
 
 
 def deepspeed_available():

@@ -179,21 +179,13 @@ class aio_handle:
 
         DeepNVMe's keyword ``async`` is accepted too: ``pread(..., **{"async": True})``.
         """
-        async_op = _async_keyword(async_op, kwargs)
-        if async_op:
-            self._submit(buffer, filename, file_offset, is_read=True, validate=validate,
-                         is_async=True)
-            return 0
-        return self._run(buffer, filename, file_offset, is_read=True, validate=validate)
+        return self._call(buffer, filename, validate, _async_keyword(async_op, kwargs),
+                          file_offset, is_read=True)
 
     def pwrite(self, buffer, filename, validate=False, async_op=False, file_offset=0, **kwargs):
         """DeepNVMe's pwrite: 1 when done synchronously, 0 when started (``async_op``)."""
-        async_op = _async_keyword(async_op, kwargs)
-        if async_op:
-            self._submit(buffer, filename, file_offset, is_read=False, validate=validate,
-                         is_async=True)
-            return 0
-        return self._run(buffer, filename, file_offset, is_read=False, validate=validate)
+        return self._call(buffer, filename, validate, _async_keyword(async_op, kwargs),
+                          file_offset, is_read=False)
 
     def read(self, buffer, filename, validate=False, file_offset=0):
         """DeepNVMe's synchronous read; returns 1."""
@@ -298,6 +290,13 @@ class aio_handle:
                 f"queue_depth={self._queue_depth} intra_op_parallelism={self._parallelism}>")
 
     # -- the road of one operation -------------------------------------------------------
+    def _call(self, buffer, target, validate, async_op, file_offset, *, is_read):
+        if async_op:
+            self._submit(buffer, target, file_offset, is_read=is_read, validate=validate,
+                         is_async=True)
+            return 0
+        return self._run(buffer, target, file_offset, is_read=is_read, validate=validate)
+
     def _run(self, buffer, target, file_offset, *, is_read, validate):
         op = self._open_operation(buffer, target, file_offset, is_read, validate)
         if op.buffer.nbytes <= min(INLINE_LIMIT, self._block_size):
