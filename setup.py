@@ -1,20 +1,21 @@
-"""Builds nvmeswap's two Cython extensions; needs only setuptools, Cython and a C compiler."""
+"""Builds nvmeswap's Cython extensions; needs only setuptools, Cython and a C compiler."""
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 
-def extension(name):
+def extension(name, libraries=()):
     return Extension(
         f"nvmeswap._{name}",
         sources=[f"pyx/_{name}.pyx"],
         include_dirs=["cdeps"],
+        libraries=list(libraries),
         extra_compile_args=["-O2"],
     )
 
 
 setup(
     ext_modules=cythonize(
-        [extension("engine"), extension("memory")],
+        [extension("engine"), extension("memory"), extension("cufile", libraries=["dl"])],
         include_path=["pyx"],
         compiler_directives={"language_level": "3"},
     ),

@@ -5,13 +5,16 @@ pool of worker processes. Importing it loads neither torch nor CUDA.
 """
 from .errors import (
     BufferedIOWarning,
+    CuFileError,
     MemoryLockWarning,
     ShortFileError,
     ValidationError,
     WorkerDied,
 )
+from .gds import gds_available, gds_unavailable_reason
 from .handle import aio_handle
 
 __version__ = "0.1.0"
-__all__ = ["aio_handle", "WorkerDied", "ValidationError", "ShortFileError",
-           "BufferedIOWarning", "MemoryLockWarning"]
+__all__ = ["aio_handle", "gds_available", "gds_unavailable_reason", "WorkerDied",
+           "ValidationError", "ShortFileError", "CuFileError", "BufferedIOWarning",
+           "MemoryLockWarning"]

@@ -114,18 +114,16 @@ def _cuda():
                                          "version of nvmeswap yet"))
     else:
         checks.append(_check("CUDA", OK, "no GPU: host tensors only (nothing needed)"))
-    try:
-        ctypes.CDLL("libcufile.so.0")
-        cufile = True
-    except OSError:
-        cufile = False
+    from .gds import gds_available, gds_unavailable_reason
+    cufile = gds_available()
     nvidia_fs = os.path.exists("/sys/module/nvidia_fs") or os.path.exists("/proc/driver/nvidia-fs")
     if cufile:
         mode = "GDS proper (nvidia-fs loaded)" if nvidia_fs else "compat mode (no nvidia-fs)"
-        checks.append(_check("cuFile", OK, f"libcufile.so.0 loads; GDS would run in {mode}"))
+        checks.append(_check("cuFile", OK, f"cuFile loads; GDS would run in {mode}"))
     else:
-        checks.append(_check("cuFile", OK, "libcufile.so.0 not found: no GPUDirect Storage "
-                                           "(pip install nvidia-cufile-cu12 to add it)"))
+        checks.append(_check("cuFile", OK, f"no GPUDirect Storage: {gds_unavailable_reason()}",
+                             "pip install nvidia-cufile-cu12 (or the CUDA toolkit's GDS) to "
+                             "add it; host tensors do not need it"))
     return checks
 
 

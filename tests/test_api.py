@@ -186,3 +186,10 @@ def test_unclosed_handle_warns_and_cleans_up():
         del h
         import gc
         gc.collect()
+
+
+def test_compat_gds_builder_says_it_is_not_compatible():
+    from nvmeswap.compat import GDSBuilder
+    assert GDSBuilder().is_compatible() is False
+    with pytest.raises(RuntimeError, match="no gds_handle"):
+        GDSBuilder().load()
