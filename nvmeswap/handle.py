@@ -5,6 +5,7 @@ will use (the caller's locked tensor as is, or a staging region), cut the operat
 into chunks, send each chunk to a worker, and gather the responses in ``wait()``.
 """
 import errno
+import functools
 import itertools
 import operator
 import os
@@ -54,6 +55,9 @@ class Operation:
         self.remaining = 0
         self.error = None
         self.done = False
+
+    def is_done(self):
+        return self.done
 
     def describe(self):
         verb = "read of" if self.is_read else "write of"
@@ -206,15 +210,23 @@ class aio_handle:
             ops = list(self._async_ops)
         if not ops:
             return 0
-        self._wait_until(lambda: all(op.done for op in ops))
+        self._wait_until(functools.partial(_all_done, ops))
         with self._cond:
             collected = set(map(id, ops))
             self._async_ops = [op for op in self._async_ops if id(op) not in collected]
-        errors = [op.error for op in ops if op.error is not None]
-        if errors:
-            errors[0].add_note(f"{len(errors)} of {len(ops)} operations failed")
-            raise errors[0]
-        return len(ops)
+        failed = [op.error for op in ops if op.error is not None]
+        if not failed:
+            return len(ops)
+        first = failed[0]
+        first.add_note(f"{len(failed)} of {len(ops)} operations failed")
+        # Note [no reference cycle]: the traceback holds this frame; this frame must not
+        # hold the error, or the operations (and the caller's buffers) through them, or
+        # only the garbage collector would free them, locked memory included.
+        del failed, ops
+        try:
+            raise first
+        finally:
+            del first
 
     # -- locked tensors -----------------------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem, example_tensor=None, *, example_tenosr=None):
@@ -303,10 +315,15 @@ class aio_handle:
             self._run_inline(op)
         else:
             self._start(op, is_async=False)
-            self._wait_until(lambda: op.done)
-        if op.error is not None:
-            raise op.error
-        return 1
+            self._wait_until(op.is_done)
+        error = op.error
+        if error is None:
+            return 1
+        del op      # Note [no reference cycle] in wait()
+        try:
+            raise error
+        finally:
+            del error
 
     def _submit(self, buffer, target, file_offset, *, is_read, validate, is_async):
         op = self._open_operation(buffer, target, file_offset, is_read, validate)
@@ -337,11 +354,12 @@ class aio_handle:
             self._wait_until(lambda: self._chunks_in_flight < MAX_CHUNKS_IN_FLIGHT)
             with self._cond:
                 self._check_usable()
+                pool = self._running_pool()     # before registering: it may fail what is out
                 self._place(op)
                 self._ops[op.op_id] = op
                 if is_async:
                     self._async_ops.append(op)
-                self._dispatch(op)
+                self._dispatch(op, pool)
         except BaseException:
             if op.op_id not in self._ops:
                 self._abandon(op)
@@ -390,8 +408,7 @@ class aio_handle:
         op.chunks = chunk_bounds(op.file_offset, buf.nbytes, parts, alignment)
         op.remaining = len(op.chunks)
 
-    def _dispatch(self, op):
-        pool = self._running_pool()
+    def _dispatch(self, op, pool):
         kind = protocol.READ if op.is_read else protocol.WRITE
         region = op.region
         fds = op.file.descriptors()
@@ -550,6 +567,10 @@ def _validate(op):
                                       "the file and the buffer differ", op.file.name, at)
     finally:
         os.close(fd)
+
+
+def _all_done(ops):
+    return all(op.done for op in ops)
 
 
 def _async_keyword(async_op, kwargs):

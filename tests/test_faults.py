@@ -251,7 +251,7 @@ def test_engine_reports_a_failed_request(tmp_path, overlap_events):
     path = tmp_path / "f"
     path.write_bytes(random_bytes(8 << 20))
     engine = AioEngine(1 << 20, 8, False, overlap_events)
-    inaccessible = mmap.mmap(-1, 8 << 20, prot=mmap.PROT_NONE)
+    inaccessible = mmap.mmap(-1, 8 << 20, prot=0)     # PROT_NONE
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         address = buffer_address(inaccessible, False)[0]

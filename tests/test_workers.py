@@ -144,3 +144,32 @@ def test_killed_parent_takes_its_workers_along(big_file):
         parent.kill()
         parent.stdout.close()
         parent.wait()
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_worker_died_error_does_not_keep_locked_memory_mapped(handle_factory, big_file,
+                                                              use_async):
+    """Regression: the raised error's traceback held the operation (and the caller's
+    tensor) in a reference cycle, so locked memory stayed mapped until a gc pass."""
+    import gc
+
+    def mappings():
+        with open("/proc/self/maps") as maps:
+            return sum("memfd:nvmeswap" in line for line in maps)
+
+    h = handle_factory(block_size=4096, queue_depth=1, intra_op_parallelism=2)
+    gc.collect()
+    gc.disable()
+    try:
+        before = mappings()
+        target = h.new_cpu_locked_tensor(64 << 20, torch.empty(0, dtype=torch.uint8))
+        if use_async:
+            h.async_pread(target, big_file)
+        threading.Timer(0.1, _workers()[0].send_signal, args=(signal.SIGKILL,)).start()
+        with pytest.raises(nvmeswap.WorkerDied):
+            h.wait() if use_async else h.sync_pread(target, big_file)
+        h.free_cpu_locked_tensor(target)
+        del target
+        assert mappings() == before
+    finally:
+        gc.enable()
