@@ -2,13 +2,14 @@
 
     python bench/offload.py --folder /nvme/scratch
 
-1. Overlap: Adam step time on a model with four parameter groups (~``--state-mib`` of
+1. Overlap: Adam step time on a model with eight parameter groups (~``--state-mib`` of
    Adam state) with the state in memory, with OffloadedOptimizer (prefetch and write-back
    overlap the compute), and with the same swaps done synchronously (read a group's state,
    step, write it back, one after the other).
 2. Swap bandwidth: TensorSwapper swap_out + synchronize_writes and swap_in +
-   synchronize_reads of 1 GiB per rank, for 1 and 2 ranks, against ``nvmeswap bench
-   --ranks N`` on the same folder.
+   synchronize_reads of 1 GiB per rank (four tensors in the swapper's locked memory,
+   overwriting their files), for 1 and 2 ranks, against ``nvmeswap bench --ranks N``
+   (locked buffers) on the same folder.
 3. Memory: peak resident memory of a training run with and without offload.
 """
 import argparse
@@ -26,12 +27,15 @@ import torch
 from nvmeswap.offload import OffloadedOptimizer
 from nvmeswap.swap import TensorSwapper
 
+LAYERS = 8
+
 
 def make_model(state_mib):
-    """Four linear layers holding ``state_mib / 2`` MiB of parameters (Adam keeps 2x)."""
-    width = int((state_mib / 2 * (1 << 20) / 4 / 4) ** 0.5)
+    """Eight linear layers holding ``state_mib / 2`` MiB of parameters (Adam keeps 2x)."""
+    width = int((state_mib / 2 * (1 << 20) / 4 / LAYERS) ** 0.5)
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(4)])
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                 for _ in range(LAYERS)])
 
 
 def make_optimizer(model):
@@ -103,21 +107,28 @@ def overlap(folder, state_mib, steps):
 
 
 def swap_rank(rank, folder, nbytes, barrier, queue):
-    tensors = [torch.randn(nbytes // 4 // 4) for _ in range(4)]
+    """Swap four tensors (nbytes in all) out and in, from the swapper's locked memory."""
     with TensorSwapper(os.path.join(folder, f"rank{rank}")) as swapper:
-        barrier.wait()
-        started = time.perf_counter()
-        for i, t in enumerate(tensors):
-            swapper.swap_out(i, t)
-        swapper.synchronize_writes()
-        written = time.perf_counter() - started
-        barrier.wait()
-        started = time.perf_counter()
-        for i, t in enumerate(tensors):
-            swapper.swap_in(i, out=t)
-        swapper.synchronize_reads()
-        read = time.perf_counter() - started
-    queue.put((rank, written, read))
+        tensors = [swapper.new_locked_tensor(nbytes // 4) for _ in range(4)]
+        for t in tensors:
+            t.random_(0, 255)
+        timings = []
+        for _ in range(2):                      # the first round creates the files
+            barrier.wait()
+            started = time.perf_counter()
+            for i, t in enumerate(tensors):
+                swapper.swap_out(i, t)
+            swapper.synchronize_writes()
+            written = time.perf_counter() - started
+            barrier.wait()
+            started = time.perf_counter()
+            for i, t in enumerate(tensors):
+                swapper.swap_in(i, out=t)
+            swapper.synchronize_reads()
+            timings.append((written, time.perf_counter() - started))
+        for t in tensors:
+            swapper.free_locked_tensor(t)
+    queue.put((rank, *timings[-1]))
 
 
 def swap_bandwidth(folder, ranks, nbytes):
@@ -137,20 +148,43 @@ def swap_bandwidth(folder, ranks, nbytes):
 def bench_command(folder, ranks, nbytes):
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "nvmeswap", "bench", "--folder", folder,
-                        "--io-size", str(nbytes), "--ranks", str(ranks), "--buffer", "plain",
+                        "--io-size", str(nbytes), "--ranks", str(ranks),
                         "--loops", "2", "--json", out.name], check=True, capture_output=True)
         jobs = json.load(out)["jobs"]
     return {job: jobs[job]["gb_per_s"] for job in ("write", "read")}
 
 
 def peak_rss_mib(folder, state_mib, offload):
+    """Peak RSS over steps 3 and 4 (step 1 creates the state in memory either way)."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import offload as b;"
-            f"import resource, os; m = b.make_model({state_mib}); o = b.make_optimizer(m);"
+            f"m = b.make_model({state_mib}); o = b.make_optimizer(m);"
             f"o = b.OffloadedOptimizer(o, {folder!r}) if {offload} else o;"
-            f"b.step_seconds(m, o, 3); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            f"b.step_seconds(m, o, 1); print(b.sampled_peak_rss(lambda: b.step_seconds(m, o, 1)))")
     output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                             text=True).stdout
-    return int(output.split()[-1]) / 1024
+    return float(output.split()[-1])
+
+
+def sampled_peak_rss(work):
+    """Run ``work`` while sampling this process's RSS every 2 ms; return the peak in MiB."""
+    import threading
+
+    import psutil
+    me, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], me.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        work()
+    finally:
+        done.set()
+        sampler.join()
+    return peak[0] / (1 << 20)
 
 
 def main():
@@ -160,7 +194,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     arguments = parser.parse_args()
     os.makedirs(arguments.folder, exist_ok=True)
-    print(f"1. Adam step, {arguments.state_mib} MiB of state in 4 groups (median of "
+    print(f"1. Adam step, {arguments.state_mib} MiB of state in {LAYERS} groups (median of "
           f"{arguments.steps} steps)")
     times = overlap(arguments.folder, arguments.state_mib, arguments.steps)
     for name, seconds in times.items():
@@ -174,7 +208,8 @@ def main():
         print(f"   {ranks} rank(s): " + "  ".join(
             f"{job} {swapped[job]:.2f} ({swapped[job] / bench[job]:.2f}x of {bench[job]:.2f})"
             for job in ("write", "read")))
-    print("3. peak resident memory of 3 training steps")
+    print(f"3. peak resident memory over training steps 3-4 ({arguments.state_mib} MiB of "
+          "Adam state, as much again in parameters and gradients)")
     for offload in (False, True):
         rss = peak_rss_mib(os.path.join(arguments.folder, "rss"), arguments.state_mib, offload)
         print(f"   {'with' if offload else 'without'} offload: {rss:7.0f} MiB")

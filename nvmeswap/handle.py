@@ -101,6 +101,10 @@ class aio_handle:
     o_direct : bool or None
         None (default) uses O_DIRECT and falls back to buffered I/O with a warning on
         filesystems that refuse it; True makes that an error; False never uses O_DIRECT.
+    share_locked_memory_with : aio_handle, optional
+        Share locked tensors with another handle: those made by either are zero-copy for
+        both (a read handle and a write handle over the same swap buffers, say). Workers
+        of the other handle keep such memory mapped until that handle is closed.
 
     Buffers that come from ``new_cpu_locked_tensor`` go to the workers without a copy;
     any other buffer is copied through a reusable pool of locked staging memory. Any
@@ -108,7 +112,8 @@ class aio_handle:
     """
 
     def __init__(self, block_size=1048576, queue_depth=128, single_submit=False,
-                 overlap_events=False, intra_op_parallelism=1, *, o_direct=None):
+                 overlap_events=False, intra_op_parallelism=1, *, o_direct=None,
+                 share_locked_memory_with=None):
         self._block_size = _checked_int("block_size", block_size, ALIGNMENT, MAX_BLOCK_SIZE)
         if self._block_size % ALIGNMENT:
             raise ValueError(f"block_size must be a multiple of {ALIGNMENT}, got {block_size}")
@@ -130,6 +135,8 @@ class aio_handle:
         self._next_worker = 0
         self._chunks_in_flight = 0
         self._resources = _Resources()
+        if share_locked_memory_with is not None:
+            self._resources.locked = share_locked_memory_with._resources.locked
         self._finalizer = weakref.finalize(self, self._resources.release, self._creator_pid)
         with self._cond:
             self._running_pool()
@@ -525,7 +532,7 @@ class aio_handle:
         op.done = True
 
     def _locked_region(self, address, nbytes):
-        for region in self._resources.locked.values():
+        for region in list(self._resources.locked.values()):
             if region.contains(address, nbytes):
                 return region
         return None

@@ -86,8 +86,9 @@ class TensorSwapper:
         Where the swap files go; created if missing. Files are removed by ``release``
         and ``close``.
     read_handle, write_handle : aio_handle, optional
-        The handles to use; by default two of its own (``**handle_args``), so reads are
-        never queued behind writes.
+        The handles to use; by default two of its own (``**handle_args``) that share
+        their locked memory, so reads are never queued behind writes and tensors from
+        ``new_locked_tensor`` are zero-copy both ways.
     pack_below : int
         Tensors smaller than this many bytes share one pack file, each in a 4 KiB-aligned
         slot that it keeps when swapped out again; their writes wait until
@@ -101,7 +102,8 @@ class TensorSwapper:
         self.folder = folder
         self._own = [h is None for h in (read_handle, write_handle)]
         self.read_handle = read_handle or aio_handle(**handle_args)
-        self.write_handle = write_handle or aio_handle(**handle_args)
+        self.write_handle = write_handle or aio_handle(
+            **handle_args, share_locked_memory_with=self.read_handle if self._own[0] else None)
         self._entries = {}
         self._reading = []
         self._writing = []
@@ -111,6 +113,14 @@ class TensorSwapper:
         self._slots = {}            # packed key -> (offset, capacity) in the pack file
         self._batched = []          # packed keys written at the next synchronize_writes
         self._batch_buffers = []    # staging of the batched writes in flight
+
+    def new_locked_tensor(self, nbytes):
+        """A locked uint8 tensor that both of the swapper's handles move without a copy."""
+        import torch
+        return self.read_handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+
+    def free_locked_tensor(self, tensor):
+        self.read_handle.free_cpu_locked_tensor(tensor)
 
     def state(self, key):
         return self._entries[key].state
