@@ -109,8 +109,3 @@ def _run(request, regions, engine):
         for fd in fds:
             os.close(fd)
     return protocol.RESPONSE.pack(op_id, chunk, *result)
-
-
-if __name__ == "__main__":
-    import sys
-    main(*map(int, sys.argv[1:7]))
