@@ -262,16 +262,7 @@ class aio_handle:
             if region is None:
                 return False
             del self._resources.locked[region.region_id]
-            pool = self._resources.pool
-            for worker in pool.workers if pool is not None else []:
-                if region.region_id in worker.mapped:
-                    worker.mapped.discard(region.region_id)
-                    try:
-                        worker.send(protocol.REQUEST.pack(protocol.UNMAP, region.region_id,
-                                                          0, 0, 0, 0, 0, 0))
-                    except OSError:
-                        pass    # a dead worker maps nothing; the pump will see its death
-            region.close()
+            self._unshare(region)
         return True
 
     def is_pinned(self, tensor):
@@ -397,7 +388,24 @@ class aio_handle:
         """Give back what an operation that never started holds."""
         op.file.close()
         if op.staged:
-            self._resources.staging.release(op.region)
+            self._give_back_staging(op.region)
+
+    def _give_back_staging(self, region):
+        for surplus in self._resources.staging.release(region):
+            self._unshare(surplus)
+
+    def _unshare(self, region):
+        """Have the workers unmap ``region`` and drop our descriptor of it."""
+        pool = self._resources.pool
+        for worker in pool.workers if pool is not None else []:
+            if region.region_id in worker.mapped:
+                worker.mapped.discard(region.region_id)
+                try:
+                    worker.send(protocol.REQUEST.pack(protocol.UNMAP, region.region_id,
+                                                      0, 0, 0, 0, 0, 0))
+                except OSError:
+                    pass    # a dead worker maps nothing; the pump will see its death
+        region.close()
 
     def _place(self, op):
         """Choose the memory the workers use, and cut the operation into chunks."""
@@ -527,7 +535,7 @@ class aio_handle:
             op.file.undo_growth(op.file_offset + op.buffer.nbytes)
         op.file.close()
         if op.staged:
-            self._resources.staging.release(op.region)
+            self._give_back_staging(op.region)
         op.buffer = op.region = None
         op.done = True
 

@@ -63,14 +63,17 @@ class StagingPool:
     """Reusable locked regions that ordinary buffers are copied through.
 
     Regions are kept after use, so an operation costs no allocation, page fault or
-    mlock once the pool has grown to the sizes in use; the pool never holds more than
-    the largest set of staged operations that were in flight at once.
+    mlock once the pool has grown to the sizes in use. Idle regions beyond
+    ``idle_limit`` bytes are handed back for freeing, smallest first, but the largest
+    is always kept: a program that moves one big plain tensor over and over keeps its
+    staging, one that once had many in flight does not keep them all.
     """
 
     GRANULE = 1 << 21
 
-    def __init__(self):
+    def __init__(self, idle_limit=256 << 20):
         self._idle = []
+        self._idle_limit = idle_limit
         self._lock = threading.Lock()
 
     def acquire(self, nbytes):
@@ -83,8 +86,14 @@ class StagingPool:
         return SharedRegion(round_up(nbytes, self.GRANULE))
 
     def release(self, region):
+        """Take ``region`` back; return the idle regions the caller should free."""
         with self._lock:
             self._idle.append(region)
+            self._idle.sort(key=lambda r: r.size)
+            surplus = []
+            while len(self._idle) > 1 and sum(r.size for r in self._idle) > self._idle_limit:
+                surplus.append(self._idle.pop(0))
+            return surplus
 
     def drain(self):
         """Hand back every idle region (for the caller to unmap and close)."""

@@ -165,3 +165,25 @@ def test_thousands_of_async_ops_then_one_wait(handle_factory, tmp_path):
     assert h.wait() == count
     for target, offset in zip(targets, offsets):
         assert target == data[offset:offset + len(target)]
+
+
+def test_staging_memory_is_trimmed_after_a_burst(handle_factory, tmp_path):
+    """Many plain tensors in flight at once need as many staging regions; afterwards the
+    handle keeps at most 256 MiB of them (and always the largest), not all."""
+    def mappings(pid="self"):
+        with open(f"/proc/{pid}/maps") as maps:
+            return sum("memfd:nvmeswap" in line for line in maps)
+
+    h = handle_factory(intra_op_parallelism=2)
+    sources = [torch.full((40 * MiB,), i, dtype=torch.uint8) for i in range(8)]
+    for i, source in enumerate(sources):
+        h.async_pwrite(source, tmp_path / f"burst{i}")
+    assert h.wait() == 8
+    assert mappings() <= 6          # 8 regions of 42 MiB were in flight; 6 fit in 256 MiB
+    back = torch.empty(40 * MiB, dtype=torch.uint8)
+    for i in range(8):
+        h.sync_pread(back, tmp_path / f"burst{i}")
+        assert int(back.min()) == int(back.max()) == i
+    import psutil
+    workers = psutil.Process().children()
+    assert len(workers) == 2 and all(mappings(w.pid) <= 6 for w in workers)   # unmapped too
