@@ -451,13 +451,10 @@ class aio_handle:
         op.file.close()
 
     def _running_pool(self):
-        """The current workers; a set with a member that died while idle is replaced.
-
-        (Only when no thread is reading responses: that thread sees the death itself.)
-        """
+        """The current workers; a set with a member that died while idle is replaced."""
         pool = self._resources.pool
-        if pool is not None and not self._pumping:
-            death = pool.first_death()
+        if pool is not None and not self._ops and not self._pumping:
+            death = pool.first_death()      # with operations out, the pump sees a death
             if death is not None:
                 self._fail_pool(pool, death)
         if self._resources.pool is None:

@@ -12,6 +12,8 @@ def chunk_bounds(file_offset, nbytes, parts, alignment):
     Every boundary between chunks falls on an aligned *file* offset, so only the first
     chunk can have an unaligned head and only the last an unaligned tail.
     """
+    if parts == 1:
+        return [(0, nbytes)]
     bounds = [0]
     for k in range(1, parts):
         cut = (file_offset + nbytes * k // parts) // alignment * alignment - file_offset
