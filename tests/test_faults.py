@@ -260,3 +260,18 @@ def test_engine_reports_a_failed_request(tmp_path, overlap_events):
         os.close(fd)
         inaccessible.close()
     assert err == errno.EFAULT and at_offset == 0 and requested == 1 << 20 and got == 0
+
+
+def test_an_io_error_from_the_kernel_is_oserror_eio(handle):
+    """A real EIO at the system-call boundary without a device-mapper target: writing to
+    page 0 of /proc/self/mem, which is never mapped (vm.mmap_min_addr >= 4096), fails
+    with EIO in the kernel. (procfs has no AIO, so the async path is refused: EINVAL.)"""
+    warnings.simplefilter("ignore", nvmeswap.BufferedIOWarning)
+    with pytest.raises(OSError) as info:
+        handle.sync_pwrite(bytearray(4096), "/proc/self/mem", 0)
+    assert info.value.errno == errno.EIO and info.value.filename == "/proc/self/mem"
+    assert "write of 4096 bytes at offset 0" in str(info.value)
+    handle.async_pwrite(bytearray(4096), "/proc/self/mem", 0)
+    with pytest.raises(OSError) as info:
+        handle.wait()
+    assert info.value.errno == errno.EINVAL and info.value.filename == "/proc/self/mem"
