@@ -209,8 +209,8 @@ class aio_handle:
     def wait(self):
         """Wait for every started operation; return how many completed (0 if none).
 
-        If any failed, the first failure is raised once all have completed; its note
-        says how many failed.
+        If any failed, the first failure is raised once all have completed; its
+        ``failed_operations`` attribute (and, on Python 3.11+, its note) says how many.
         """
         self._check_usable()
         with self._cond:
@@ -225,7 +225,9 @@ class aio_handle:
         if not failed:
             return len(ops)
         first = failed[0]
-        first.add_note(f"{len(failed)} of {len(ops)} operations failed")
+        first.failed_operations = len(failed)
+        if hasattr(first, "add_note"):      # Python 3.11+
+            first.add_note(f"{len(failed)} of {len(ops)} operations failed")
         # Note [no reference cycle]: the traceback holds this frame; this frame must not
         # hold the error, or the operations (and the caller's buffers) through them, or
         # only the garbage collector would free them, locked memory included.
