@@ -458,7 +458,7 @@ class aio_handle:
         if pool is not None and not self._ops and not self._pumping:
             death = pool.first_death()      # with operations out, the pump sees a death
             if death is not None:
-                self._fail_pool(pool, death)
+                self._fail_pool(pool, WorkerDied(death))
         if self._resources.pool is None:
             self._resources.pool = WorkerPool(
                 self._parallelism, (self._block_size, self._queue_depth,

@@ -86,15 +86,19 @@ class WorkerPool:
                                "the limit with `sysctl -w fs.aio-max-nr=1048576` or close handles")
 
     def first_death(self):
-        """WorkerDied for a worker that has exited, or None; never blocks."""
+        """What happened to a worker that has exited, or None; never blocks.
+
+        (A message, not an exception: an exception held in a local while raised would
+        tie the caller's frames into a cycle, Note [no reference cycle] in handle.py.)
+        """
         for worker in self.workers:
             if worker.process.poll() is not None:
-                return WorkerDied(_death_message(worker.process))
+                return _death_message(worker.process)
         return None
 
-    def receive(self, timeout=None):
+    def receive(self):
         """Wait for responses; return them, or raise WorkerDied if a worker has gone."""
-        events = self._poller.poll(None if timeout is None else timeout * 1000)
+        events = self._poller.poll()
         responses = []
         for fd, _ in events:
             worker = self._by_fd[fd]
@@ -112,11 +116,9 @@ class WorkerPool:
                 responses.append(protocol.RESPONSE.unpack(data))
         # Responses that arrived before a death still count; the death is seen next call.
         if not responses:
-            for fd, _ in events:
-                worker = self._by_fd[fd]
-                if fd == worker.pidfd or worker.process.poll() is not None:
-                    worker.process.wait()
-                    raise WorkerDied(_death_message(worker.process))
+            death = self.first_death()
+            if death is not None:
+                raise WorkerDied(death)
         return responses
 
     def kill(self):
