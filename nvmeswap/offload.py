@@ -9,11 +9,12 @@ wrapped optimizer's own, group by group, so results are bit-identical to it.
 """
 import math
 
+from .files import ALIGNMENT
+from .memory import round_up
 from .swap import TensorSwapper
 
 # Scalar state (Adam's ``step``) stays in memory; every other state tensor is swapped.
 SMALL_STATE = 2
-ALIGN = 4096
 BUFFERS = 3     # the group stepping, the next one arriving, the previous one leaving
 
 
@@ -99,7 +100,7 @@ class OffloadedOptimizer:
                 for name, value in self.optimizer.state.get(param, {}).items():
                     if hasattr(value, "numel") and value.numel() >= SMALL_STATE:
                         layout.append((param, name, offset, tuple(value.shape), value.dtype))
-                        offset += -(-value.numel() * value.element_size() // ALIGN) * ALIGN
+                        offset += round_up(value.numel() * value.element_size(), ALIGNMENT)
             if not layout:
                 return
             self._layouts[index] = layout

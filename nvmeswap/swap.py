@@ -9,7 +9,9 @@ import enum
 import os
 import re
 
+from .files import ALIGNMENT
 from .handle import aio_handle
+from .memory import round_up
 
 
 class SwapState(enum.Enum):
@@ -90,7 +92,7 @@ class TensorSwapper:
         their locked memory, so reads are never queued behind writes and tensors from
         ``new_locked_tensor`` are zero-copy both ways.
     pack_below : int
-        Tensors smaller than this many bytes share one pack file, each in a 4 KiB-aligned
+        Tensors smaller than this many bytes share one pack file, each in an aligned
         slot that it keeps when swapped out again; their writes wait until
         ``synchronize_writes()`` and go out as one write per run of adjacent slots
         (write-behind batching). 0 (default): one file per tensor.
@@ -234,7 +236,7 @@ class TensorSwapper:
         """The key's place in the pack file: the one it had if it still fits."""
         offset, capacity = self._slots.get(key, (0, 0))
         if capacity < nbytes:
-            capacity = -(-nbytes // 4096) * 4096
+            capacity = round_up(nbytes, ALIGNMENT)
             offset, self._pack_end = self._pack_end, self._pack_end + capacity
             self._slots[key] = (offset, capacity)
         return offset
