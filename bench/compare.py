@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
-from compare_peers import parse_size  # noqa: E402
+
+from nvmeswap.units import parse_size  # noqa: E402
 
 JOBS = ("write", "read")
 

@@ -19,12 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
 
+from nvmeswap.units import parse_size  # noqa: E402
+
 JOBS = ("fresh write", "overwrite", "read")
-
-
-def parse_size(text):
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
-    return int(text[:-1] if scale > 1 else text) * scale
 
 
 def contenders(size, with_deepspeed, with_fio, only=()):
