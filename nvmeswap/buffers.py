@@ -5,14 +5,19 @@ from ._memory import buffer_address
 
 
 class IoBuffer:
-    """The address and size of a caller's buffer, and the object that keeps it alive."""
+    """The address and size of a caller's buffer, and the object that keeps it alive.
 
-    __slots__ = ("owner", "address", "nbytes")
+    ``device`` is None for host memory, else the torch device of a CUDA tensor (whose
+    address the host cannot touch).
+    """
 
-    def __init__(self, owner, address, nbytes):
+    __slots__ = ("owner", "address", "nbytes", "device")
+
+    def __init__(self, owner, address, nbytes, device=None):
         self.owner = owner
         self.address = address
         self.nbytes = nbytes
+        self.device = device
 
 
 def io_buffer(obj, *, writable):
@@ -35,10 +40,11 @@ def io_buffer(obj, *, writable):
 
 
 def _tensor_buffer(tensor):
-    if tensor.device.type != "cpu":
-        raise TypeError(f"aio_handle takes CPU tensors; got a tensor on {tensor.device}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"nvmeswap takes CPU and CUDA tensors; got a tensor on {tensor.device}")
     if not tensor.is_contiguous():
         # DeepNVMe reads such tensors into a temporary copy and drops the data.
         raise ValueError("the tensor is not contiguous; pass tensor.contiguous() "
                          "(and copy it back after a read)")
-    return IoBuffer(tensor, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    device = tensor.device if tensor.device.type == "cuda" else None
+    return IoBuffer(tensor, tensor.data_ptr(), tensor.numel() * tensor.element_size(), device)

@@ -15,13 +15,14 @@ import weakref
 
 from . import protocol
 from ._engine import transfer_in_caller
-from ._memory import buffer_address, copy_memory, first_difference
+from ._memory import buffer_address, first_difference
 from .buffers import io_buffer
 from .config import handle_arguments
+from .device import CudaCopier, HostCopier, copy_stream, register_for_device_copies
 from .errors import ValidationError, WorkerDied, os_error, short_file_error
 from .files import ALIGNMENT, open_target
 from .memory import SharedRegion, StagingPool
-from .plan import chunk_bounds, chunk_count
+from .plan import StagingRing, chunk_bounds, chunk_count
 from .pool import WorkerPool
 
 MAX_QUEUE_DEPTH = 1024
@@ -38,8 +39,8 @@ PREALLOCATE_MIN = 1 << 20
 class Operation:
     """One call in flight: where its bytes go, its chunks still out, and its first error."""
 
-    __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region",
-                 "region_offset", "staged", "chunks", "remaining", "error", "validate", "done")
+    __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
+                 "staged", "copier", "ring", "chunks", "remaining", "error", "validate", "done")
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
         self.op_id = op_id
@@ -50,7 +51,9 @@ class Operation:
         self.validate = validate
         self.region = None
         self.region_offset = 0
-        self.staged = False
+        self.staged = False     # the region is staging memory, given back at the end
+        self.copier = None      # moves bytes between the buffer and a staging region
+        self.ring = None        # a CUDA tensor's staging slots (Note [device pipeline])
         self.chunks = []
         self.remaining = 0
         self.error = None
@@ -134,6 +137,8 @@ class aio_handle:
         self._op_ids = itertools.count(1)
         self._next_worker = 0
         self._chunks_in_flight = 0
+        self._copy_streams = {}
+        self._driving = False
         self._resources = _Resources()
         if share_locked_memory_with is not None:
             self._resources.locked = share_locked_memory_with._resources.locked
@@ -251,6 +256,9 @@ class aio_handle:
         self._check_usable()
         itemsize = torch.empty((), dtype=example.dtype).element_size()
         region = SharedRegion(num_elem * itemsize)
+        if torch.cuda.is_initialized():
+            # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
+            register_for_device_copies(region)
         with self._cond:
             self._resources.locked[region.region_id] = region
         tensor = torch.frombuffer(region.mapping, dtype=torch.uint8)
@@ -311,7 +319,10 @@ class aio_handle:
 
     def _run(self, buffer, target, file_offset, *, is_read, validate):
         op = self._open_operation(buffer, target, file_offset, is_read, validate)
-        if op.buffer.nbytes <= min(INLINE_LIMIT, self._block_size):
+        limit = min(INLINE_LIMIT, self._block_size)
+        if op.buffer.device is not None:
+            limit = min(limit, StagingRing.PIECE)    # one piece: one slot
+        if op.buffer.nbytes <= limit:
             self._run_inline(op)
         else:
             self._start(op, is_async=False)
@@ -339,13 +350,17 @@ class aio_handle:
             raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
         file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
                            o_direct=self._o_direct)
-        if not is_read and buf.nbytes >= PREALLOCATE_MIN:
-            try:
+        op = Operation(next(self._op_ids), is_read, buf, file, file_offset, validate)
+        try:
+            if not is_read and buf.nbytes >= PREALLOCATE_MIN:
                 file.preallocate(file_offset + buf.nbytes)
-            except BaseException:
-                file.close()
-                raise
-        return Operation(next(self._op_ids), is_read, buf, file, file_offset, validate)
+            if buf.device is not None:
+                # Made at submission: it orders the copies after the caller's queued work.
+                op.copier = CudaCopier(buf.owner, copy_stream(buf.device, self._copy_streams))
+        except BaseException:
+            file.close()
+            raise
+        return op
 
     def _start(self, op, is_async):
         """Place the operation and hand its chunks to the workers."""
@@ -359,7 +374,12 @@ class aio_handle:
                 self._ops[op.op_id] = op
                 if is_async:
                     self._async_ops.append(op)
-                self._dispatch(op, pool)
+                if op.ring is None:
+                    self._dispatch(op, pool)
+                    return
+                self._feed(op)
+                if is_async and not op.done and not self._driving:
+                    self._drive_in_background()
         except BaseException:
             if op.op_id not in self._ops:
                 self._abandon(op)
@@ -374,11 +394,13 @@ class aio_handle:
             with self._cond:
                 self._check_usable()
                 self._place(op)
-            if op.staged and not op.is_read:
-                copy_memory(op.region.address + op.region_offset, op.buffer.address,
-                            op.buffer.nbytes)
+                if op.ring is not None:
+                    op.ring.start_next()
+            region_offset = self._region_offset(op, 0)
+            if op.copier is not None and not op.is_read:
+                op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
             result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
-                                        op.region.address + op.region_offset, op.buffer.nbytes,
+                                        op.region.address + region_offset, op.buffer.nbytes,
                                         op.file_offset, op.file.alignment)
         except BaseException:
             self._abandon(op)
@@ -412,6 +434,15 @@ class aio_handle:
     def _place(self, op):
         """Choose the memory the workers use, and cut the operation into chunks."""
         buf, alignment = op.buffer, op.file.alignment
+        if buf.device is not None:
+            op.ring = StagingRing(op.file_offset, buf.nbytes, alignment,
+                                  max(4, 2 * self._parallelism))
+            op.region = self._resources.staging.acquire(op.ring.region_size())
+            op.staged = True
+            register_for_device_copies(op.region)
+            op.chunks = op.ring.pieces
+            op.remaining = len(op.chunks)
+            return
         region = self._locked_region(buf.address, buf.nbytes)
         if region is not None and (buf.address - op.file_offset) % alignment == 0:
             op.region, op.region_offset = region, buf.address - region.address
@@ -421,36 +452,92 @@ class aio_handle:
             op.region = self._resources.staging.acquire(buf.nbytes + alignment)
             op.region_offset = op.file_offset % alignment
             op.staged = True
+            op.copier = HostCopier(buf.address)
         parts = chunk_count(buf.nbytes, self._parallelism, op.staged)
         op.chunks = chunk_bounds(op.file_offset, buf.nbytes, parts, alignment)
         op.remaining = len(op.chunks)
 
+    def _region_offset(self, op, index):
+        if op.ring is not None:
+            return op.ring.region_offset(index)
+        return op.region_offset + op.chunks[index][0]
+
     def _dispatch(self, op, pool):
-        kind = protocol.READ if op.is_read else protocol.WRITE
-        region = op.region
-        fds = op.file.descriptors()
-        workers = pool.workers
-        first = self._next_worker
-        self._next_worker = (first + len(op.chunks)) % len(workers)
-        self._chunks_in_flight += len(op.chunks)
+        """Hand every chunk out; a staged write copies each just before it goes."""
         for index, (start, length) in enumerate(op.chunks):
-            if op.staged and not op.is_read:
-                copy_memory(region.address + op.region_offset + start, op.buffer.address + start,
-                            length)
-            worker = workers[(first + index) % len(workers)]
-            try:
-                if region.region_id not in worker.mapped:
-                    worker.send(protocol.REQUEST.pack(protocol.MAP, region.region_id, 0, 0, 0,
-                                                      region.size, 0, 0), [region.fd])
-                    worker.mapped.add(region.region_id)
-                worker.send(protocol.REQUEST.pack(kind, region.region_id, op.op_id, index,
-                                                  op.region_offset + start, length,
-                                                  op.file_offset + start, op.file.alignment), fds)
-            except OSError:
-                # The worker is dead or dying; the pump sees its pidfd and fails the
-                # operations in flight, this one included.
+            if op.copier is not None and not op.is_read:
+                op.copier.to_region(start, length, op.region, self._region_offset(op, index))
+            if not self._send(op, index, pool.workers):
                 break
         op.file.close()
+
+    def _feed(self, op):
+        """Start the ring's next pieces while it has free slots (Note [device pipeline])."""
+        while not op.done and op.error is None:
+            index = op.ring.start_next()
+            if index is None:
+                return
+            if not op.is_read:
+                start, length = op.chunks[index]
+                try:
+                    op.copier.to_region(start, length, op.region, op.ring.region_offset(index))
+                except Exception as error:
+                    op.error = _copy_error(op, error)
+                    op.ring.finish(index)
+                    op.remaining -= 1
+                    break
+            if not self._send(op, index, self._resources.pool.workers):
+                return
+        if op.error is not None and not op.done:
+            op.remaining -= op.ring.cancel_rest()
+            if op.remaining == 0:
+                self._finish(op)
+
+    def _send(self, op, index, workers):
+        """Send chunk ``index`` to the next worker; False if that worker is gone."""
+        worker = workers[self._next_worker]
+        self._next_worker = (self._next_worker + 1) % len(workers)
+        start, length = op.chunks[index]
+        region = op.region
+        self._chunks_in_flight += 1
+        try:
+            if region.region_id not in worker.mapped:
+                worker.send(protocol.REQUEST.pack(protocol.MAP, region.region_id, 0, 0, 0,
+                                                  region.size, 0, 0), [region.fd])
+                worker.mapped.add(region.region_id)
+            worker.send(protocol.REQUEST.pack(
+                protocol.READ if op.is_read else protocol.WRITE, region.region_id, op.op_id,
+                index, self._region_offset(op, index), length, op.file_offset + start,
+                op.file.alignment), op.file.descriptors())
+        except OSError:
+            # The worker is dead or dying; the pump sees its pidfd and fails the
+            # operations in flight, this one included.
+            return False
+        return True
+
+    def _drive_in_background(self):
+        """Note [device pipeline]: an async CUDA operation has more pieces than slots, and
+        only a thread reading responses frees slots; without one it would stall until
+        ``wait()``. The thread ends when no such operation is left.
+        """
+        self._driving = True
+
+        def drive():
+            try:
+                self._wait_until(self._ring_work_done)
+            except BaseException:
+                with self._cond:
+                    self._driving = False
+                raise
+
+        threading.Thread(target=drive, name="nvmeswap-device-pipeline", daemon=True).start()
+
+    def _ring_work_done(self):
+        # Decided under the lock that _start holds, so no operation is left undriven.
+        done = all(op.ring is None for op in self._ops.values())
+        if done:
+            self._driving = False
+        return done
 
     def _running_pool(self):
         """The current workers; a set with a member that died while idle is replaced."""
@@ -504,11 +591,16 @@ class aio_handle:
         if err or got != requested:
             if op.error is None:
                 op.error = _transfer_error(op, err, at_offset, requested, got)
-        elif op.staged and op.is_read:
-            copy_memory(op.buffer.address + start, op.region.address + op.region_offset + start,
-                        length)
+        elif op.copier is not None and op.is_read and op.error is None:
+            try:
+                op.copier.from_region(start, length, op.region, self._region_offset(op, chunk))
+            except Exception as error:
+                op.error = _copy_error(op, error)
         op.remaining -= 1
-        if op.remaining == 0:
+        if op.ring is not None:
+            op.ring.finish(chunk)
+            self._feed(op)
+        if op.remaining == 0 and not op.done:
             self._finish(op)
 
     def _fail_pool(self, pool, death):
@@ -535,7 +627,7 @@ class aio_handle:
         op.file.close()
         if op.staged:
             self._give_back_staging(op.region)
-        op.buffer = op.region = None
+        op.buffer = op.region = op.copier = None
         op.done = True
 
     def _locked_region(self, address, nbytes):
@@ -565,6 +657,7 @@ def _transfer_error(op, err, at_offset, requested, got):
 def _validate(op):
     """Re-read exactly the bytes just transferred and compare them with the buffer."""
     step = 16 << 20
+    copier = op.copier or HostCopier(op.buffer.address)
     fd = os.open(op.file.path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for start in range(0, op.buffer.nbytes, step):
@@ -573,14 +666,23 @@ def _validate(op):
             if len(data) != length:
                 raise short_file_error(op.file.name, f"validation read {len(data)} of {length} "
                                                      f"bytes at offset {op.file_offset + start}")
-            diff = first_difference(buffer_address(data, False)[0], op.buffer.address + start,
-                                    length)
+            address, _keeper = copier.host_bytes(start, length)
+            diff = first_difference(buffer_address(data, False)[0], address, length)
             if diff >= 0:
                 at = op.file_offset + start + diff
                 raise ValidationError(f"{op.file.name}: validation failed at file offset {at}: "
                                       "the file and the buffer differ", op.file.name, at)
     finally:
         os.close(fd)
+
+
+def _copy_error(op, error):
+    """A failed copy between the buffer and staging memory, as an error of the operation.
+
+    (A new exception: the caught one's traceback holds frames that hold the operation.)
+    """
+    return RuntimeError(f"{op.file.name}: copying the {op.describe()} through host memory "
+                        f"failed: {type(error).__name__}: {error}")
 
 
 def _all_done(ops):

@@ -23,7 +23,7 @@ def round_up(n, multiple):
 class SharedRegion:
     """Page-aligned, page-locked (when allowed) memory that workers can map by fd."""
 
-    __slots__ = ("region_id", "fd", "mapping", "size", "address", "__weakref__")
+    __slots__ = ("region_id", "fd", "mapping", "size", "address", "unregister", "__weakref__")
 
     def __init__(self, nbytes):
         self.region_id = next(_region_ids)
@@ -36,6 +36,7 @@ class SharedRegion:
             os.close(self.fd)
             raise
         self.address = self.mapping.address
+        self.unregister = None      # set by device.register_for_device_copies
         _warn_if_refused(self.mapping.lock(), self.size)
 
     def contains(self, address, nbytes):
@@ -43,6 +44,9 @@ class SharedRegion:
 
     def close(self):
         """Drop our descriptor; the memory goes when the last mapping of it goes."""
+        if self.unregister is not None:
+            self.unregister()
+            self.unregister = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

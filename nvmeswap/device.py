@@ -1,0 +1,116 @@
+"""Copies between a caller's buffer and the shared staging memory the workers see.
+
+A staged operation never hands the caller's memory to a worker: its bytes are copied
+into a shared region before a write and out of it after a read. For host memory that
+is a memcpy; for a CUDA tensor it is a copy on a stream of the handle's own, through
+torch (already loaded wherever there are CUDA tensors). Workers never touch CUDA on
+this road.
+
+Note [stream order]
+A copy from a CUDA tensor must see the work the caller queued before handing it to us
+(the kernel that produced it), and a read must be complete for work queued after
+``wait()``. So the copy stream first waits for the caller's current stream as it was at
+submission, and every copy is synchronized before its slot is reused or the operation
+is declared done: work queued later, on any stream, sees the bytes.
+"""
+import warnings
+
+from ._memory import copy_memory
+
+_registration_warned = False
+
+
+class HostCopier:
+    """memcpy between host memory at ``address`` and staging regions."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address):
+        self.address = address
+
+    def to_region(self, start, length, region, region_offset):
+        copy_memory(region.address + region_offset, self.address + start, length)
+
+    def from_region(self, start, length, region, region_offset):
+        copy_memory(self.address + start, region.address + region_offset, length)
+
+    def host_bytes(self, start, length):
+        """The buffer's bytes ``[start, start + length)`` as host memory: (address, keeper)."""
+        return self.address + start, None
+
+
+class CudaCopier:
+    """Copies between one CUDA tensor and staging regions (Note [stream order])."""
+
+    __slots__ = ("_torch", "_bytes", "_stream")
+
+    def __init__(self, tensor, stream):
+        import torch
+
+        self._torch = torch
+        self._bytes = tensor.detach().reshape(-1).view(torch.uint8)
+        self._stream = stream
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+
+    def to_region(self, start, length, region, region_offset):
+        host = self._host(region, region_offset, length)
+        with self._torch.cuda.stream(self._stream):
+            host.copy_(self._bytes[start:start + length], non_blocking=True)
+        self._stream.synchronize()
+
+    def from_region(self, start, length, region, region_offset):
+        host = self._host(region, region_offset, length)
+        with self._torch.cuda.stream(self._stream):
+            self._bytes[start:start + length].copy_(host, non_blocking=True)
+        self._stream.synchronize()
+
+    def host_bytes(self, start, length):
+        with self._torch.cuda.stream(self._stream):
+            copy = self._bytes[start:start + length].to("cpu")
+        return copy.data_ptr(), copy
+
+    def _host(self, region, offset, length):
+        return self._torch.frombuffer(region.mapping, dtype=self._torch.uint8, count=length,
+                                      offset=offset)
+
+
+def copy_stream(device, streams):
+    """The handle's own stream on ``device`` (made once, kept in ``streams``)."""
+    stream = streams.get(device)
+    if stream is None:
+        import torch
+
+        stream = streams[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def register_for_device_copies(region):
+    """Note [registered staging]: ``cudaHostRegister`` a staging region once, so copies
+    between it and the GPU are DMA at full speed instead of passing through the driver's
+    own bounce buffers. Registration costs milliseconds per GiB, so a region stays
+    registered for its life; ``SharedRegion.close`` unregisters it. Refusal (the memory
+    limit, a driver without it) costs speed, not correctness: one warning.
+    """
+    if region.unregister is not None:
+        return
+    import torch
+
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(region.address, region.size, 0)
+    if status != cudart.cudaError.success:
+        _warn_registration_refused(region.size, status)
+        return
+
+    def unregister(address=region.address):
+        cudart.cudaHostUnregister(address)
+
+    region.unregister = unregister
+
+
+def _warn_registration_refused(size, status):
+    global _registration_warned
+    if not _registration_warned:
+        _registration_warned = True
+        warnings.warn(f"cudaHostRegister of {size} bytes of staging memory failed ({status}); "
+                      "GPU copies continue through unregistered memory, more slowly",
+                      RuntimeWarning, stacklevel=3)

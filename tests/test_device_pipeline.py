@@ -1,0 +1,211 @@
+"""The staging ring that CUDA tensors take through aio_handle, driven by a stand-in device.
+
+No GPU is needed: buffers marked as "device" memory are reached only through a copier
+that stands in for the CUDA copies (as the real one does, it copies between the
+buffer and the handle's staging slots), so the ring, the workers and the files all
+run for real. The CUDA copier itself is tested in test_gpu.py, on a GPU.
+"""
+import ctypes
+import threading
+import time
+
+import pytest
+import torch
+from conftest import random_bytes
+
+import nvmeswap
+import nvmeswap.handle as handle_module
+from nvmeswap import _memory
+from nvmeswap.buffers import IoBuffer, io_buffer
+from nvmeswap.plan import StagingRing
+
+KiB, MiB = 1 << 10, 1 << 20
+PIECE = 64 * KiB
+
+
+class StandInCopier:
+    """Copies like CudaCopier; counts bytes, notes pipelining, fails on request."""
+
+    made = []
+
+    def __init__(self, tensor, stream):
+        self.address = tensor.data_ptr()
+        self.copied = 0
+        self.in_flight_at_copy = []
+        self.fail_at_piece = getattr(tensor, "fail_at_piece", None)
+        self.kill_worker_at_piece = getattr(tensor, "kill_worker_at_piece", None)
+        self.corrupt_copies = getattr(tensor, "corrupt_copies", False)
+        self.handle = tensor.handle
+        self.calls = 0
+        StandInCopier.made.append(self)
+
+    def _copy(self, destination, source, length):
+        self.in_flight_at_copy.append(self.handle._chunks_in_flight)
+        if self.calls == self.fail_at_piece:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if self.calls == self.kill_worker_at_piece:
+            worker = self.handle._resources.pool.workers[0].process
+            worker.kill()
+            worker.wait()
+        self.calls += 1
+        _memory.copy_memory(destination, source, length)
+        self.copied += length
+
+    def to_region(self, start, length, region, region_offset):
+        self._copy(region.address + region_offset, self.address + start, length)
+        if self.corrupt_copies:
+            ctypes.c_ubyte.from_address(region.address + region_offset).value ^= 1
+
+    def from_region(self, start, length, region, region_offset):
+        self._copy(self.address + start, region.address + region_offset, length)
+
+    def host_bytes(self, start, length):
+        return self.address + start, None
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """Tensors with a ``handle`` attribute count as device memory of that handle."""
+    StandInCopier.made = []
+    registered = []
+
+    def buffer_of(obj, *, writable):
+        buf = io_buffer(obj, writable=writable)
+        if hasattr(obj, "handle"):
+            return IoBuffer(buf.owner, buf.address, buf.nbytes, device="stand-in")
+        return buf
+
+    monkeypatch.setattr(handle_module, "io_buffer", buffer_of)
+    monkeypatch.setattr(handle_module, "CudaCopier", StandInCopier)
+    monkeypatch.setattr(handle_module, "copy_stream", lambda device, streams: None)
+    monkeypatch.setattr(handle_module, "register_for_device_copies", registered.append)
+    monkeypatch.setattr(StagingRing, "PIECE", PIECE)
+    return registered
+
+
+def device_tensor(h, data, **marks):
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(data, bytes) \
+        else torch.zeros(data, dtype=torch.uint8)
+    tensor.handle = h
+    for name, value in marks.items():
+        setattr(tensor, name, value)
+    return tensor
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+@pytest.mark.parametrize("use_async", [False, True])
+def test_round_trip_through_ring(handle_factory, tmp_path, device, parallelism, use_async):
+    h = handle_factory(intra_op_parallelism=parallelism)
+    sizes = [1, 4095, 4097, 256 * KiB, MiB + 3, 3 * MiB + 4097]
+    for i, (size, offset) in enumerate((s, o) for s in sizes for o in (0, 512, 12345)):
+        data = random_bytes(size, seed=i)
+        path = tmp_path / f"f{i}"
+        source, target = device_tensor(h, data), device_tensor(h, size)
+        if use_async:
+            h.async_pwrite(source, str(path), offset)
+            assert h.wait() == 1
+            h.async_pread(target, str(path), offset)
+            assert h.wait() == 1
+        else:
+            h.sync_pwrite(source, str(path), offset)
+            h.sync_pread(target, str(path), offset)
+        assert bytes(target.numpy()) == data, f"size={size} offset={offset}"
+        assert path.read_bytes()[offset:] == data
+        write_copier, read_copier = StandInCopier.made[-2:]
+        assert write_copier.copied == read_copier.copied == size     # every byte via the copier
+
+
+def test_staging_stays_at_ring_size(handle_factory, tmp_path, device):
+    h = handle_factory(intra_op_parallelism=2)
+    size = 80 * PIECE + 5
+    data = random_bytes(size)
+    h.sync_pwrite(device_tensor(h, data), str(tmp_path / "f"), 4096)
+    target = device_tensor(h, size)
+    h.sync_pread(target, str(tmp_path / "f"), 4096)
+    assert bytes(target.numpy()) == data
+    # Four slots, not a bounce buffer as large as the tensor.
+    assert device and all(region.size < size / 2 for region in device)
+
+
+def test_copies_overlap_the_workers_io(handle_factory, tmp_path, device):
+    """Pipelined: pieces are copied while earlier pieces are with the workers."""
+    h = handle_factory(intra_op_parallelism=2)
+    data = random_bytes(20 * PIECE)
+    h.sync_pwrite(device_tensor(h, data), str(tmp_path / "f"))
+    target = device_tensor(h, len(data))
+    h.sync_pread(target, str(tmp_path / "f"))
+    assert bytes(target.numpy()) == data
+    for copier in StandInCopier.made:
+        assert max(copier.in_flight_at_copy) >= 2, copier.in_flight_at_copy
+
+
+def test_async_write_progresses_before_wait(handle_factory, tmp_path, device):
+    """More pieces than slots: a background thread keeps the ring turning."""
+    h = handle_factory()
+    size = 32 * PIECE
+    path = tmp_path / "f"
+    h.async_pwrite(device_tensor(h, random_bytes(size)), str(path))
+    copier = StandInCopier.made[-1]
+    deadline = time.monotonic() + 30
+    while copier.copied < size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert copier.copied == size, "the ring stalled until wait()"
+    assert h.wait() == 1
+    assert path.read_bytes() == random_bytes(size)
+
+
+@pytest.mark.parametrize("is_read", [False, True])
+def test_failed_copy_fails_the_operation(handle_factory, tmp_path, device, is_read):
+    h = handle_factory(intra_op_parallelism=2)
+    size = 12 * PIECE
+    path = tmp_path / "f"
+    data = random_bytes(size)
+    if is_read:
+        path.write_bytes(data)
+        tensor = device_tensor(h, size, fail_at_piece=5)
+        h.async_pread(tensor, str(path))
+    else:
+        path.write_bytes(b"keep")
+        h.async_pwrite(device_tensor(h, data, fail_at_piece=5), str(path))
+    with pytest.raises(RuntimeError, match="illegal memory access") as caught:
+        h.wait()
+    assert str(path) in str(caught.value)
+    if not is_read:
+        assert path.stat().st_size == 4     # the growth is undone: no file that looks complete
+    # The handle goes on working.
+    assert h.sync_pwrite(torch.ones(10, dtype=torch.uint8), str(tmp_path / "g")) == 1
+
+
+def test_validate_compares_the_file_with_device_bytes(handle_factory, tmp_path, device):
+    h = handle_factory()
+    data = random_bytes(5 * PIECE + 7)
+    assert h.pwrite(device_tensor(h, data), str(tmp_path / "f"), validate=True) == 1
+    # A copy that flips one bit on its way to the file is caught.
+    with pytest.raises(nvmeswap.ValidationError) as caught:
+        h.pwrite(device_tensor(h, data, corrupt_copies=True), str(tmp_path / "g"),
+                 validate=True)
+    assert caught.value.offset == 0
+
+
+def test_worker_death_during_a_ring_operation(handle_factory, tmp_path, device):
+    h = handle_factory(intra_op_parallelism=2)
+    size = 64 * PIECE
+    (tmp_path / "f").write_bytes(random_bytes(size))
+    h.async_pread(device_tensor(h, size, kill_worker_at_piece=3), str(tmp_path / "f"))
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(error=_wait_error(h)))
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive(), "wait() hung after a worker died"
+    assert isinstance(result["error"], nvmeswap.WorkerDied), result
+    target = device_tensor(h, size)
+    assert h.sync_pread(target, str(tmp_path / "f")) == 1      # a new set of workers
+    assert bytes(target.numpy()) == random_bytes(size)
+
+
+def _wait_error(h):
+    try:
+        h.wait()
+    except Exception as error:
+        return error
+    return None
