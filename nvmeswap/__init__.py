@@ -1,20 +1,23 @@
 """nvmeswap: move tensors between memory and files on fast SSDs at the speed of the device.
 
-A drop-in for DeepSpeed DeepNVMe's ``aio_handle`` built on kernel AIO in Cython and a
-pool of worker processes. Importing it loads neither torch nor CUDA.
+A drop-in for DeepSpeed DeepNVMe's ``aio_handle`` and ``gds_handle``, built on kernel AIO and
+cuFile in Cython and a pool of worker processes. Importing it loads neither torch nor CUDA.
 """
 from .errors import (
     BufferedIOWarning,
+    CudaError,
     CuFileError,
+    GdsFallbackWarning,
     MemoryLockWarning,
     ShortFileError,
     ValidationError,
     WorkerDied,
 )
 from .gds import gds_available, gds_unavailable_reason
+from .gpudirect import gds_handle
 from .handle import aio_handle
 
 __version__ = "0.1.0"
-__all__ = ["aio_handle", "gds_available", "gds_unavailable_reason", "WorkerDied",
-           "ValidationError", "ShortFileError", "CuFileError", "BufferedIOWarning",
-           "MemoryLockWarning"]
+__all__ = ["aio_handle", "gds_handle", "gds_available", "gds_unavailable_reason", "WorkerDied",
+           "ValidationError", "ShortFileError", "CuFileError", "CudaError", "BufferedIOWarning",
+           "MemoryLockWarning", "GdsFallbackWarning"]

@@ -1,6 +1,8 @@
 """DeepSpeed's op-builder entry point: ``AsyncIOBuilder().load().aio_handle(...)`` works as is."""
 import types
 
+from .gds import gds_available
+from .gpudirect import gds_handle
 from .handle import aio_handle
 
 
@@ -17,18 +19,16 @@ class AsyncIOBuilder:
 
 
 class GDSBuilder:
-    """Stands in for ``deepspeed.ops.op_builder.GDSBuilder``.
+    """Stands in for ``deepspeed.ops.op_builder.GDSBuilder``; nothing is compiled.
 
-    This version of nvmeswap loads cuFile (``nvmeswap.gds_available()``) but has no
-    ``gds_handle`` yet, so it reports itself incompatible, as DeepSpeed does where GDS
-    cannot be built, and callers fall back to ``AsyncIOBuilder``.
+    ``is_compatible()`` says whether cuFile loads here; ``load().gds_handle`` works
+    either way (without cuFile it moves CUDA tensors as aio_handle does, with a warning).
     """
 
     NAME = "gds"
 
     def is_compatible(self, verbose=False):
-        return False
+        return gds_available()
 
     def load(self, verbose=True):
-        raise RuntimeError("nvmeswap has no gds_handle in this version; use "
-                           "AsyncIOBuilder().load().aio_handle(...)")
+        return types.SimpleNamespace(gds_handle=gds_handle, aio_handle=aio_handle)

@@ -74,6 +74,14 @@ class CudaCopier:
                                       offset=offset)
 
 
+def wait_for_queued_work(device):
+    """Note [stream order], for cuFile: it reads and writes device memory outside any
+    stream, so the work the caller has queued must be finished before it starts."""
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
+
+
 def copy_stream(device, streams):
     """The handle's own stream on ``device`` (made once, kept in ``streams``)."""
     stream = streams.get(device)

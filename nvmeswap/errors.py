@@ -54,6 +54,19 @@ class CuFileError(OSError):
         return self.args[0]
 
 
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; ``name`` is the driver's name for ``code`` (CUDA_ERROR_...)."""
+
+    def __init__(self, code, call, name):
+        self.code = code
+        self.name = name
+        super().__init__(f"{call} failed: {name}")
+
+
+class GdsFallbackWarning(RuntimeWarning):
+    """GPUDirect Storage proper is not in use: cuFile's compat mode, or the aio road."""
+
+
 class BufferedIOWarning(RuntimeWarning):
     """The filesystem refused O_DIRECT, so I/O goes through the page cache."""
 
@@ -68,6 +81,23 @@ def os_error(err, filename, detail=""):
     if detail:
         message = f"{message} ({detail})"
     return OSError(err, message, filename)
+
+
+def transfer_error(code, filename, detail):
+    """The exception for a worker's error code (an errno, or see protocol.CUFILE_ERROR)."""
+    from . import protocol
+
+    if code >= protocol.CUDA_ERROR:
+        from ._cuda import error_name
+
+        error = CudaError(code - protocol.CUDA_ERROR, f"{filename}: CUDA IPC for the {detail}",
+                          error_name(code - protocol.CUDA_ERROR))
+    elif code >= protocol.CUFILE_ERROR:
+        error = CuFileError(code - protocol.CUFILE_ERROR, f"{filename}: cuFile {detail}")
+    else:
+        return os_error(code, filename, detail)
+    error.filename = filename
+    return error
 
 
 def short_file_error(filename, message):

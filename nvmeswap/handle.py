@@ -19,7 +19,7 @@ from ._memory import buffer_address, first_difference
 from .buffers import io_buffer
 from .config import handle_arguments
 from .device import CudaCopier, HostCopier, copy_stream, register_for_device_copies
-from .errors import ValidationError, WorkerDied, os_error, short_file_error
+from .errors import ValidationError, WorkerDied, os_error, short_file_error, transfer_error
 from .files import ALIGNMENT, open_target
 from .memory import SharedRegion, StagingPool
 from .plan import StagingRing, chunk_bounds, chunk_count
@@ -40,7 +40,8 @@ class Operation:
     """One call in flight: where its bytes go, its chunks still out, and its first error."""
 
     __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
-                 "staged", "copier", "ring", "chunks", "remaining", "error", "validate", "done")
+                 "staged", "owns_region", "copier", "ring", "chunks", "remaining", "error",
+                 "validate", "done")
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
         self.op_id = op_id
@@ -52,6 +53,7 @@ class Operation:
         self.region = None
         self.region_offset = 0
         self.staged = False     # the region is staging memory, given back at the end
+        self.owns_region = False    # the region was made for this operation alone
         self.copier = None      # moves bytes between the buffer and a staging region
         self.ring = None        # a CUDA tensor's staging slots (Note [device pipeline])
         self.chunks = []
@@ -74,6 +76,7 @@ class _Resources:
         self.pool = None
         self.locked = {}
         self.staging = StagingPool()
+        self.descriptors = []
 
     def release(self, creator_pid):
         if os.getpid() != creator_pid:
@@ -84,6 +87,9 @@ class _Resources:
         for region in [*self.locked.values(), *self.staging.drain()]:
             region.close()
         self.locked.clear()
+        for fd in self.descriptors:
+            os.close(fd)
+        self.descriptors.clear()
 
 
 class aio_handle:
@@ -319,10 +325,7 @@ class aio_handle:
 
     def _run(self, buffer, target, file_offset, *, is_read, validate):
         op = self._open_operation(buffer, target, file_offset, is_read, validate)
-        limit = min(INLINE_LIMIT, self._block_size)
-        if op.buffer.device is not None:
-            limit = min(limit, StagingRing.PIECE)    # one piece: one slot
-        if op.buffer.nbytes <= limit:
+        if op.buffer.nbytes <= self._inline_limit(op):
             self._run_inline(op)
         else:
             self._start(op, is_async=False)
@@ -384,6 +387,13 @@ class aio_handle:
             if op.op_id not in self._ops:
                 self._abandon(op)
             raise
+
+    def _inline_limit(self, op):
+        """Operations up to this size run in the calling thread (Note below)."""
+        limit = min(INLINE_LIMIT, self._block_size)
+        if op.buffer.device is not None:
+            limit = min(limit, StagingRing.PIECE)    # one piece: one slot
+        return limit
 
     def _run_inline(self, op):
         """Note [small synchronous operations]: an operation of one request runs in the
@@ -502,18 +512,22 @@ class aio_handle:
         self._chunks_in_flight += 1
         try:
             if region.region_id not in worker.mapped:
-                worker.send(protocol.REQUEST.pack(protocol.MAP, region.region_id, 0, 0, 0,
-                                                  region.size, 0, 0), [region.fd])
+                for message, fds in self._map_requests(worker, region):
+                    worker.send(message, fds)
                 worker.mapped.add(region.region_id)
             worker.send(protocol.REQUEST.pack(
-                protocol.READ if op.is_read else protocol.WRITE, region.region_id, op.op_id,
-                index, self._region_offset(op, index), length, op.file_offset + start,
-                op.file.alignment), op.file.descriptors())
+                region.read_kind if op.is_read else region.write_kind, region.region_id,
+                op.op_id, index, self._region_offset(op, index), length,
+                op.file_offset + start, op.file.alignment), op.file.descriptors())
         except OSError:
             # The worker is dead or dying; the pump sees its pidfd and fails the
             # operations in flight, this one included.
             return False
         return True
+
+    def _map_requests(self, worker, region):
+        """What a worker must be sent before its first request on ``region``."""
+        return [region.map_request()]
 
     def _drive_in_background(self):
         """Note [device pipeline]: an async CUDA operation has more pieces than slots, and
@@ -619,7 +633,7 @@ class aio_handle:
         self._ops.pop(op.op_id, None)
         if op.error is None and op.validate:
             try:
-                _validate(op)
+                _validate(op, self._bytes_reader(op))
             except (ValidationError, OSError) as error:
                 op.error = error
         if op.error is not None and not op.is_read:
@@ -627,8 +641,18 @@ class aio_handle:
         op.file.close()
         if op.staged:
             self._give_back_staging(op.region)
+        elif op.owns_region:
+            self._unshare(op.region)
         op.buffer = op.region = op.copier = None
         op.done = True
+
+    def _bytes_reader(self, op):
+        """Something that shows the buffer's bytes on the host (for validation)."""
+        if op.copier is not None:
+            return op.copier
+        if op.buffer.device is not None:
+            return CudaCopier(op.buffer.owner, copy_stream(op.buffer.device, self._copy_streams))
+        return HostCopier(op.buffer.address)
 
     def _locked_region(self, address, nbytes):
         for region in list(self._resources.locked.values()):
@@ -647,17 +671,16 @@ class aio_handle:
 def _transfer_error(op, err, at_offset, requested, got):
     where = f"{requested} bytes at offset {at_offset}"
     if err:
-        return os_error(err, op.file.name, f"{'read' if op.is_read else 'write'} of {where}")
+        return transfer_error(err, op.file.name, f"{'read' if op.is_read else 'write'} of {where}")
     if op.is_read:
         return short_file_error(op.file.name, f"short read: got {got} of {where}; "
                                               "was the file truncated while it was read?")
     return os_error(errno.ENOSPC, op.file.name, f"short write: wrote {got} of {where}")
 
 
-def _validate(op):
+def _validate(op, reader):
     """Re-read exactly the bytes just transferred and compare them with the buffer."""
     step = 16 << 20
-    copier = op.copier or HostCopier(op.buffer.address)
     fd = os.open(op.file.path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for start in range(0, op.buffer.nbytes, step):
@@ -666,7 +689,7 @@ def _validate(op):
             if len(data) != length:
                 raise short_file_error(op.file.name, f"validation read {len(data)} of {length} "
                                                      f"bytes at offset {op.file_offset + start}")
-            address, _keeper = copier.host_bytes(start, length)
+            address, _keeper = reader.host_bytes(start, length)
             diff = first_difference(buffer_address(data, False)[0], address, length)
             if diff >= 0:
                 at = op.file_offset + start + diff

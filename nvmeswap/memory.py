@@ -8,12 +8,14 @@ import os
 import threading
 import warnings
 
+from . import protocol
 from ._memory import Mapping
 from .errors import MemoryLockWarning
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _lock_refusal_warned = False
-_region_ids = itertools.count(1)
+# Host and device regions share one numbering: a worker's UNMAP names either.
+region_ids = itertools.count(1)
 
 
 def round_up(n, multiple):
@@ -23,10 +25,12 @@ def round_up(n, multiple):
 class SharedRegion:
     """Page-aligned, page-locked (when allowed) memory that workers can map by fd."""
 
+    read_kind, write_kind = protocol.READ, protocol.WRITE
+
     __slots__ = ("region_id", "fd", "mapping", "size", "address", "unregister", "__weakref__")
 
     def __init__(self, nbytes):
-        self.region_id = next(_region_ids)
+        self.region_id = next(region_ids)
         self.size = round_up(max(nbytes, 1), PAGE)
         self.fd = os.memfd_create("nvmeswap", os.MFD_CLOEXEC)
         try:
@@ -38,6 +42,11 @@ class SharedRegion:
         self.address = self.mapping.address
         self.unregister = None      # set by device.register_for_device_copies
         _warn_if_refused(self.mapping.lock(), self.size)
+
+    def map_request(self):
+        """The message (and descriptors) that has a worker map this region."""
+        return protocol.REQUEST.pack(protocol.MAP, self.region_id, 0, 0, 0, self.size, 0, 0), \
+            [self.fd]
 
     def contains(self, address, nbytes):
         return self.address <= address and address + nbytes <= self.address + self.size

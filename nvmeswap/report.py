@@ -110,15 +110,15 @@ def _cuda():
     except Exception:
         gpus = 0
     if gpus:
-        checks.append(_check("CUDA", OK, f"{gpus} GPU(s); CUDA tensors are not moved by this "
-                                         "version of nvmeswap yet"))
+        checks.append(_check("CUDA", OK, f"{gpus} GPU(s); aio_handle stages CUDA tensors "
+                                         "through locked host memory"))
     else:
         checks.append(_check("CUDA", OK, "no GPU: host tensors only (nothing needed)"))
-    from .gds import gds_available, gds_unavailable_reason
+    from .gds import gds_available, gds_unavailable_reason, nvidia_fs_loaded
     cufile = gds_available()
-    nvidia_fs = os.path.exists("/sys/module/nvidia_fs") or os.path.exists("/proc/driver/nvidia-fs")
     if cufile:
-        mode = "GDS proper (nvidia-fs loaded)" if nvidia_fs else "compat mode (no nvidia-fs)"
+        mode = "GDS proper (nvidia-fs loaded)" if nvidia_fs_loaded() else \
+            "compat mode (no nvidia-fs)"
         checks.append(_check("cuFile", OK, f"cuFile loads; GDS would run in {mode}"))
     else:
         checks.append(_check("cuFile", OK, f"no GPUDirect Storage: {gds_unavailable_reason()}",

@@ -52,6 +52,7 @@ def _serve(sock, engine):
     so that neither side can block the other with a full socket buffer.
     """
     regions = {}
+    gds = None      # a GdsWorker once the parent sends GDS_SETUP
     requests = collections.deque()
     responses = collections.deque()
     poller = select.poll()
@@ -61,6 +62,8 @@ def _serve(sock, engine):
             poller.modify(sock, select.POLLIN | (select.POLLOUT if responses else 0))
             poller.poll()
         if not _receive(sock, requests):
+            if gds is not None:
+                gds.close()
             return
         while responses:
             try:
@@ -69,7 +72,11 @@ def _serve(sock, engine):
                 break
             responses.popleft()
         if requests:
-            response = _run(requests.popleft(), regions, engine)
+            request = requests.popleft()
+            if request[0][0] >= protocol.GDS_SETUP and gds is None:
+                from .gds_worker import GdsWorker  # only GDS workers load CUDA
+                gds = GdsWorker()
+            response = _run(request, regions, engine, gds)
             if response is not None:
                 responses.append(response)
 
@@ -78,7 +85,7 @@ def _receive(sock, requests):
     """Queue every request waiting on the socket; False once the parent has gone."""
     while True:
         try:
-            data, fds = protocol.receive_with_fds(sock, protocol.REQUEST.size,
+            data, fds = protocol.receive_with_fds(sock, protocol.MAX_MESSAGE,
                                                   socket.MSG_DONTWAIT)
         except BlockingIOError:
             return True
@@ -86,11 +93,15 @@ def _receive(sock, requests):
             return False
         if not data:
             return False
-        requests.append((protocol.REQUEST.unpack(data), fds))
+        header = protocol.REQUEST.unpack_from(data)
+        requests.append((header, fds, data[protocol.REQUEST.size:]))
 
 
-def _run(request, regions, engine):
-    (kind, region_id, op_id, chunk, region_offset, nbytes, file_offset, alignment), fds = request
+def _run(request, regions, engine, gds):
+    (kind, region_id, op_id, chunk, region_offset, nbytes, file_offset, alignment), fds, payload \
+        = request
+    if kind >= protocol.GDS_SETUP:
+        return _run_gds(gds, request)
     if kind == protocol.MAP:
         try:
             regions[region_id] = Mapping(fds[0], nbytes)
@@ -99,6 +110,8 @@ def _run(request, regions, engine):
         return None
     if kind == protocol.UNMAP:
         regions.pop(region_id, None)
+        if gds is not None:
+            gds.unmap(region_id)
         return None
     try:
         address = regions[region_id].address + region_offset
@@ -108,4 +121,23 @@ def _run(request, regions, engine):
     finally:
         for fd in fds:
             os.close(fd)
+    return protocol.RESPONSE.pack(op_id, chunk, *result)
+
+
+def _run_gds(gds, request):
+    (kind, region_id, op_id, chunk, region_offset, nbytes, file_offset, alignment), fds, payload \
+        = request
+    try:
+        if kind == protocol.GDS_SETUP:
+            gds.setup(payload, fds)
+            return None
+        if kind == protocol.GDS_MAP:
+            gds.map(region_id, nbytes, payload)
+            return None
+        result = gds.transfer(kind == protocol.GDS_READ, region_id, region_offset, nbytes,
+                              file_offset, alignment, fds)
+    finally:
+        if kind != protocol.GDS_SETUP:     # cuFile reads the configuration by this fd later
+            for fd in fds:
+                os.close(fd)
     return protocol.RESPONSE.pack(op_id, chunk, *result)

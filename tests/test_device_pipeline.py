@@ -1,95 +1,28 @@
 """The staging ring that CUDA tensors take through aio_handle, driven by a stand-in device.
 
-No GPU is needed: buffers marked as "device" memory are reached only through a copier
-that stands in for the CUDA copies (as the real one does, it copies between the
-buffer and the handle's staging slots), so the ring, the workers and the files all
-run for real. The CUDA copier itself is tested in test_gpu.py, on a GPU.
+No GPU is needed: the stand-in device (stand_in_device.py) copies between the tensor
+and the handle's staging slots as the CUDA copier does, so the ring, the workers and
+the files all run for real. The CUDA copier itself is tested in test_gpu.py, on a GPU.
 """
-import ctypes
 import threading
 import time
 
 import pytest
 import torch
 from conftest import random_bytes
+from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
-import nvmeswap.handle as handle_module
-from nvmeswap import _memory
-from nvmeswap.buffers import IoBuffer, io_buffer
 from nvmeswap.plan import StagingRing
 
 KiB, MiB = 1 << 10, 1 << 20
 PIECE = 64 * KiB
 
 
-class StandInCopier:
-    """Copies like CudaCopier; counts bytes, notes pipelining, fails on request."""
-
-    made = []
-
-    def __init__(self, tensor, stream):
-        self.address = tensor.data_ptr()
-        self.copied = 0
-        self.in_flight_at_copy = []
-        self.fail_at_piece = getattr(tensor, "fail_at_piece", None)
-        self.kill_worker_at_piece = getattr(tensor, "kill_worker_at_piece", None)
-        self.corrupt_copies = getattr(tensor, "corrupt_copies", False)
-        self.handle = tensor.handle
-        self.calls = 0
-        StandInCopier.made.append(self)
-
-    def _copy(self, destination, source, length):
-        self.in_flight_at_copy.append(self.handle._chunks_in_flight)
-        if self.calls == self.fail_at_piece:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        if self.calls == self.kill_worker_at_piece:
-            worker = self.handle._resources.pool.workers[0].process
-            worker.kill()
-            worker.wait()
-        self.calls += 1
-        _memory.copy_memory(destination, source, length)
-        self.copied += length
-
-    def to_region(self, start, length, region, region_offset):
-        self._copy(region.address + region_offset, self.address + start, length)
-        if self.corrupt_copies:
-            ctypes.c_ubyte.from_address(region.address + region_offset).value ^= 1
-
-    def from_region(self, start, length, region, region_offset):
-        self._copy(self.address + start, region.address + region_offset, length)
-
-    def host_bytes(self, start, length):
-        return self.address + start, None
-
-
 @pytest.fixture
 def device(monkeypatch):
-    """Tensors with a ``handle`` attribute count as device memory of that handle."""
-    StandInCopier.made = []
-    registered = []
-
-    def buffer_of(obj, *, writable):
-        buf = io_buffer(obj, writable=writable)
-        if hasattr(obj, "handle"):
-            return IoBuffer(buf.owner, buf.address, buf.nbytes, device="stand-in")
-        return buf
-
-    monkeypatch.setattr(handle_module, "io_buffer", buffer_of)
-    monkeypatch.setattr(handle_module, "CudaCopier", StandInCopier)
-    monkeypatch.setattr(handle_module, "copy_stream", lambda device, streams: None)
-    monkeypatch.setattr(handle_module, "register_for_device_copies", registered.append)
     monkeypatch.setattr(StagingRing, "PIECE", PIECE)
-    return registered
-
-
-def device_tensor(h, data, **marks):
-    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(data, bytes) \
-        else torch.zeros(data, dtype=torch.uint8)
-    tensor.handle = h
-    for name, value in marks.items():
-        setattr(tensor, name, value)
-    return tensor
+    return use_stand_in_device(monkeypatch)
 
 
 @pytest.mark.parametrize("parallelism", [1, 3])

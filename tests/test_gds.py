@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from fake_gpu import FAKE_CUDA, build
 
 import nvmeswap
 from nvmeswap import _cufile
@@ -110,20 +111,50 @@ def test_a_library_without_every_function_is_refused(tmp_path):
         _cufile.driver_open()
 
 
-def test_gds_available_finds_the_library_named_by_the_environment(tmp_path):
+def test_gds_available_finds_the_libraries_named_by_the_environment(tmp_path):
     library = _build(tmp_path, "libcufile.so.0")
+    driver = build(tmp_path, "libcuda.so.1", FAKE_CUDA)
     code = "import nvmeswap; print(nvmeswap.gds_available(), nvmeswap.gds_unavailable_reason())"
-    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, "NVMESWAP_CUFILE_LIBRARY": str(library)})
-    assert found.stdout.strip() == "True"
+
+    def answer(**paths):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, **paths}).stdout.strip()
+
+    assert answer(NVMESWAP_CUFILE_LIBRARY=str(library), NVMESWAP_CUDA_LIBRARY=str(driver)) \
+        == "True"
     try:
         import ctypes
         ctypes.CDLL("libcufile.so.0")
-        return          # a real cuFile is installed: it would be found after the missing one
+        ctypes.CDLL("libcuda.so.1")
+        return      # a real cuFile and driver are installed: they would be found instead
     except OSError:
         pass
-    missing = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**os.environ,
-                                  "NVMESWAP_CUFILE_LIBRARY": str(tmp_path / "nope.so")})
-    assert missing.stdout.startswith("False cuFile could not be loaded") and "nope.so" in \
-        missing.stdout
+    missing = answer(NVMESWAP_CUFILE_LIBRARY=str(tmp_path / "nope.so"))
+    assert missing.startswith("False cuFile could not be loaded") and "nope.so" in missing
+    no_driver = answer(NVMESWAP_CUFILE_LIBRARY=str(library),
+                       NVMESWAP_CUDA_LIBRARY=str(tmp_path / "nodriver.so"))
+    assert no_driver.startswith("False the CUDA driver could not be loaded") and \
+        "nodriver.so" in no_driver
+
+
+def test_a_driver_library_without_every_function_is_refused(tmp_path):
+    partial = build(tmp_path, "libpartial_cuda.so", FAKE_CUDA.replace("cuIpcCloseMemHandle",
+                                                                       "renamed"))
+    code = (f"from nvmeswap import _cuda; print(_cuda.load({str(partial)!r}), _cuda.loaded())")
+    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "has no cuIpcCloseMemHandle" in answer.stdout and answer.stdout.strip().endswith(
+        "False"), answer
+
+
+def test_worker_error_codes_become_named_exceptions():
+    from nvmeswap import protocol
+    from nvmeswap.errors import transfer_error
+
+    cufile = transfer_error(protocol.CUFILE_ERROR + 5024, "/f", "read of 4096 bytes at offset 0")
+    assert isinstance(cufile, nvmeswap.CuFileError) and cufile.filename == "/f"
+    assert str(cufile) == ("/f: cuFile read of 4096 bytes at offset 0 failed: "
+                           "CU_FILE_MEMORY_NOT_REGISTERED")
+    cuda = transfer_error(protocol.CUDA_ERROR + 400, "/f", "write of 1 bytes at offset 0")
+    assert isinstance(cuda, nvmeswap.CudaError) and cuda.code == 400 and cuda.filename == "/f"
+    plain = transfer_error(errno.ENOSPC, "/f", "write")
+    assert type(plain) is OSError and plain.errno == errno.ENOSPC and plain.filename == "/f"

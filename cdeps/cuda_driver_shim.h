@@ -1,0 +1,75 @@
+/* The CUDA driver API calls nvmeswap needs for GPUDirect Storage, loaded at run time.
+ *
+ * gds_handle's workers reach the caller's CUDA tensors through CUDA IPC: the parent
+ * exports the allocation holding a tensor, each worker maps it into its own context.
+ * The unaligned head and tail of a transfer (under a block each) are copied with
+ * cuMemcpy and go through the file's buffered descriptor (Note [O_DIRECT tail]).
+ * Our own declarations of the few types used, and a table filled from libcuda.so.1
+ * with dlopen, so that nothing here is needed to build or import nvmeswap.
+ */
+#ifndef NVMESWAP_CUDA_DRIVER_SHIM_H
+#define NVMESWAP_CUDA_DRIVER_SHIM_H
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef int nvmeswap_CUresult;                  /* CUDA_SUCCESS is 0 */
+typedef unsigned long long nvmeswap_CUdeviceptr;
+typedef void *nvmeswap_CUcontext;
+typedef struct { char reserved[64]; } nvmeswap_CUipcMemHandle;
+
+#define NVMESWAP_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1
+
+typedef struct {
+    void *library;
+    nvmeswap_CUresult (*init)(unsigned int);
+    nvmeswap_CUresult (*device_get)(int *, int);
+    nvmeswap_CUresult (*primary_ctx_retain)(nvmeswap_CUcontext *, int);
+    nvmeswap_CUresult (*ctx_set_current)(nvmeswap_CUcontext);
+    nvmeswap_CUresult (*mem_get_address_range)(nvmeswap_CUdeviceptr *, size_t *,
+                                               nvmeswap_CUdeviceptr);
+    nvmeswap_CUresult (*ipc_get_mem_handle)(nvmeswap_CUipcMemHandle *, nvmeswap_CUdeviceptr);
+    nvmeswap_CUresult (*ipc_open_mem_handle)(nvmeswap_CUdeviceptr *, nvmeswap_CUipcMemHandle,
+                                             unsigned int);
+    nvmeswap_CUresult (*ipc_close_mem_handle)(nvmeswap_CUdeviceptr);
+    nvmeswap_CUresult (*get_error_name)(nvmeswap_CUresult, const char **);
+    nvmeswap_CUresult (*memcpy_dtoh)(void *, nvmeswap_CUdeviceptr, size_t);
+    nvmeswap_CUresult (*memcpy_htod)(nvmeswap_CUdeviceptr, const void *, size_t);
+} nvmeswap_cuda_table;
+
+/* Fill ``table`` from the library at ``path``; 0 on success, else -1 with ``why`` set. */
+static inline int nvmeswap_cuda_load(const char *path, nvmeswap_cuda_table *table, char *why,
+                                     size_t why_len)
+{
+    /* The _v2 names are what cuda.h's macros resolve to since CUDA 4 and 11. */
+    const char *names[] = {"cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                           "cuCtxSetCurrent", "cuMemGetAddressRange_v2", "cuIpcGetMemHandle",
+                           "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle", "cuGetErrorName",
+                           "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"};
+    void **slots[] = {(void **)&table->init, (void **)&table->device_get,
+                      (void **)&table->primary_ctx_retain, (void **)&table->ctx_set_current,
+                      (void **)&table->mem_get_address_range,
+                      (void **)&table->ipc_get_mem_handle, (void **)&table->ipc_open_mem_handle,
+                      (void **)&table->ipc_close_mem_handle, (void **)&table->get_error_name,
+                      (void **)&table->memcpy_dtoh, (void **)&table->memcpy_htod};
+    size_t i;
+    memset(table, 0, sizeof(*table));
+    table->library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (table->library == NULL) {
+        snprintf(why, why_len, "%s", dlerror());
+        return -1;
+    }
+    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *slots[i] = dlsym(table->library, names[i]);
+        if (*slots[i] == NULL) {
+            snprintf(why, why_len, "%s has no %s", path, names[i]);
+            dlclose(table->library);
+            memset(table, 0, sizeof(*table));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#endif

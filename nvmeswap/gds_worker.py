@@ -1,0 +1,176 @@
+"""A worker's GPUDirect Storage side: the parent's CUDA tensors, reached by CUDA IPC, read
+and written with cuFile.
+
+Loaded only when a gds_handle sends GDS_SETUP, so an aio worker never touches CUDA.
+Every failure is answered as an error code (protocol.CUFILE_ERROR / CUDA_ERROR + the
+library's code, or an errno), so the parent raises it with its name and file.
+"""
+import errno
+import os
+
+from . import _cuda, _cufile, protocol
+from .errors import CudaError, CuFileError
+
+
+class DeviceMapping:
+    """One region of a parent's CUDA allocation as mapped here (and registered with cuFile)."""
+
+    __slots__ = ("ipc_handle", "ordinal", "address", "nbytes", "registered")
+
+    def __init__(self, ipc_handle, ordinal, address, nbytes, registered):
+        self.ipc_handle = ipc_handle
+        self.ordinal = ordinal
+        self.address = address
+        self.nbytes = nbytes
+        self.registered = registered
+
+
+class GdsWorker:
+    """cuFile I/O on CUDA regions the parent maps in; one per worker process."""
+
+    def __init__(self):
+        self._setup_error = errno.ENOPKG   # until GDS_SETUP succeeds
+        self._regions = {}      # region id -> DeviceMapping, or the error code of its map
+        self._allocations = {}  # IPC handle -> [base address here, regions using it]
+
+    def setup(self, payload, fds):
+        """Load cuFile and the driver from the parent's paths and open the driver."""
+        cufile_path, cuda_path = (os.fsdecode(p) for p in payload.split(b"\0")[:2])
+        if fds:
+            # Note [cuFile configuration]: the parent's JSON, in a memfd, never a file on disk.
+            os.environ["CUFILE_ENV_PATH_JSON"] = f"/proc/self/fd/{fds[0]}"
+        for library, path in ((_cufile, cufile_path), (_cuda, cuda_path)):
+            ok, _ = library.load(path)
+            if not ok:
+                self._setup_error = errno.ELIBACC
+                return
+        try:
+            _cufile.driver_open()
+        except Exception as error:
+            self._setup_error = error_code(error)
+            return
+        self._setup_error = 0
+
+    def map(self, region_id, nbytes, payload):
+        if self._setup_error:
+            self._regions[region_id] = self._setup_error
+            return
+        ipc_handle, ordinal, offset, register = protocol.DEVICE_REGION.unpack(payload)
+        try:
+            _cuda.use_device(ordinal)
+            base = self._open_allocation(ipc_handle)
+            mapping = DeviceMapping(ipc_handle, ordinal, base + offset, nbytes, False)
+            self._regions[region_id] = mapping
+            if register:
+                _cufile.buf_register(mapping.address, nbytes)
+                mapping.registered = True
+        except Exception as error:
+            if region_id in self._regions:
+                self._close(self._regions.pop(region_id))
+            self._regions[region_id] = error_code(error)
+
+    def unmap(self, region_id):
+        mapping = self._regions.pop(region_id, None)
+        if isinstance(mapping, DeviceMapping):
+            self._close(mapping)
+
+    def transfer(self, is_read, region_id, region_offset, nbytes, file_offset, alignment, fds):
+        """One chunk; returns (error code, at offset, requested, got).
+
+        The aligned middle goes through cuFile on the O_DIRECT descriptor; an unaligned
+        head or tail (under one block) is copied with cuMemcpy and read or written
+        through the buffered one, as the aio road does (Note [O_DIRECT tail]).
+        """
+        mapping = self._regions.get(region_id, errno.EINVAL)
+        if not isinstance(mapping, DeviceMapping):
+            return mapping, file_offset, nbytes, 0
+        end = file_offset + nbytes
+        head_end = min(end, -(-file_offset // alignment) * alignment)
+        tail_start = max(head_end, end // alignment * alignment)
+        pieces = [(file_offset, head_end, True), (head_end, tail_start, False),
+                  (tail_start, end, True)]
+        try:
+            _cuda.use_device(mapping.ordinal)
+        except CudaError as error:
+            return error_code(error), file_offset, nbytes, 0
+        for start, stop, buffered in pieces:
+            if start == stop:
+                continue
+            address = mapping.address + region_offset + (start - file_offset)
+            try:
+                if buffered:
+                    got = _buffered(is_read, fds[1], address, stop - start, start)
+                else:
+                    got = _with_cufile(is_read, fds[0], mapping.address,
+                                       region_offset + (start - file_offset), stop - start, start)
+            except Exception as error:
+                return error_code(error), start, stop - start, 0
+            if got != stop - start:
+                return 0, start, stop - start, got
+        return 0, file_offset, nbytes, nbytes
+
+    def close(self):
+        for region_id in list(self._regions):
+            self.unmap(region_id)
+        if not self._setup_error:
+            _cufile.driver_close()
+
+    def _open_allocation(self, ipc_handle):
+        # A process can open an allocation once; regions of it share that mapping.
+        entry = self._allocations.get(ipc_handle)
+        if entry is None:
+            entry = self._allocations[ipc_handle] = [_cuda.open_handle(ipc_handle), 0]
+        entry[1] += 1
+        return entry[0]
+
+    def _close(self, mapping):
+        # Best effort: a failure to let go must not take the worker down with it.
+        if mapping.registered:
+            _ignore_errors(_cufile.buf_deregister, mapping.address)
+        entry = self._allocations[mapping.ipc_handle]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._allocations[mapping.ipc_handle]
+            _ignore_errors(_cuda.close_handle, entry[0])
+
+
+def _ignore_errors(call, *args):
+    try:
+        call(*args)
+    except (CudaError, CuFileError, OSError):
+        pass
+
+
+def _with_cufile(is_read, fd, base, base_offset, nbytes, file_offset):
+    """cuFileRead/Write until done or the end of the file; returns the bytes moved."""
+    handle = _cufile.handle_register(fd)
+    try:
+        call = _cufile.read if is_read else _cufile.write
+        done = 0
+        while done < nbytes:
+            got = call(handle, base, nbytes - done, file_offset + done, base_offset + done)
+            if got == 0:
+                break
+            done += got
+        return done
+    finally:
+        _cufile.handle_deregister(handle)
+
+
+def _buffered(is_read, fd, address, nbytes, file_offset):
+    if is_read:
+        data = os.pread(fd, nbytes, file_offset)
+        _cuda.copy_to_device(address, data)
+        return len(data)
+    return os.pwrite(fd, _cuda.copy_to_host(address, nbytes), file_offset)
+
+
+def error_code(error):
+    """The response code of an exception (see protocol.CUFILE_ERROR)."""
+    if isinstance(error, CuFileError):
+        return protocol.CUFILE_ERROR + error.code
+    if isinstance(error, CudaError):
+        return protocol.CUDA_ERROR + error.code
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    return errno.EIO

@@ -1,0 +1,198 @@
+"""gds_handle's cuFile road, end to end through real worker processes, without a GPU.
+
+The device is the stand-in of stand_in_device.py, the CUDA driver and cuFile are the
+fakes of fake_gpu.py: the parent exports "device" memory, the workers map it by the
+fake IPC, register it and move the bytes with the fake cuFile, and the tests check the
+bytes in the files and in the tensors. Real CUDA and cuFile are tested in test_gpu.py.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+from conftest import random_bytes
+from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
+from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
+
+import nvmeswap
+import nvmeswap.gpudirect as gpudirect
+from nvmeswap import _cuda
+
+KiB, MiB = 1 << 10, 1 << 20
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the fake CUDA IPC maps another "
+                                "process's memory through /proc/PID/map_files: root only")
+
+
+@pytest.fixture(scope="session")
+def fake_libraries(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fake_gpu")
+    return build(folder, "libcufile.so.0", FAKE_CUFILE), build(folder, "libcuda.so.1", FAKE_CUDA)
+
+
+@pytest.fixture
+def gds(fake_libraries, monkeypatch, handle_factory):
+    """Make gds_handles that see stand-in device tensors and use the fake libraries."""
+    cufile, cuda = map(str, fake_libraries)
+    ok, why = _cuda.load(cuda)
+    assert ok, why
+    monkeypatch.setattr(gpudirect, "gds_available", lambda: True)
+    monkeypatch.setattr(gpudirect, "library_paths", lambda: (cufile, cuda))
+    monkeypatch.setattr(gpudirect, "nvidia_fs_loaded", lambda: True)
+    monkeypatch.setattr(gpudirect, "_warned", set())
+    use_stand_in_device(monkeypatch)
+    made = []
+
+    def make(**kwargs):
+        made.append(nvmeswap.gds_handle(**kwargs))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def _no_copies():
+    """Every byte went through cuFile: the staging copier never ran."""
+    return all(copier.copied == 0 for copier in StandInCopier.made)
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+@pytest.mark.parametrize("pinned", [False, True])
+def test_round_trip_through_cufile(gds, tmp_path, parallelism, pinned):
+    h = gds(intra_op_parallelism=parallelism)
+    sizes = [1, 4095, 4097, 256 * KiB + 3, 3 * MiB + 5]
+    for i, (size, offset) in enumerate((s, o) for s in sizes for o in (0, 512, 12345)):
+        data = random_bytes(size, seed=i)
+        path = str(tmp_path / f"f{i}")
+        source = device_tensor(h, data, shared=True)
+        target = device_tensor(h, size, shared=True)
+        if pinned:
+            assert h.pin_device_tensor(source) and h.pin_device_tensor(target)
+        if i % 2:
+            assert h.async_pwrite(source, path, offset) == 0 and h.wait() == 1
+            assert h.async_pread(target, path, offset) == 0 and h.wait() == 1
+        else:
+            assert h.sync_pwrite(source, path, offset) == 1
+            assert h.sync_pread(target, path, offset) == 1
+        assert bytes(target.numpy()) == data, f"size={size} offset={offset}"
+        with open(path, "rb") as written:
+            assert written.read()[offset:] == data
+        if pinned:
+            assert h.unpin_device_tensor(source) and h.unpin_device_tensor(target)
+    assert _no_copies()
+
+
+def test_slices_of_a_pinned_tensor_use_its_registration(gds, tmp_path, monkeypatch):
+    # The fake cuFile refuses any buffer that is not registered at the base it is given.
+    monkeypatch.setenv("FAKE_CUFILE_REGISTERED_ONLY", "1")
+    h = gds(intra_op_parallelism=2)
+    whole = device_tensor(h, 4 * MiB, shared=True)
+    assert h.pin_device_tensor(whole)
+    data = random_bytes(MiB + 3)
+    for start in (0, 123, 4096, 2 * MiB + 1):
+        piece = whole[start:start + len(data)]
+        piece.handle = whole.handle
+        piece.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        assert h.sync_pwrite(piece, str(tmp_path / "f"), start) == 1
+        piece.zero_()
+        assert h.sync_pread(piece, str(tmp_path / "f"), start) == 1
+        assert bytes(piece.numpy()) == data, f"slice at {start}"
+    assert _no_copies()
+
+
+def test_unregistered_buffer_where_cufile_demands_registration(gds, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_CUFILE_REGISTERED_ONLY", "1")
+    h = gds()
+    path = tmp_path / "f"
+    with pytest.raises(nvmeswap.CuFileError) as caught:
+        h.sync_pwrite(device_tensor(h, random_bytes(MiB), shared=True), str(path))
+    assert caught.value.name == "CU_FILE_MEMORY_NOT_REGISTERED"
+    assert caught.value.filename == str(path) and str(path) in str(caught.value)
+    assert path.stat().st_size == 0        # the file the failed write created holds nothing
+
+
+def test_missing_and_short_files(gds, tmp_path):
+    h = gds()
+    with pytest.raises(FileNotFoundError) as caught:
+        h.sync_pread(device_tensor(h, MiB, shared=True), str(tmp_path / "missing"))
+    assert caught.value.filename == str(tmp_path / "missing")
+    (tmp_path / "short").write_bytes(bytes(MiB - 1))
+    with pytest.raises(nvmeswap.ShortFileError, match="short"):
+        h.sync_pread(device_tensor(h, MiB, shared=True), str(tmp_path / "short"))
+
+
+def test_cufile_configuration_is_passed_explicitly(gds, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    h = gds(cufile_config={"properties": {"allow_compat_mode": True}})
+    data = random_bytes(MiB)
+    assert h.sync_pwrite(device_tensor(h, data, shared=True), "f") == 1
+    refusing = gds(cufile_config={"fail_driver_open": True})
+    with pytest.raises(nvmeswap.CuFileError) as caught:
+        refusing.sync_pwrite(device_tensor(refusing, data, shared=True), "g")
+    assert caught.value.name == "CU_FILE_DRIVER_INVALID_PROPS"
+    assert sorted(os.listdir(tmp_path)) == sorted(before + ["f", "g"])   # no config file
+    with pytest.raises(ValueError, match="not a cuFile JSON"):
+        (tmp_path / "bad.json").write_text("{")
+        gds(cufile_config=str(tmp_path / "bad.json"))
+
+
+def test_memory_that_cannot_be_exported_takes_the_aio_road(gds, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_CUDA_NO_IPC", "1")
+    h = gds(intra_op_parallelism=2)
+    data = random_bytes(3 * MiB + 1)
+    with pytest.warns(nvmeswap.GdsFallbackWarning, match="CUDA_ERROR_NOT_SUPPORTED"):
+        assert h.pin_device_tensor(device_tensor(h, 16, shared=True)) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # one warning, not one per operation
+        h.sync_pwrite(device_tensor(h, data, shared=True), str(tmp_path / "f"))
+        target = device_tensor(h, len(data), shared=True)
+        h.sync_pread(target, str(tmp_path / "f"))
+    assert bytes(target.numpy()) == data
+    assert StandInCopier.made[-1].copied == len(data)     # staged through host memory
+
+
+def test_workers_let_go_of_device_memory(gds, tmp_path):
+    """An operation's mapping ends with it; a pinned tensor's with unpin."""
+    h = gds()
+    worker = h._resources.pool.workers[0].process.pid
+    host = torch.ones(2 * MiB, dtype=torch.uint8)
+
+    def worker_maps_device_memory():
+        h.sync_pwrite(host, str(tmp_path / "sync"))     # the worker has run what came before
+        with open(f"/proc/{worker}/maps") as maps:
+            return "stand-in-device" in maps.read()
+
+    h.sync_pwrite(device_tensor(h, random_bytes(MiB), shared=True), str(tmp_path / "f"))
+    assert not worker_maps_device_memory()
+    pinned = device_tensor(h, MiB, shared=True)
+    assert h.pin_device_tensor(pinned)
+    h.sync_pread(pinned, str(tmp_path / "f"))
+    assert worker_maps_device_memory()
+    assert h.unpin_device_tensor(pinned) and not h.unpin_device_tensor(pinned)
+    assert not worker_maps_device_memory()
+
+
+def test_pin_takes_device_tensors_only(gds):
+    h = gds()
+    with pytest.raises(TypeError, match="CUDA tensors"):
+        h.pin_device_tensor(torch.zeros(4))
+    assert h.unpin_device_tensor(torch.zeros(4)) is False
+
+
+def test_without_cufile_gds_handle_warns_once_and_works(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpudirect, "gds_available", lambda: False)
+    monkeypatch.setattr(gpudirect, "gds_unavailable_reason", lambda: "cuFile could not be loaded")
+    monkeypatch.setattr(gpudirect, "_warned", set())
+    use_stand_in_device(monkeypatch)
+    with pytest.warns(nvmeswap.GdsFallbackWarning, match="cuFile could not be loaded"):
+        h = nvmeswap.gds_handle()
+    try:
+        data = random_bytes(MiB + 1)
+        assert h.pin_device_tensor(device_tensor(h, 16)) is False
+        h.sync_pwrite(device_tensor(h, data), str(tmp_path / "f"))
+        target = torch.zeros(len(data), dtype=torch.uint8)
+        h.sync_pread(target, str(tmp_path / "f"))
+        assert bytes(target.numpy()) == data
+    finally:
+        h.close()
