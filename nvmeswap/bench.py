@@ -40,8 +40,10 @@ def add_arguments(parser):
     parser.add_argument("--validate", action="store_true",
                         help="re-read and compare every transfer")
     parser.add_argument("--buffer", choices=BUFFERS, default="locked")
-    parser.add_argument("--gpu", action="store_true", help="use CUDA tensors")
-    parser.add_argument("--gds", "--use_gds", action="store_true", help="use gds_handle")
+    parser.add_argument("--gpu", action="store_true",
+                        help="use CUDA tensors (rank r on GPU r modulo the GPU count)")
+    parser.add_argument("--gds", "--use_gds", action="store_true",
+                        help="use gds_handle and cuFile-registered CUDA tensors (implies --gpu)")
     parser.add_argument("--ranks", type=int, default=1, help="independent rank processes")
     parser.add_argument("--json", metavar="FILE", help="write all results to FILE")
     parser.add_argument("--config", metavar="FILE", help="handle settings from a tuner result")
@@ -85,9 +87,8 @@ def _plan(args):
                  "intra_op_parallelism"):
         if getattr(args, name) is not None:
             handle_args[name] = getattr(args, name)
-    if args.gpu or args.gds:
-        raise ValueError("--gpu and --gds need CUDA tensors, which this version of nvmeswap "
-                         "does not move yet")
+    if (args.gpu or args.gds) and not _gpu_count():
+        raise ValueError("--gpu and --gds need a CUDA GPU, and torch sees none here")
     if args.io_size <= 0 or args.loops < 1 or args.warmup_loops < 0 or args.ranks < 1:
         raise ValueError("--io-size, --loops and --ranks must be positive")
     for folder in args.folders or []:
@@ -104,7 +105,7 @@ def _plan(args):
         "loops": args.loops,
         "warmup_loops": args.warmup_loops,
         "validate": args.validate,
-        "buffer": args.buffer,
+        "buffer": "cuda-pinned" if args.gds else "cuda" if args.gpu else args.buffer,
         "ranks": args.ranks,
         "progress": sys.stderr.isatty(),
     }
@@ -157,14 +158,16 @@ def _rank_job(rank, plan, barrier):
     """One rank: its own handle, buffer and file; returns seconds per loop and CPU time."""
     import psutil
 
+    from .gpudirect import gds_handle
     from .handle import aio_handle
 
     folder = plan["folders"][rank % len(plan["folders"])]
     path = os.path.join(folder, f"nvmeswap-bench-rank{rank}.bin")
     result = {"rank": rank, "file": path, "jobs": {}}
     setup_started = time.perf_counter()
-    with aio_handle(**plan["handle"]) as handle:
-        buffer = _make_buffer(handle, plan["buffer"], plan["io_size"])
+    make_handle = gds_handle if plan["buffer"] == "cuda-pinned" else aio_handle
+    with make_handle(**plan["handle"]) as handle:
+        buffer = _make_buffer(handle, plan["buffer"], plan["io_size"], rank)
         _fill(buffer)
         setup_seconds = time.perf_counter() - setup_started
         if "write" not in plan["jobs"]:
@@ -201,8 +204,14 @@ def _rank_job(rank, plan, barrier):
     return result
 
 
-def _make_buffer(handle, kind, nbytes):
+def _make_buffer(handle, kind, nbytes, rank):
     import torch
+    if kind.startswith("cuda"):
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        if kind == "cuda-pinned":
+            return handle.new_pinned_device_tensor(nbytes, torch.empty(0, dtype=torch.uint8,
+                                                                       device=device))
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if kind == "locked":
         return handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
     if kind == "pinned":
@@ -216,10 +225,25 @@ def _make_buffer(handle, kind, nbytes):
 def _fill(buffer):
     """Random bytes (a repeated 1 MiB pattern), so that nothing compresses or dedupes."""
     import numpy
+    if not isinstance(buffer, numpy.ndarray) and buffer.is_cuda:
+        import torch
+        pattern = torch.frombuffer(bytearray(os.urandom(1 << 20)), dtype=torch.uint8)
+        for start in range(0, buffer.numel(), pattern.numel()):
+            piece = buffer[start:start + pattern.numel()]
+            piece.copy_(pattern[: piece.numel()])
+        return
     view = buffer if isinstance(buffer, numpy.ndarray) else buffer.numpy()
     pattern = numpy.frombuffer(os.urandom(1 << 20), dtype=numpy.uint8)
     for start in range(0, view.size, pattern.size):
         view[start:start + pattern.size] = pattern[: view.size - start]
+
+
+def _gpu_count():
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cpu_seconds(process):

@@ -1,0 +1,148 @@
+"""CUDA tensors for real: aio_handle's staging ring and gds_handle's cuFile road.
+
+These need an NVIDIA GPU (and, for gds_handle, cuFile); elsewhere they skip with the
+reason. Without a GPU the same roads are covered by test_device_pipeline.py and
+test_gds_handle.py with a stand-in device.
+"""
+import pytest
+import torch
+from conftest import random_bytes
+
+import nvmeswap
+
+MiB = 1 << 20
+SIZES = [1, 4095, 4097, MiB + 3, 40 * MiB + 5]
+OFFSETS = [0, 512, 12345]
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+needs_gds = pytest.mark.skipif(not (torch.cuda.is_available() and nvmeswap.gds_available()),
+                               reason="no CUDA GPU with cuFile here: "
+                                      f"{nvmeswap.gds_unavailable_reason() or 'no GPU'}")
+pytestmark = needs_gpu
+
+
+def gpu_bytes(data):
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
+
+
+def host_bytes(tensor):
+    return bytes(tensor.cpu().numpy())
+
+
+@pytest.fixture
+def gds_factory():
+    made = []
+
+    def make(**kwargs):
+        made.append(nvmeswap.gds_handle(**kwargs))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def _round_trips(h, tmp_path, *, pin=False):
+    for i, (size, offset) in enumerate((s, o) for s in SIZES for o in OFFSETS):
+        data = random_bytes(size, seed=i)
+        path = str(tmp_path / f"f{i}")
+        source, target = gpu_bytes(data), torch.zeros(size, dtype=torch.uint8, device="cuda")
+        if pin:
+            assert h.pin_device_tensor(source) and h.pin_device_tensor(target)
+        if i % 2:
+            assert h.async_pwrite(source, path, offset) == 0 and h.wait() == 1
+            assert h.async_pread(target, path, offset) == 0 and h.wait() == 1
+        else:
+            assert h.sync_pwrite(source, path, offset) == 1
+            assert h.sync_pread(target, path, offset) == 1
+        assert host_bytes(target) == data, f"size={size} offset={offset}"
+        with open(path, "rb") as written:
+            assert written.read()[offset:] == data
+        if pin:
+            assert h.unpin_device_tensor(source) and h.unpin_device_tensor(target)
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_aio_round_trips_of_cuda_tensors(handle_factory, tmp_path, parallelism):
+    _round_trips(handle_factory(intra_op_parallelism=parallelism), tmp_path)
+
+
+def test_aio_respects_the_callers_stream(handle_factory, tmp_path):
+    """A write sees the work queued before it; a read is visible to work queued after wait()."""
+    h = handle_factory(intra_op_parallelism=2)
+    n = 16 * MiB
+    stream = torch.cuda.Stream()
+    expected = (torch.arange(n, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)               # the kernel below finishes late
+        produced = (torch.arange(n, dtype=torch.int64, device="cuda") * 7 % 251).to(torch.uint8)
+        h.sync_pwrite(produced, str(tmp_path / "f"))
+        target = torch.empty(n, dtype=torch.uint8, device="cuda")
+        h.async_pread(target, str(tmp_path / "f"))
+        assert h.wait() == 1
+        checksum = target.to(torch.int64).sum()     # queued after wait() on the same stream
+    assert (tmp_path / "f").read_bytes() == bytes(expected.numpy())
+    assert checksum.item() == expected.to(torch.int64).sum().item()
+
+
+def test_locked_tensors_are_pinned_for_cuda_copies(handle):
+    torch.cuda.init()
+    locked = handle.new_cpu_locked_tensor(MiB, torch.empty(0, dtype=torch.uint8))
+    assert locked.is_pinned()
+
+
+@needs_gds
+@pytest.mark.parametrize("parallelism", [1, 2])
+@pytest.mark.parametrize("pin", [False, True])
+def test_gds_round_trips(gds_factory, tmp_path, parallelism, pin):
+    _round_trips(gds_factory(intra_op_parallelism=parallelism), tmp_path, pin=pin)
+
+
+@needs_gds
+def test_gds_pinned_tensors_and_their_slices(gds_factory, tmp_path):
+    h = gds_factory(intra_op_parallelism=2)
+    whole = h.new_pinned_device_tensor(8 * MiB, torch.empty(0, dtype=torch.uint8, device="cuda"))
+    data = random_bytes(MiB + 3)
+    for start in (0, 123, 4096, 3 * MiB + 1):
+        piece = whole[start:start + len(data)]
+        piece.copy_(gpu_bytes(data))
+        assert h.sync_pwrite(piece, str(tmp_path / "f"), start) == 1
+        piece.zero_()
+        assert h.sync_pread(piece, str(tmp_path / "f"), start) == 1
+        assert host_bytes(piece) == data, f"slice at {start}"
+    assert h.free_pinned_device_tensor(whole) and not h.free_pinned_device_tensor(whole)
+
+
+@needs_gds
+def test_gds_errors_name_the_file(gds_factory, tmp_path):
+    h = gds_factory()
+    target = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(FileNotFoundError) as caught:
+        h.sync_pread(target, str(tmp_path / "missing"))
+    assert caught.value.filename == str(tmp_path / "missing")
+    (tmp_path / "short").write_bytes(bytes(MiB - 1))
+    with pytest.raises(nvmeswap.ShortFileError):
+        h.sync_pread(target, str(tmp_path / "short"))
+    assert h.unpin_device_tensor(target) is False       # never pinned
+
+
+@needs_gds
+def test_gds_on_a_non_default_stream(gds_factory, tmp_path):
+    h = gds_factory(intra_op_parallelism=2)
+    n = 16 * MiB
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        produced = torch.full((n,), 42, dtype=torch.uint8, device="cuda")
+        h.sync_pwrite(produced, str(tmp_path / "f"))
+    assert (tmp_path / "f").read_bytes() == bytes([42]) * n
+
+
+@pytest.mark.parametrize("road", ["--gpu", pytest.param("--gds", marks=needs_gds)])
+def test_bench_moves_cuda_tensors(tmp_path, road):
+    from test_cli import nvmeswap_command
+
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "64M", "--loops", 1,
+                              "--validate", road)
+    assert result.returncode == 0, result.stderr
+    assert "Task Read Speed" in result.stdout and "Task Write Speed" in result.stdout
