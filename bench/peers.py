@@ -126,3 +126,30 @@ class FioContender:
 
 def fio_available():
     return shutil.which("fio") is not None
+
+
+class CudaTensorContender(HandleContender):
+    """A handle moving one CUDA tensor: aio_handle stages it, gds_handle uses cuFile."""
+
+    def __init__(self, handle, size, pin=False):
+        self.handle = handle
+        self.tensor = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
+        self.pinned = pin and bool(handle.pin_device_tensor(self.tensor))
+
+    def write(self, path):
+        torch.cuda.synchronize()
+        return timed(self.handle.sync_pwrite, self.tensor, path)
+
+    def close(self):
+        if self.pinned:
+            self.handle.unpin_device_tensor(self.tensor)
+        if hasattr(self.handle, "close"):
+            self.handle.close()
+
+
+def deepspeed_gds_available():
+    try:
+        from deepspeed.ops.op_builder import GDSBuilder
+        return GDSBuilder().is_compatible(verbose=False)
+    except Exception:
+        return False

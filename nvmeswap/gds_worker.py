@@ -45,6 +45,7 @@ class GdsWorker:
                 self._setup_error = errno.ELIBACC
                 return
         try:
+            _cuda.initialize()
             _cufile.driver_open()
         except Exception as error:
             self._setup_error = error_code(error)
@@ -79,16 +80,21 @@ class GdsWorker:
 
         The aligned middle goes through cuFile on the O_DIRECT descriptor; an unaligned
         head or tail (under one block) is copied with cuMemcpy and read or written
-        through the buffered one, as the aio road does (Note [O_DIRECT tail]).
+        through the buffered one, as the aio road does (Note [O_DIRECT tail]). Where the
+        filesystem refused O_DIRECT (alignment 1), all of it goes the buffered way.
         """
         mapping = self._regions.get(region_id, errno.EINVAL)
         if not isinstance(mapping, DeviceMapping):
             return mapping, file_offset, nbytes, 0
         end = file_offset + nbytes
-        head_end = min(end, -(-file_offset // alignment) * alignment)
-        tail_start = max(head_end, end // alignment * alignment)
-        pieces = [(file_offset, head_end, True), (head_end, tail_start, False),
-                  (tail_start, end, True)]
+        buffered_fd = fds[1] if len(fds) > 1 else fds[0]
+        if alignment == 1:
+            pieces = [(file_offset, end, True)]
+        else:
+            head_end = min(end, -(-file_offset // alignment) * alignment)
+            tail_start = max(head_end, end // alignment * alignment)
+            pieces = [(file_offset, head_end, True), (head_end, tail_start, False),
+                      (tail_start, end, True)]
         try:
             _cuda.use_device(mapping.ordinal)
         except CudaError as error:
@@ -99,7 +105,7 @@ class GdsWorker:
             address = mapping.address + region_offset + (start - file_offset)
             try:
                 if buffered:
-                    got = _buffered(is_read, fds[1], address, stop - start, start)
+                    got = _buffered(is_read, buffered_fd, address, stop - start, start)
                 else:
                     got = _with_cufile(is_read, fds[0], mapping.address,
                                        region_offset + (start - file_offset), stop - start, start)
@@ -158,11 +164,21 @@ def _with_cufile(is_read, fd, base, base_offset, nbytes, file_offset):
 
 
 def _buffered(is_read, fd, address, nbytes, file_offset):
-    if is_read:
-        data = os.pread(fd, nbytes, file_offset)
-        _cuda.copy_to_device(address, data)
-        return len(data)
-    return os.pwrite(fd, _cuda.copy_to_host(address, nbytes), file_offset)
+    """cuMemcpy and pread/pwrite, 16 MiB at a time; returns the bytes moved."""
+    step = 16 << 20
+    done = 0
+    while done < nbytes:
+        length = min(step, nbytes - done)
+        if is_read:
+            data = os.pread(fd, length, file_offset + done)
+            _cuda.copy_to_device(address + done, data)
+            moved = len(data)
+        else:
+            moved = os.pwrite(fd, _cuda.copy_to_host(address + done, length), file_offset + done)
+        done += moved
+        if moved < length:
+            break
+    return done
 
 
 def error_code(error):

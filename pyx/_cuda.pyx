@@ -45,13 +45,18 @@ cdef _require():
         raise RuntimeError("the CUDA driver is not loaded (see nvmeswap.gds_available())")
 
 
+def initialize():
+    _require()
+    _check(table.init(0), "cuInit")
+
+
 def use_device(int ordinal):
     """Make device ``ordinal``'s primary context (the one torch uses) current in this thread."""
     cdef int device
     cdef nvmeswap_CUcontext context
     _require()
     if ordinal not in _contexts:
-        _check(table.init(0), "cuInit")
+        initialize()
         _check(table.device_get(&device, ordinal), "cuDeviceGet")
         _check(table.primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain")
         _contexts[ordinal] = <size_t>context

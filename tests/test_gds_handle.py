@@ -196,3 +196,12 @@ def test_without_cufile_gds_handle_warns_once_and_works(tmp_path, monkeypatch):
         assert bytes(target.numpy()) == data
     finally:
         h.close()
+
+
+def test_without_o_direct_device_bytes_go_the_buffered_way(gds, tmp_path):
+    h = gds(o_direct=False, intra_op_parallelism=2)
+    data = random_bytes(3 * MiB + 7)
+    h.sync_pwrite(device_tensor(h, data, shared=True), str(tmp_path / "f"), 5)
+    target = device_tensor(h, len(data), shared=True)
+    h.sync_pread(target, str(tmp_path / "f"), 5)
+    assert bytes(target.numpy()) == data and _no_copies()
