@@ -56,19 +56,20 @@ class GdsWorker:
         if self._setup_error:
             self._regions[region_id] = self._setup_error
             return
-        ipc_handle, ordinal, offset, register = protocol.DEVICE_REGION.unpack(payload)
+        ipc_handle, ordinal, offset = protocol.DEVICE_REGION.unpack(payload)
         try:
             _cuda.use_device(ordinal)
             base = self._open_allocation(ipc_handle)
-            mapping = DeviceMapping(ipc_handle, ordinal, base + offset, nbytes, False)
-            self._regions[region_id] = mapping
-            if register:
-                _cufile.buf_register(mapping.address, nbytes)
-                mapping.registered = True
         except Exception as error:
-            if region_id in self._regions:
-                self._close(self._regions.pop(region_id))
             self._regions[region_id] = error_code(error)
+            return
+        mapping = self._regions[region_id] = DeviceMapping(ipc_handle, ordinal, base + offset,
+                                                           nbytes, False)
+        try:
+            _cufile.buf_register(mapping.address, nbytes)
+            mapping.registered = True
+        except (CuFileError, OSError):
+            pass    # cuFile moves unregistered memory too, through its own bounce buffers
 
     def unmap(self, region_id):
         mapping = self._regions.pop(region_id, None)

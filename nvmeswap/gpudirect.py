@@ -3,13 +3,15 @@
 Note [device regions]
 A worker cannot use the parent's device pointers, so CUDA memory reaches it through
 CUDA IPC: the parent exports the allocation that holds a tensor (cuMemGetAddressRange,
-cuIpcGetMemHandle), each worker opens it in the same device's primary context, and
-cuFile reads or writes the worker's chunk at the tensor's offset in it. A pinned tensor
-(``pin_device_tensor``) is mapped and registered with cuFile by each worker once and
-stays so until unpinned; any other tensor is mapped for one operation. The handle holds
-the tensor while workers map it, so the memory cannot be freed under them. Memory that
-cannot be exported (allocated with cuMemCreate, as torch's expandable segments are)
-takes the aio road of aio_handle, with one warning.
+cuIpcGetMemHandle), each worker opens it in the same device's primary context,
+registers the tensor's range with cuFile, and reads or writes its chunk at the
+tensor's offset in it. A pinned tensor (``pin_device_tensor``) is mapped and registered
+by each worker once and stays so until unpinned; any other tensor is mapped and
+registered on the fly for one operation. (Registration is a speed-up, not a condition:
+where cuFile refuses it, the worker goes on unregistered.) The handle holds the tensor
+while workers map it, so the memory cannot be freed under them. Memory that cannot be
+exported (allocated with cuMemCreate, as torch's expandable segments are) takes the aio
+road of aio_handle, with one warning.
 """
 import json
 import os
@@ -32,21 +34,19 @@ class DeviceRegion:
 
     read_kind, write_kind = protocol.GDS_READ, protocol.GDS_WRITE
 
-    def __init__(self, owner, address, nbytes, ordinal, register):
+    def __init__(self, owner, address, nbytes, ordinal):
         self.region_id = next(region_ids)
         self.owner = owner      # the tensor, kept alive while workers map it
         self.address = address
         self.size = nbytes
         self.ordinal = ordinal
-        self.register = register
         _cuda.use_device(ordinal)
         self.ipc_handle, self.allocation_base, _ = _cuda.export(address)
 
     def map_request(self):
         header = protocol.REQUEST.pack(protocol.GDS_MAP, self.region_id, 0, 0, 0, self.size, 0, 0)
         return header + protocol.DEVICE_REGION.pack(
-            self.ipc_handle, self.ordinal, self.address - self.allocation_base,
-            self.register), []
+            self.ipc_handle, self.ordinal, self.address - self.allocation_base), []
 
     def contains(self, address, nbytes):
         return self.address <= address and address + nbytes <= self.address + self.size
@@ -125,7 +125,7 @@ class gds_handle(aio_handle):
         with self._cond:
             if self._pinned_region(buf.address, buf.nbytes) is not None:
                 return True
-            region = self._export(buf, register=True)
+            region = self._export(buf)
             if region is None:
                 return False
             self._pinned[region.region_id] = region
@@ -171,7 +171,7 @@ class gds_handle(aio_handle):
     def _cufile_region(self, buf):
         if self._libraries is None:
             return None
-        return self._pinned_region(buf.address, buf.nbytes) or self._export(buf, register=False)
+        return self._pinned_region(buf.address, buf.nbytes) or self._export(buf)
 
     def _pinned_region(self, address, nbytes):
         for region in self._pinned.values():
@@ -179,10 +179,10 @@ class gds_handle(aio_handle):
                 return region
         return None
 
-    def _export(self, buf, *, register):
+    def _export(self, buf):
         try:
             return DeviceRegion(buf.owner, buf.address, buf.nbytes,
-                                buf.device.index, register)    # a tensor's device has one
+                                buf.device.index)    # a tensor's device has one
         except CudaError as error:
             _warn_once("export", f"CUDA memory the workers cannot map ({error}; torch's "
                        "expandable_segments allocates such memory) moves through locked host "

@@ -17,9 +17,9 @@ REQUEST = struct.Struct("<BxxxIQIxxxxQQqQ")
 RESPONSE = struct.Struct("<QIiqqq")
 READY_OP = 0
 MAX_FDS = 2
-# What follows a GDS_MAP request: the allocation's IPC handle, the device ordinal, the
-# region's offset in the allocation, and whether to register it with cuFile.
-DEVICE_REGION = struct.Struct("<64sIQ?")
+# What follows a GDS_MAP request: the allocation's IPC handle, the device ordinal, and the
+# region's offset in the allocation.
+DEVICE_REGION = struct.Struct("<64sIQ")
 # A request and its payload (GDS_SETUP: library paths) fit in one datagram of this size.
 MAX_MESSAGE = 8192
 # Error codes in a response: an errno below CUFILE_ERROR, else one of these plus the code.

@@ -140,6 +140,7 @@ FAKE_CUFILE = textwrap.dedent("""
     status cuFileBufRegister(const void *p, size_t n, int flags) {
         int i, free_slot = -1;
         (void)flags;
+        if (getenv("FAKE_CUFILE_REFUSE_REGISTRATION")) return make(5025); /* PERMISSION_DENIED */
         for (i = 0; i < 64; i++) {
             if (registered[i].address == p) return make(5023);  /* ALREADY_REGISTERED */
             if (!registered[i].address && free_slot < 0) free_slot = i;

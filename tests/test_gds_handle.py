@@ -85,9 +85,17 @@ def test_round_trip_through_cufile(gds, tmp_path, parallelism, pinned):
 def test_slices_of_a_pinned_tensor_use_its_registration(gds, tmp_path, monkeypatch):
     # The fake cuFile refuses any buffer that is not registered at the base it is given.
     monkeypatch.setenv("FAKE_CUFILE_REGISTERED_ONLY", "1")
+    exported = []
+
+    class CountedRegion(gpudirect.DeviceRegion):
+        def __init__(self, *args):
+            super().__init__(*args)
+            exported.append(self)
+
+    monkeypatch.setattr(gpudirect, "DeviceRegion", CountedRegion)
     h = gds(intra_op_parallelism=2)
     whole = device_tensor(h, 4 * MiB, shared=True)
-    assert h.pin_device_tensor(whole)
+    assert h.pin_device_tensor(whole) and len(exported) == 1
     data = random_bytes(MiB + 3)
     for start in (0, 123, 4096, 2 * MiB + 1):
         piece = whole[start:start + len(data)]
@@ -97,10 +105,23 @@ def test_slices_of_a_pinned_tensor_use_its_registration(gds, tmp_path, monkeypat
         piece.zero_()
         assert h.sync_pread(piece, str(tmp_path / "f"), start) == 1
         assert bytes(piece.numpy()) == data, f"slice at {start}"
-    assert _no_copies()
+    assert _no_copies() and len(exported) == 1      # every slice used the pinned region
+
+
+def test_unpinned_tensors_are_registered_on_the_fly(gds, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_CUFILE_REGISTERED_ONLY", "1")
+    h = gds(intra_op_parallelism=2)
+    data = random_bytes(2 * MiB + 5)
+    h.sync_pwrite(device_tensor(h, data, shared=True), str(tmp_path / "f"), 7)
+    target = device_tensor(h, len(data), shared=True)
+    h.sync_pread(target, str(tmp_path / "f"), 7)
+    assert bytes(target.numpy()) == data and _no_copies()
 
 
 def test_unregistered_buffer_where_cufile_demands_registration(gds, tmp_path, monkeypatch):
+    # Registration refused (a speed-up only, so not an error by itself), and then a
+    # cuFile that moves registered memory only: its error, by name, with the file.
+    monkeypatch.setenv("FAKE_CUFILE_REFUSE_REGISTRATION", "1")
     monkeypatch.setenv("FAKE_CUFILE_REGISTERED_ONLY", "1")
     h = gds()
     path = tmp_path / "f"
