@@ -27,6 +27,8 @@ typedef struct {
     nvmeswap_CUresult (*device_get)(int *, int);
     nvmeswap_CUresult (*primary_ctx_retain)(nvmeswap_CUcontext *, int);
     nvmeswap_CUresult (*ctx_set_current)(nvmeswap_CUcontext);
+    nvmeswap_CUresult (*ctx_push_current)(nvmeswap_CUcontext);
+    nvmeswap_CUresult (*ctx_pop_current)(nvmeswap_CUcontext *);
     nvmeswap_CUresult (*mem_get_address_range)(nvmeswap_CUdeviceptr *, size_t *,
                                                nvmeswap_CUdeviceptr);
     nvmeswap_CUresult (*ipc_get_mem_handle)(nvmeswap_CUipcMemHandle *, nvmeswap_CUdeviceptr);
@@ -44,11 +46,13 @@ static inline int nvmeswap_cuda_load(const char *path, nvmeswap_cuda_table *tabl
 {
     /* The _v2 names are what cuda.h's macros resolve to since CUDA 4 and 11. */
     const char *names[] = {"cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
-                           "cuCtxSetCurrent", "cuMemGetAddressRange_v2", "cuIpcGetMemHandle",
+                           "cuCtxSetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
+                           "cuMemGetAddressRange_v2", "cuIpcGetMemHandle",
                            "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle", "cuGetErrorName",
                            "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"};
     void **slots[] = {(void **)&table->init, (void **)&table->device_get,
                       (void **)&table->primary_ctx_retain, (void **)&table->ctx_set_current,
+                      (void **)&table->ctx_push_current, (void **)&table->ctx_pop_current,
                       (void **)&table->mem_get_address_range,
                       (void **)&table->ipc_get_mem_handle, (void **)&table->ipc_open_mem_handle,
                       (void **)&table->ipc_close_mem_handle, (void **)&table->get_error_name,

@@ -18,6 +18,7 @@ import warnings
 from ._memory import copy_memory
 
 _registration_warned = False
+HOST_REGISTER_PORTABLE = 1     # cudaHostRegisterPortable
 
 
 class HostCopier:
@@ -104,7 +105,8 @@ def register_for_device_copies(region):
     import torch
 
     cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(region.address, region.size, 0)
+    # Portable: pinned for every device's context, not only the current one.
+    status = cudart.cudaHostRegister(region.address, region.size, HOST_REGISTER_PORTABLE)
     if status != cudart.cudaError.success:
         _warn_registration_refused(region.size, status)
         return

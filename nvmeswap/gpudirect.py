@@ -40,8 +40,7 @@ class DeviceRegion:
         self.address = address
         self.size = nbytes
         self.ordinal = ordinal
-        _cuda.use_device(ordinal)
-        self.ipc_handle, self.allocation_base, _ = _cuda.export(address)
+        self.ipc_handle, self.allocation_base, _ = _cuda.export(address, ordinal)
 
     def map_request(self):
         header = protocol.REQUEST.pack(protocol.GDS_MAP, self.region_id, 0, 0, 0, self.size, 0, 0)

@@ -50,8 +50,8 @@ def initialize():
     _check(table.init(0), "cuInit")
 
 
-def use_device(int ordinal):
-    """Make device ``ordinal``'s primary context (the one torch uses) current in this thread."""
+cdef nvmeswap_CUcontext _primary_context(int ordinal) except? NULL:
+    """Device ``ordinal``'s primary context (the one torch uses), retained once."""
     cdef int device
     cdef nvmeswap_CUcontext context
     _require()
@@ -60,18 +60,27 @@ def use_device(int ordinal):
         _check(table.device_get(&device, ordinal), "cuDeviceGet")
         _check(table.primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain")
         _contexts[ordinal] = <size_t>context
-    _check(table.ctx_set_current(<nvmeswap_CUcontext><size_t>_contexts[ordinal]),
-           "cuCtxSetCurrent")
+    return <nvmeswap_CUcontext><size_t>_contexts[ordinal]
 
 
-def export(size_t address):
-    """The allocation holding ``address``: ``(ipc handle bytes, base address, size)``."""
+def use_device(int ordinal):
+    """Make device ``ordinal``'s primary context current in this thread (in workers)."""
+    _check(table.ctx_set_current(_primary_context(ordinal)), "cuCtxSetCurrent")
+
+
+def export(size_t address, int ordinal):
+    """The allocation holding ``address`` on device ``ordinal``: ``(ipc handle bytes, base
+    address, size)``. The caller's current context is left as it was."""
     cdef nvmeswap_CUdeviceptr base = 0
     cdef size_t size = 0
     cdef nvmeswap_CUipcMemHandle handle
-    _require()
-    _check(table.mem_get_address_range(&base, &size, address), "cuMemGetAddressRange")
-    _check(table.ipc_get_mem_handle(&handle, base), "cuIpcGetMemHandle")
+    cdef nvmeswap_CUcontext popped
+    _check(table.ctx_push_current(_primary_context(ordinal)), "cuCtxPushCurrent")
+    try:
+        _check(table.mem_get_address_range(&base, &size, address), "cuMemGetAddressRange")
+        _check(table.ipc_get_mem_handle(&handle, base), "cuIpcGetMemHandle")
+    finally:
+        table.ctx_pop_current(&popped)
     return (<char *>&handle)[:sizeof(handle)], <size_t>base, size
 
 

@@ -34,6 +34,8 @@ FAKE_CUDA = textwrap.dedent("""
         return 0;
     }
     int cuCtxSetCurrent(void *context) { (void)context; return 0; }
+    int cuCtxPushCurrent_v2(void *context) { (void)context; return 0; }
+    int cuCtxPopCurrent_v2(void **context) { *context = NULL; return 0; }
     int cuMemGetAddressRange_v2(ptr_t *base, size_t *size, ptr_t p) {
         char line[512];
         unsigned long long start, end;

@@ -16,6 +16,8 @@ cdef extern from "cuda_driver_shim.h" nogil:
         nvmeswap_CUresult (*device_get)(int *, int)
         nvmeswap_CUresult (*primary_ctx_retain)(nvmeswap_CUcontext *, int)
         nvmeswap_CUresult (*ctx_set_current)(nvmeswap_CUcontext)
+        nvmeswap_CUresult (*ctx_push_current)(nvmeswap_CUcontext)
+        nvmeswap_CUresult (*ctx_pop_current)(nvmeswap_CUcontext *)
         nvmeswap_CUresult (*mem_get_address_range)(nvmeswap_CUdeviceptr *, size_t *,
                                                    nvmeswap_CUdeviceptr)
         nvmeswap_CUresult (*ipc_get_mem_handle)(nvmeswap_CUipcMemHandle *, nvmeswap_CUdeviceptr)
