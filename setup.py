@@ -1,4 +1,6 @@
 """Builds nvmeswap's Cython extensions; needs only setuptools, Cython and a C compiler."""
+import glob
+
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -8,6 +10,7 @@ def extension(name, libraries=()):
         f"nvmeswap._{name}",
         sources=[f"pyx/_{name}.pyx"],
         include_dirs=["cdeps"],
+        depends=sorted(glob.glob("cdeps/*.h")),     # rebuilt when a header changes
         libraries=list(libraries),
         extra_compile_args=["-O2"],
     )

@@ -10,9 +10,9 @@
 #ifndef NVMESWAP_CUDA_DRIVER_SHIM_H
 #define NVMESWAP_CUDA_DRIVER_SHIM_H
 
-#include <dlfcn.h>
-#include <stdio.h>
 #include <string.h>
+
+#include "dlopen_table.h"
 
 typedef int nvmeswap_CUresult;                  /* CUDA_SUCCESS is 0 */
 typedef unsigned long long nvmeswap_CUdeviceptr;
@@ -57,23 +57,10 @@ static inline int nvmeswap_cuda_load(const char *path, nvmeswap_cuda_table *tabl
                       (void **)&table->ipc_get_mem_handle, (void **)&table->ipc_open_mem_handle,
                       (void **)&table->ipc_close_mem_handle, (void **)&table->get_error_name,
                       (void **)&table->memcpy_dtoh, (void **)&table->memcpy_htod};
-    size_t i;
     memset(table, 0, sizeof(*table));
-    table->library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (table->library == NULL) {
-        snprintf(why, why_len, "%s", dlerror());
-        return -1;
-    }
-    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        *slots[i] = dlsym(table->library, names[i]);
-        if (*slots[i] == NULL) {
-            snprintf(why, why_len, "%s has no %s", path, names[i]);
-            dlclose(table->library);
-            memset(table, 0, sizeof(*table));
-            return -1;
-        }
-    }
-    return 0;
+    table->library = nvmeswap_dlopen_table(path, names, slots, sizeof(names) / sizeof(names[0]),
+                                           why, why_len);
+    return table->library == NULL ? -1 : 0;
 }
 
 #endif

@@ -7,10 +7,10 @@
 #ifndef NVMESWAP_CUFILE_SHIM_H
 #define NVMESWAP_CUFILE_SHIM_H
 
-#include <dlfcn.h>
-#include <stdio.h>
 #include <string.h>
 #include <sys/types.h>
+
+#include "dlopen_table.h"
 
 typedef struct {
     int err;        /* CUfileOpError: 0 is success, 5001 and up are cuFile's errors */
@@ -48,23 +48,10 @@ static inline int nvmeswap_cufile_load(const char *path, nvmeswap_cufile_table *
                       (void **)&table->handle_register, (void **)&table->handle_deregister,
                       (void **)&table->buf_register, (void **)&table->buf_deregister,
                       (void **)&table->read, (void **)&table->write};
-    size_t i;
     memset(table, 0, sizeof(*table));
-    table->library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (table->library == NULL) {
-        snprintf(why, why_len, "%s", dlerror());
-        return -1;
-    }
-    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        *slots[i] = dlsym(table->library, names[i]);
-        if (*slots[i] == NULL) {
-            snprintf(why, why_len, "%s has no %s", path, names[i]);
-            dlclose(table->library);
-            memset(table, 0, sizeof(*table));
-            return -1;
-        }
-    }
-    return 0;
+    table->library = nvmeswap_dlopen_table(path, names, slots, sizeof(names) / sizeof(names[0]),
+                                           why, why_len);
+    return table->library == NULL ? -1 : 0;
 }
 
 #endif

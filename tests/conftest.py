@@ -29,18 +29,27 @@ def no_leaks():
     assert not leaked, f"leaked: {leaked}"
 
 
-@pytest.fixture
-def handle_factory():
-    """Make handles that are closed at the end of the test, whatever happens."""
+def _closing_factory(kind):
+    """Make handles of ``kind`` that are closed at the end of the test, whatever happens."""
     made = []
 
     def make(**kwargs):
-        made.append(nvmeswap.aio_handle(**kwargs))
+        made.append(kind(**kwargs))
         return made[-1]
 
     yield make
     for handle in made:
         handle.close()
+
+
+@pytest.fixture
+def handle_factory():
+    yield from _closing_factory(nvmeswap.aio_handle)
+
+
+@pytest.fixture
+def gds_factory():
+    yield from _closing_factory(nvmeswap.gds_handle)
 
 
 @pytest.fixture
@@ -51,3 +60,28 @@ def handle(handle_factory):
 def random_bytes(n, seed=0):
     import numpy as np
     return np.random.default_rng(seed + n).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def device_round_trips(h, tmp_path, sizes, offsets, make_tensor, tensor_bytes, pin=False):
+    """Write and read back each size x offset (every other one async), pinning the tensors
+    first if asked; check the bytes in the file and in the tensor read into.
+
+    ``make_tensor(data)`` makes a tensor holding ``data`` (bytes) or ``data`` zero bytes.
+    """
+    for i, (size, offset) in enumerate((s, o) for s in sizes for o in offsets):
+        data = random_bytes(size, seed=i)
+        path = str(tmp_path / f"f{i}")
+        source, target = make_tensor(data), make_tensor(size)
+        if pin:
+            assert h.pin_device_tensor(source) and h.pin_device_tensor(target)
+        if i % 2:
+            assert h.async_pwrite(source, path, offset) == 0 and h.wait() == 1
+            assert h.async_pread(target, path, offset) == 0 and h.wait() == 1
+        else:
+            assert h.sync_pwrite(source, path, offset) == 1
+            assert h.sync_pread(target, path, offset) == 1
+        assert tensor_bytes(target) == data, f"size={size} offset={offset}"
+        with open(path, "rb") as written:
+            assert written.read()[offset:] == data
+        if pin:
+            assert h.unpin_device_tensor(source) and h.unpin_device_tensor(target)

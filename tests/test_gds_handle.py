@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import random_bytes
+from conftest import device_round_trips, random_bytes
 from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
 from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
@@ -30,7 +30,7 @@ def fake_libraries(tmp_path_factory):
 
 
 @pytest.fixture
-def gds(fake_libraries, monkeypatch, handle_factory):
+def gds(fake_libraries, monkeypatch, gds_factory):
     """Make gds_handles that see stand-in device tensors and use the fake libraries."""
     cufile, cuda = map(str, fake_libraries)
     ok, why = _cuda.load(cuda)
@@ -40,15 +40,7 @@ def gds(fake_libraries, monkeypatch, handle_factory):
     monkeypatch.setattr(gpudirect, "nvidia_fs_loaded", lambda: True)
     monkeypatch.setattr(gpudirect, "_warned", set())
     use_stand_in_device(monkeypatch)
-    made = []
-
-    def make(**kwargs):
-        made.append(nvmeswap.gds_handle(**kwargs))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.close()
+    return gds_factory
 
 
 def _no_copies():
@@ -60,25 +52,9 @@ def _no_copies():
 @pytest.mark.parametrize("pinned", [False, True])
 def test_round_trip_through_cufile(gds, tmp_path, parallelism, pinned):
     h = gds(intra_op_parallelism=parallelism)
-    sizes = [1, 4095, 4097, 256 * KiB + 3, 3 * MiB + 5]
-    for i, (size, offset) in enumerate((s, o) for s in sizes for o in (0, 512, 12345)):
-        data = random_bytes(size, seed=i)
-        path = str(tmp_path / f"f{i}")
-        source = device_tensor(h, data, shared=True)
-        target = device_tensor(h, size, shared=True)
-        if pinned:
-            assert h.pin_device_tensor(source) and h.pin_device_tensor(target)
-        if i % 2:
-            assert h.async_pwrite(source, path, offset) == 0 and h.wait() == 1
-            assert h.async_pread(target, path, offset) == 0 and h.wait() == 1
-        else:
-            assert h.sync_pwrite(source, path, offset) == 1
-            assert h.sync_pread(target, path, offset) == 1
-        assert bytes(target.numpy()) == data, f"size={size} offset={offset}"
-        with open(path, "rb") as written:
-            assert written.read()[offset:] == data
-        if pinned:
-            assert h.unpin_device_tensor(source) and h.unpin_device_tensor(target)
+    device_round_trips(h, tmp_path, [1, 4095, 4097, 256 * KiB + 3, 3 * MiB + 5],
+                       [0, 512, 12345], lambda data: device_tensor(h, data, shared=True),
+                       lambda tensor: bytes(tensor.numpy()), pinned)
     assert _no_copies()
 
 

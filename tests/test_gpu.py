@@ -6,7 +6,7 @@ test_gds_handle.py with a stand-in device.
 """
 import pytest
 import torch
-from conftest import random_bytes
+from conftest import device_round_trips, random_bytes
 
 import nvmeswap
 
@@ -29,37 +29,13 @@ def host_bytes(tensor):
     return bytes(tensor.cpu().numpy())
 
 
-@pytest.fixture
-def gds_factory():
-    made = []
-
-    def make(**kwargs):
-        made.append(nvmeswap.gds_handle(**kwargs))
-        return made[-1]
-
-    yield make
-    for h in made:
-        h.close()
-
-
 def _round_trips(h, tmp_path, *, pin=False):
-    for i, (size, offset) in enumerate((s, o) for s in SIZES for o in OFFSETS):
-        data = random_bytes(size, seed=i)
-        path = str(tmp_path / f"f{i}")
-        source, target = gpu_bytes(data), torch.zeros(size, dtype=torch.uint8, device="cuda")
-        if pin:
-            assert h.pin_device_tensor(source) and h.pin_device_tensor(target)
-        if i % 2:
-            assert h.async_pwrite(source, path, offset) == 0 and h.wait() == 1
-            assert h.async_pread(target, path, offset) == 0 and h.wait() == 1
-        else:
-            assert h.sync_pwrite(source, path, offset) == 1
-            assert h.sync_pread(target, path, offset) == 1
-        assert host_bytes(target) == data, f"size={size} offset={offset}"
-        with open(path, "rb") as written:
-            assert written.read()[offset:] == data
-        if pin:
-            assert h.unpin_device_tensor(source) and h.unpin_device_tensor(target)
+    def make(data):
+        if isinstance(data, bytes):
+            return gpu_bytes(data)
+        return torch.zeros(data, dtype=torch.uint8, device="cuda")
+
+    device_round_trips(h, tmp_path, SIZES, OFFSETS, make, host_bytes, pin)
 
 
 @pytest.mark.parametrize("parallelism", [1, 2])
