@@ -110,10 +110,12 @@ class gds_handle(aio_handle):
         return self.unpin_device_tensor(tensor)
 
     def pin_device_tensor(self, tensor):
-        """Register a CUDA tensor with cuFile in every worker; True if it is now registered.
+        """Keep a CUDA tensor mapped in every worker, registered with cuFile there (on
+        each worker's first use of it); True when its I/O goes to cuFile.
 
         False when cuFile is not in use here or the memory cannot be shared with the
-        workers (each with one warning): its I/O still works, on the aio road.
+        workers (each with one warning): its I/O still works, on the aio road. The handle
+        holds the tensor until ``unpin_device_tensor``.
         """
         self._check_usable()
         buf = io_buffer(tensor, writable=True)
