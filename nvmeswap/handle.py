@@ -704,8 +704,8 @@ def _copy_error(op, error):
 
     (A new exception: the caught one's traceback holds frames that hold the operation.)
     """
-    return RuntimeError(f"{op.file.name}: copying the {op.describe()} through host memory "
-                        f"failed: {type(error).__name__}: {error}")
+    return RuntimeError(f"copying the {op.describe()} through host memory failed: "
+                        f"{type(error).__name__}: {error}")
 
 
 def _all_done(ops):
