@@ -17,12 +17,12 @@ class DeviceMapping:
 
     __slots__ = ("ipc_handle", "ordinal", "address", "nbytes", "registered")
 
-    def __init__(self, ipc_handle, ordinal, address, nbytes, registered):
+    def __init__(self, ipc_handle, ordinal, address, nbytes):
         self.ipc_handle = ipc_handle
         self.ordinal = ordinal
         self.address = address
         self.nbytes = nbytes
-        self.registered = registered
+        self.registered = False
 
 
 class GdsWorker:
@@ -64,7 +64,7 @@ class GdsWorker:
             self._regions[region_id] = error_code(error)
             return
         mapping = self._regions[region_id] = DeviceMapping(ipc_handle, ordinal, base + offset,
-                                                           nbytes, False)
+                                                           nbytes)
         try:
             _cufile.buf_register(mapping.address, nbytes)
             mapping.registered = True
