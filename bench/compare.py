@@ -10,7 +10,6 @@ os.preadv), and torch.save / torch.load. Jobs: overwrite an existing file, and r
 back after dropping the page cache. Printed: GB/s (median over rounds) and the median
 per-round ratio of nvmeswap bench to each.
 """
-import argparse
 import json
 import mmap
 import os
@@ -141,10 +140,7 @@ class TorchSaveLoad:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", default="nvmeswap-bench-data")
-    parser.add_argument("--size", default="1G")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
     arguments = parser.parse_args()
     folder = arguments.folder
     os.makedirs(folder, exist_ok=True)

@@ -8,7 +8,6 @@ overwrite that file, and read it back after dropping the page cache. Machines ar
 so what counts is the median over rounds of each per-round ratio against fio and
 DeepSpeed. Then small synchronous reads (4 KiB, 64 KiB) are counted per second.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -82,10 +81,7 @@ def small_reads(folder, everyone_small, op_size, duration):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", default="nvmeswap-bench-data")
-    parser.add_argument("--size", default="1G")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
     parser.add_argument("--small-seconds", type=float, default=3.0,
                         help="seconds per small-read contender (0: skip)")
     parser.add_argument("--only", action="append", default=[], metavar="CONTENDER",

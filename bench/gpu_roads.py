@@ -7,7 +7,6 @@ The question it answers: does a CUDA tensor move at the speed of a host tensor (
 staging ring overlaps the GPU copies with the disk), and how do both roads compare with
 DeepNVMe's. Needs a CUDA GPU; DeepSpeed, cuFile and fio columns appear when installed.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -53,10 +52,7 @@ def contenders(size):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", default="nvmeswap-bench-data")
-    parser.add_argument("--size", default="1G")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
     arguments = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_roads.py needs a CUDA GPU; torch sees none", file=sys.stderr)

@@ -3,6 +3,7 @@
 Every function moves ``size`` bytes once and returns the seconds it took. Peers that
 are not installed are reported as missing, never as zero.
 """
+import argparse
 import json
 import os
 import shutil
@@ -12,6 +13,15 @@ import time
 import torch
 
 import nvmeswap
+
+
+def side_by_side_arguments(description):
+    """The arguments of every side-by-side script: --folder, --size, --rounds."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--folder", default="nvmeswap-bench-data")
+    parser.add_argument("--size", default="1G")
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
 
 
 def drop_page_cache():

@@ -9,7 +9,6 @@ and a plain tensor (staged through a full-size locked region) in the same rounds
 answers one question: does cutting the transfer into ring pieces lose disk bandwidth?
 It says nothing about PCIe: that needs bench/gpu_roads.py on a GPU.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -52,10 +51,7 @@ def use_stand_in_device():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", default="nvmeswap-bench-data")
-    parser.add_argument("--size", default="1G")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
     arguments = parser.parse_args()
     os.makedirs(arguments.folder, exist_ok=True)
     size = parse_size(arguments.size)
