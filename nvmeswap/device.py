@@ -13,11 +13,9 @@ A copy from a CUDA tensor must see the work the caller queued before handing it 
 submission, and every copy is synchronized before its slot is reused or the operation
 is declared done: work queued later, on any stream, sees the bytes.
 """
-import warnings
-
 from ._memory import copy_memory
+from .errors import warn_once
 
-_registration_warned = False
 HOST_REGISTER_PORTABLE = 1     # cudaHostRegisterPortable
 
 
@@ -108,7 +106,9 @@ def register_for_device_copies(region):
     # Portable: pinned for every device's context, not only the current one.
     status = cudart.cudaHostRegister(region.address, region.size, HOST_REGISTER_PORTABLE)
     if status != cudart.cudaError.success:
-        _warn_registration_refused(region.size, status)
+        warn_once("cudaHostRegister", f"cudaHostRegister of {region.size} bytes of staging "
+                  f"memory failed ({status}); GPU copies continue through unregistered memory, "
+                  "more slowly", RuntimeWarning, stacklevel=2)
         return
 
     def unregister(address=region.address):
@@ -116,11 +116,3 @@ def register_for_device_copies(region):
 
     region.unregister = unregister
 
-
-def _warn_registration_refused(size, status):
-    global _registration_warned
-    if not _registration_warned:
-        _registration_warned = True
-        warnings.warn(f"cudaHostRegister of {size} bytes of staging memory failed ({status}); "
-                      "GPU copies continue through unregistered memory, more slowly",
-                      RuntimeWarning, stacklevel=3)

@@ -1,5 +1,8 @@
 """The exceptions and warnings nvmeswap raises, and the one place errno becomes an exception."""
 import os
+import warnings
+
+_warned = set()
 
 
 class WorkerDied(RuntimeError):
@@ -73,6 +76,17 @@ class BufferedIOWarning(RuntimeWarning):
 
 class MemoryLockWarning(RuntimeWarning):
     """Page-locking was refused (RLIMIT_MEMLOCK); memory is shared but not locked."""
+
+
+def warn_once(key, message, category, stacklevel=1):
+    """Warn the first time ``key`` comes up in this process: a refusal that repeats on every
+    call (O_DIRECT, page-locking, cuFile) is worth one warning, not thousands.
+
+    ``stacklevel`` counts from the caller of ``warn_once``, as ``warnings.warn``'s does.
+    """
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def os_error(err, filename, detail=""):

@@ -12,13 +12,11 @@ import errno
 import fcntl
 import os
 import stat
-import warnings
 
 from ._engine import preallocate
-from .errors import BufferedIOWarning, os_error, short_file_error
+from .errors import BufferedIOWarning, os_error, short_file_error, warn_once
 
 ALIGNMENT = 4096
-_buffered_devices_warned = set()
 
 
 class TargetFile:
@@ -133,11 +131,9 @@ def _open_direct(path, name, flags, o_direct):
     info = os.fstat(fd)
     if stat.S_ISDIR(info.st_mode):
         return fd, 1    # not a filesystem's refusal: _checked_size says what is wrong
-    device = info.st_dev
-    if device not in _buffered_devices_warned:
-        _buffered_devices_warned.add(device)
-        warnings.warn(f"{name}: the filesystem refuses O_DIRECT; using buffered I/O "
-                      "(pass o_direct=True to make this an error)", BufferedIOWarning, stacklevel=5)
+    warn_once(("buffered", info.st_dev), f"{name}: the filesystem refuses O_DIRECT; using "
+              "buffered I/O (pass o_direct=True to make this an error)", BufferedIOWarning,
+              stacklevel=5)
     return fd, 1
 
 

@@ -15,18 +15,15 @@ road of aio_handle, with one warning.
 """
 import json
 import os
-import warnings
 
 from . import _cuda, protocol
 from .buffers import io_buffer
 from .device import wait_for_queued_work
-from .errors import CudaError, GdsFallbackWarning
+from .errors import CudaError, GdsFallbackWarning, warn_once
 from .gds import gds_available, gds_unavailable_reason, library_paths, nvidia_fs_loaded
 from .handle import aio_handle
 from .memory import region_ids
 from .plan import chunk_bounds, chunk_count
-
-_warned = set()
 
 
 class DeviceRegion:
@@ -219,6 +216,4 @@ def _config_json(config):
 
 
 def _warn_once(key, message):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, GdsFallbackWarning, stacklevel=3)
+    warn_once(("gds", key), message, GdsFallbackWarning, stacklevel=3)

@@ -6,14 +6,12 @@ can never be left behind in /dev/shm; the memory is gone once the last mapping g
 import itertools
 import os
 import threading
-import warnings
 
 from . import protocol
 from ._memory import Mapping
-from .errors import MemoryLockWarning
+from .errors import MemoryLockWarning, warn_once
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-_lock_refusal_warned = False
 # Host and device regions share one numbering: a worker's UNMAP names either.
 region_ids = itertools.count(1)
 
@@ -63,13 +61,11 @@ class SharedRegion:
 
 
 def _warn_if_refused(err, size):
-    global _lock_refusal_warned
-    if err and not _lock_refusal_warned:
-        _lock_refusal_warned = True
-        warnings.warn(
-            f"could not page-lock {size} bytes ({os.strerror(err)}); continuing with unlocked "
-            "shared memory. Raise the limit with `ulimit -l unlimited` (or memlock in "
-            "/etc/security/limits.conf) for locked tensors.", MemoryLockWarning, stacklevel=4)
+    if err:
+        warn_once("page-lock", f"could not page-lock {size} bytes ({os.strerror(err)}); "
+                  "continuing with unlocked shared memory. Raise the limit with `ulimit -l "
+                  "unlimited` (or memlock in /etc/security/limits.conf) for locked tensors.",
+                  MemoryLockWarning, stacklevel=4)
 
 
 class StagingPool:

@@ -128,6 +128,7 @@ def test_fd_open_read_only_cannot_be_written(handle, tmp_path):
 
 def test_buffered_fallback_when_o_direct_is_refused(handle_factory, tmp_path, monkeypatch):
     """Simulates a filesystem that refuses O_DIRECT (tmpfs did before Linux 6.6)."""
+    import nvmeswap.errors as errors
     import nvmeswap.files as files
     real_open = os.open
 
@@ -137,7 +138,7 @@ def test_buffered_fallback_when_o_direct_is_refused(handle_factory, tmp_path, mo
         return real_open(path, flags, mode)
 
     monkeypatch.setattr(files.os, "open", refusing_open)
-    monkeypatch.setattr(files, "_buffered_devices_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
     h = handle_factory()
     data = random_bytes(100_003)
     with pytest.warns(nvmeswap.BufferedIOWarning, match="refuses O_DIRECT"):

@@ -15,6 +15,7 @@ from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
 from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
+import nvmeswap.errors as errors
 import nvmeswap.gpudirect as gpudirect
 from nvmeswap import _cuda
 
@@ -38,7 +39,7 @@ def gds(fake_libraries, monkeypatch, gds_factory):
     monkeypatch.setattr(gpudirect, "gds_available", lambda: True)
     monkeypatch.setattr(gpudirect, "library_paths", lambda: (cufile, cuda))
     monkeypatch.setattr(gpudirect, "nvidia_fs_loaded", lambda: True)
-    monkeypatch.setattr(gpudirect, "_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
     use_stand_in_device(monkeypatch)
     return gds_factory
 
@@ -180,7 +181,7 @@ def test_pin_takes_device_tensors_only(gds):
 def test_without_cufile_gds_handle_warns_once_and_works(tmp_path, monkeypatch):
     monkeypatch.setattr(gpudirect, "gds_available", lambda: False)
     monkeypatch.setattr(gpudirect, "gds_unavailable_reason", lambda: "cuFile could not be loaded")
-    monkeypatch.setattr(gpudirect, "_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
     use_stand_in_device(monkeypatch)
     with pytest.warns(nvmeswap.GdsFallbackWarning, match="cuFile could not be loaded"):
         h = nvmeswap.gds_handle()
