@@ -15,13 +15,12 @@ from .errors import CudaError, CuFileError
 class DeviceMapping:
     """One region of a parent's CUDA allocation as mapped here (and registered with cuFile)."""
 
-    __slots__ = ("ipc_handle", "ordinal", "address", "nbytes", "registered")
+    __slots__ = ("ipc_handle", "ordinal", "address", "registered")
 
-    def __init__(self, ipc_handle, ordinal, address, nbytes):
+    def __init__(self, ipc_handle, ordinal, address):
         self.ipc_handle = ipc_handle
         self.ordinal = ordinal
         self.address = address
-        self.nbytes = nbytes
         self.registered = False
 
 
@@ -63,8 +62,7 @@ class GdsWorker:
         except Exception as error:
             self._regions[region_id] = error_code(error)
             return
-        mapping = self._regions[region_id] = DeviceMapping(ipc_handle, ordinal, base + offset,
-                                                           nbytes)
+        mapping = self._regions[region_id] = DeviceMapping(ipc_handle, ordinal, base + offset)
         try:
             _cufile.buf_register(mapping.address, nbytes)
             mapping.registered = True

@@ -159,7 +159,6 @@ class gds_handle(aio_handle):
             super()._place(op)
             return
         wait_for_queued_work(op.buffer.device)
-        op.copier = None
         op.region, op.region_offset = region, op.buffer.address - region.address
         op.owns_region = region.region_id not in self._pinned
         parts = chunk_count(op.buffer.nbytes, self._parallelism, False)

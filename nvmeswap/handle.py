@@ -353,17 +353,13 @@ class aio_handle:
             raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
         file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
                            o_direct=self._o_direct)
-        op = Operation(next(self._op_ids), is_read, buf, file, file_offset, validate)
-        try:
-            if not is_read and buf.nbytes >= PREALLOCATE_MIN:
+        if not is_read and buf.nbytes >= PREALLOCATE_MIN:
+            try:
                 file.preallocate(file_offset + buf.nbytes)
-            if buf.device is not None:
-                # Made at submission: it orders the copies after the caller's queued work.
-                op.copier = CudaCopier(buf.owner, copy_stream(buf.device, self._copy_streams))
-        except BaseException:
-            file.close()
-            raise
-        return op
+            except BaseException:
+                file.close()
+                raise
+        return Operation(next(self._op_ids), is_read, buf, file, file_offset, validate)
 
     def _start(self, op, is_async):
         """Place the operation and hand its chunks to the workers."""
@@ -450,6 +446,8 @@ class aio_handle:
             op.region = self._resources.staging.acquire(op.ring.region_size())
             op.staged = True
             register_for_device_copies(op.region)
+            # Made in the caller's call: it orders the copies after the work queued so far.
+            op.copier = CudaCopier(buf.owner, copy_stream(buf.device, self._copy_streams))
             op.chunks = op.ring.pieces
             op.remaining = len(op.chunks)
             return
