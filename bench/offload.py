@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from nvmeswap.offload import OffloadedOptimizer
-from nvmeswap.swap import TensorSwapper
+from nvmeswap.training import OffloadedOptimizer, TensorSwapper
 
 LAYERS = 8
 

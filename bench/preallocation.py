@@ -13,7 +13,7 @@ import time
 import torch
 
 import nvmeswap
-import nvmeswap.handle
+import nvmeswap.io.operation as operation
 
 
 def main():
@@ -24,7 +24,7 @@ def main():
     arguments = parser.parse_args()
     os.makedirs(arguments.folder, exist_ok=True)
     path = os.path.join(arguments.folder, "preallocation.bin")
-    enabled = nvmeswap.handle.PREALLOCATE_MIN
+    enabled = operation.PREALLOCATE_MIN
     seconds = {"fresh, preallocated": [], "fresh, not preallocated": [], "overwrite": []}
     with nvmeswap.aio_handle() as h:
         tensor = h.new_cpu_locked_tensor(arguments.size, torch.empty(0, dtype=torch.uint8))
@@ -35,11 +35,11 @@ def main():
                     os.unlink(path)
                 os.sync()
                 off = case == "fresh, not preallocated"
-                nvmeswap.handle.PREALLOCATE_MIN = 1 << 62 if off else enabled
+                operation.PREALLOCATE_MIN = 1 << 62 if off else enabled
                 started = time.perf_counter()
                 h.sync_pwrite(tensor, path)
                 seconds[case].append(time.perf_counter() - started)
-    nvmeswap.handle.PREALLOCATE_MIN = enabled
+    operation.PREALLOCATE_MIN = enabled
     os.unlink(path)
     for case, values in seconds.items():
         print(f"{case:<26} {arguments.size / statistics.median(values) / 1e9:6.2f} GB/s")

@@ -20,9 +20,10 @@ import peers  # noqa: E402
 from compare_peers import JOBS, run_rounds  # noqa: E402
 
 import nvmeswap  # noqa: E402
-import nvmeswap.handle as handle_module  # noqa: E402
-from nvmeswap.buffers import IoBuffer, io_buffer  # noqa: E402
-from nvmeswap.device import HostCopier  # noqa: E402
+import nvmeswap.io.operation as operation_module  # noqa: E402
+import nvmeswap.io.placement as placement_module  # noqa: E402
+from nvmeswap.io.buffers import IoBuffer, io_buffer  # noqa: E402
+from nvmeswap.io.staging import HostCopier  # noqa: E402
 from nvmeswap.units import parse_size  # noqa: E402
 
 
@@ -44,10 +45,10 @@ def use_stand_in_device():
             buf = IoBuffer(buf.owner, buf.address, buf.nbytes, torch.device("cuda", 0))
         return buf
 
-    handle_module.io_buffer = buffer_of
-    handle_module.CudaCopier = lambda tensor, stream: HostCopier(tensor.data_ptr())
-    handle_module.copy_stream = lambda device, streams: None
-    handle_module.register_for_device_copies = lambda region: None
+    operation_module.io_buffer = buffer_of
+    placement_module.CudaCopier = lambda tensor, stream: HostCopier(tensor.data_ptr())
+    placement_module.copy_stream = lambda device, streams: None
+    placement_module.register_for_device_copies = lambda region: None
 
 
 def main():

@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-import nvmeswap.tune as tune  # noqa: E402
+import nvmeswap.cli.tune as tune  # noqa: E402
 
 
 def run_tune(folder, *extra):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nvmeswap.offload import OffloadedOptimizer
+from nvmeswap.training import OffloadedOptimizer
 
 
 def make_model():

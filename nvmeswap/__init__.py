@@ -3,6 +3,7 @@
 A drop-in for DeepSpeed DeepNVMe's ``aio_handle`` and ``gds_handle``, built on kernel AIO and
 cuFile in Cython and a pool of worker processes. Importing it loads neither torch nor CUDA.
 """
+from .aio import aio_handle
 from .errors import (
     BufferedIOWarning,
     CudaError,
@@ -13,9 +14,8 @@ from .errors import (
     ValidationError,
     WorkerDied,
 )
-from .gds import gds_available, gds_unavailable_reason
-from .gpudirect import gds_handle
-from .handle import aio_handle
+from .gds import gds_handle
+from .gpu.discovery import gds_available, gds_unavailable_reason
 
 __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_available", "gds_unavailable_reason", "WorkerDied",

@@ -97,23 +97,6 @@ def os_error(err, filename, detail=""):
     return OSError(err, message, filename)
 
 
-def transfer_error(code, filename, detail):
-    """The exception for a worker's error code (an errno, or see protocol.CUFILE_ERROR)."""
-    from . import protocol
-
-    if code >= protocol.CUDA_ERROR:
-        from ._cuda import error_name
-
-        error = CudaError(code - protocol.CUDA_ERROR, f"{filename}: CUDA IPC for the {detail}",
-                          error_name(code - protocol.CUDA_ERROR))
-    elif code >= protocol.CUFILE_ERROR:
-        error = CuFileError(code - protocol.CUFILE_ERROR, f"{filename}: cuFile {detail}")
-    else:
-        return os_error(code, filename, detail)
-    error.filename = filename
-    return error
-
-
 def short_file_error(filename, message):
     error = ShortFileError(f"{filename}: {message}")
     error.filename = filename

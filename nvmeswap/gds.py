@@ -1,73 +1,121 @@
-"""Is GPUDirect Storage (cuFile) usable here? cuFile is found at run time, never at build.
+"""``nvmeswap.gds_handle``: DeepNVMe's gds_handle; aio_handle with cuFile placing CUDA tensors.
 
-Where cuFile is looked for, in order: ``$NVMESWAP_CUFILE_LIBRARY``, the dynamic loader's
-``libcufile.so.0``, and the ``nvidia-cufile`` wheel's ``nvidia/cufile/lib``. The CUDA
-driver (for CUDA IPC between a handle and its workers): ``$NVMESWAP_CUDA_LIBRARY``, then
-``libcuda.so.1``.
+CUDA tensors go to cuFile in the worker processes (gpu/cufile_placement.py,
+Note [device regions]); everything else takes aio_handle's road.
 """
+from __future__ import annotations
+
+import json
 import os
-import sys
+from typing import Any
 
-from . import _cuda, _cufile
-
-# Present when the nvidia-fs kernel module is loaded; without it cuFile runs in compat mode.
-NVIDIA_FS = ("/proc/driver/nvidia-fs", "/sys/module/nvidia_fs")
-_state = {}
-
-
-def candidates():
-    paths = [os.environ["NVMESWAP_CUFILE_LIBRARY"]] if os.environ.get("NVMESWAP_CUFILE_LIBRARY") \
-        else []
-    paths.append("libcufile.so.0")
-    for entry in sys.path:
-        wheel_copy = os.path.join(entry, "nvidia", "cufile", "lib", "libcufile.so.0")
-        if os.path.exists(wheel_copy):
-            paths.append(wheel_copy)
-    return paths
+from .aio import aio_handle
+from .gpu.cufile_placement import CufilePlacement, warn_gds
+from .gpu.discovery import gds_available, gds_unavailable_reason, library_paths, nvidia_fs_loaded
+from .io.buffers import io_buffer
+from .io.placement import HostPlacement
 
 
-def driver_candidates():
-    paths = [os.environ["NVMESWAP_CUDA_LIBRARY"]] if os.environ.get("NVMESWAP_CUDA_LIBRARY") \
-        else []
-    return paths + ["libcuda.so.1"]
+class gds_handle(aio_handle):
+    """DeepNVMe's gds_handle: CUDA tensors go straight between the GPU and the file.
+
+    Parameters
+    ----------
+    block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism, \
+o_direct, share_locked_memory_with
+        As for ``aio_handle``.
+    cufile_config : dict or str, optional
+        cuFile's configuration (the JSON of cufile.json, as a dict, or the path of such a
+        file), handed to the workers' cuFile explicitly; nothing is written to disk.
+        None leaves cuFile to its defaults ($CUFILE_ENV_PATH_JSON or /etc/cufile.json).
+
+    Notes
+    -----
+    CUDA tensors are read and written with cuFile, split over ``intra_op_parallelism``
+    workers; ``pin_device_tensor`` registers a tensor with cuFile for the fastest
+    transfers, and slices of a pinned tensor use its registration. CPU tensors take the
+    aio road. Where cuFile cannot be used (not installed, no CUDA driver) the handle
+    still works, moving CUDA tensors as aio_handle does, after one
+    ``GdsFallbackWarning``; it never exits the process.
+    """
+
+    def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
+                 single_submit: bool = False, overlap_events: bool = False,
+                 intra_op_parallelism: int = 1, *, cufile_config: dict | str | None = None,
+                 **options: Any) -> None:
+        self._cufile_config = _config_json(cufile_config)
+        super().__init__(block_size, queue_depth, single_submit, overlap_events,
+                         intra_op_parallelism, **options)
+
+    def _make_placement(self, host: HostPlacement) -> CufilePlacement:
+        config, self._cufile_config = self._cufile_config, None
+        if not gds_available():
+            warn_gds("unavailable", f"{gds_unavailable_reason()}; gds_handle moves CUDA "
+                     "tensors through locked host memory instead, as aio_handle does")
+            return CufilePlacement(host, None)
+        if not nvidia_fs_loaded():
+            warn_gds("compat", "the nvidia-fs kernel module is not loaded, so cuFile runs in "
+                     "compat mode (POSIX I/O through its own host bounce buffers)")
+        config_fd = -1
+        if config is not None:
+            config_fd = os.memfd_create("nvmeswap-cufile-json", os.MFD_CLOEXEC)
+            os.write(config_fd, config)
+        return CufilePlacement(host, library_paths(), config_fd)
+
+    # -- cuFile buffer registration (DeepNVMe names) ---------------------------------------
+    def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        """A 1-D CUDA tensor of ``example_tensor``'s dtype (and device, if a CUDA one),
+        registered with cuFile."""
+        import torch
+
+        device = example_tensor.device if example_tensor.is_cuda else \
+            torch.device("cuda", torch.cuda.current_device())
+        tensor = torch.empty(num_elem, dtype=example_tensor.dtype, device=device)
+        self.pin_device_tensor(tensor)
+        return tensor
+
+    def free_pinned_device_tensor(self, tensor: Any) -> bool:
+        """Unregister a tensor from ``new_pinned_device_tensor``; the memory goes with it."""
+        return self.unpin_device_tensor(tensor)
+
+    def pin_device_tensor(self, tensor: Any) -> bool:
+        """Keep a CUDA tensor mapped in every worker, registered with cuFile there (on
+        each worker's first use of it); True when its I/O goes to cuFile.
+
+        False when cuFile is not in use here or the memory cannot be shared with the
+        workers (each with one warning): its I/O still works, on the aio road. The handle
+        holds the tensor until ``unpin_device_tensor``.
+        """
+        self._scheduler.check_usable()
+        buf = io_buffer(tensor, writable=True)
+        if buf.device is None:
+            raise TypeError(f"pin_device_tensor takes CUDA tensors; got one on {tensor.device}")
+        return self._placement.pin(buf)
+
+    def unpin_device_tensor(self, tensor: Any) -> bool:
+        """Undo ``pin_device_tensor``; False if the tensor was not pinned by this handle."""
+        self._scheduler.check_usable()
+        region = self._placement.pinned.pop_starting_at(tensor.data_ptr())
+        if region is None:
+            return False
+        self._scheduler.unshare(region)
+        return True
 
 
-def _first_loadable(library, paths, what):
-    reasons = []
-    for path in paths:
-        ok, why = library.load(path)
-        if ok:
-            return path, ""
-        reasons.append(why)
-    return None, f"{what} could not be loaded: " + "; ".join(reasons)
-
-
-def _load():
-    if not _state:
-        cufile, reason = _first_loadable(_cufile, candidates(), "cuFile")
-        cuda = None
-        if cufile is not None:
-            cuda, reason = _first_loadable(_cuda, driver_candidates(), "the CUDA driver")
-        _state.update(available=cufile is not None and cuda is not None, reason=reason,
-                      cufile=cufile, cuda=cuda)
-    return _state
-
-
-def gds_available():
-    """True when cuFile and the CUDA driver loaded (GPUDirect Storage, or cuFile's compat mode)."""
-    return _load()["available"]
-
-
-def gds_unavailable_reason():
-    """Why ``gds_available()`` is False ("" when it is True)."""
-    return _load()["reason"]
-
-
-def library_paths():
-    """The paths cuFile and the CUDA driver were loaded from (for the workers to load too)."""
-    state = _load()
-    return state["cufile"], state["cuda"]
-
-
-def nvidia_fs_loaded():
-    return any(os.path.exists(path) for path in NVIDIA_FS)
+def _config_json(config):
+    """cuFile's configuration as JSON bytes (Note [cuFile configuration] in
+    workers/cufile_io.py)."""
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        return json.dumps(config).encode()
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, "rb") as source:
+            data = source.read()
+        try:
+            json.loads(data)
+        except ValueError as error:
+            raise ValueError(f"{os.fspath(config)}: not a cuFile JSON configuration: "
+                             f"{error}") from None
+        return data
+    raise TypeError(f"cufile_config must be a dict or a path, got {type(config).__name__}")

@@ -4,6 +4,7 @@ to build or import. Each call turns a cuFile error into ``nvmeswap.CuFileError``
 from libc.errno cimport errno
 from posix.types cimport off_t
 
+from _check cimport errno_error
 from includes.cufile cimport (
     nvmeswap_CUfileDescr_t, nvmeswap_CUfileError_t, nvmeswap_CUfileHandle_t,
     nvmeswap_cufile_load, nvmeswap_cufile_table,
@@ -101,7 +102,7 @@ def write(size_t handle, size_t base, size_t nbytes, off_t file_offset, off_t ba
 cdef _io_result(ssize_t ret, int err, what):
     # cuFileRead/Write: -1 with errno for a system error, -code for a cuFile error.
     if ret == -1:
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+        raise errno_error(err, what)
     if ret < 0:
         raise CuFileError(-ret, what)
     return ret

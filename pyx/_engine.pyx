@@ -4,18 +4,18 @@
 A transfer moves ``nbytes`` between memory at ``address`` and a file at ``offset``.
 Its aligned middle goes through kernel AIO on the O_DIRECT descriptor in requests of
 ``block_size`` bytes; an unaligned head or tail goes through plain pread/pwrite on a
-buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/files.py).
+buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/io/files.py).
 """
 from libc.stdlib cimport malloc, free
 from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
-from posix.types cimport off_t
+
+from _check cimport errno_error
 
 from includes.kernel_aio cimport (
     aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
     nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
     nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate,
 )
-import os
 
 
 cdef struct Outcome:
@@ -62,7 +62,7 @@ cdef class AioEngine:
         cdef long ret = nvmeswap_io_setup(queue_depth, &self.ctx)
         if ret < 0:
             self.ctx = 0
-            raise OSError(-ret, os.strerror(-ret))
+            raise errno_error(<int>-ret, "io_setup")
 
     def __dealloc__(self):
         if self.ctx:
@@ -200,8 +200,7 @@ cdef tuple _transfer(AioEngine engine, bint is_read, int direct_fd, int buffered
     out.err = 0
     if alignment == 0 or (address - <size_t>offset) % alignment:
         return (EINVAL, offset, nbytes, 0)
-    middle_start = min(end, (offset + a - 1) // a * a)
-    middle_end = max(middle_start, end // a * a)
+    _split(offset, end, a, &middle_start, &middle_end)
     if (middle_start > offset or middle_end < end) and buffered_fd < 0:
         return (EINVAL, offset, nbytes, 0)
     with nogil:
@@ -222,6 +221,21 @@ cdef tuple _transfer(AioEngine engine, bint is_read, int direct_fd, int buffered
     if not out.failed:
         return (0, 0, 0, 0)
     return (out.err, out.at_offset, out.requested, out.got)
+
+
+def direct_split(long long offset, long long nbytes, long long alignment):
+    """``(middle_start, middle_end)``: the file range of ``[offset, offset + nbytes)`` that
+    O_DIRECT can move; the head before it and the tail after it (each under one block)
+    go through the buffered descriptor (Note [O_DIRECT tail]). Used by both workers."""
+    cdef long long middle_start, middle_end
+    _split(offset, offset + nbytes, alignment, &middle_start, &middle_end)
+    return middle_start, middle_end
+
+
+cdef inline void _split(long long offset, long long end, long long a, long long *middle_start,
+                        long long *middle_end) noexcept nogil:
+    middle_start[0] = min(end, (offset + a - 1) // a * a)
+    middle_end[0] = max(middle_start[0], end // a * a)
 
 
 cdef inline void _clear_iocb(iocb *cb) noexcept nogil:

@@ -7,10 +7,10 @@ from cpython.buffer cimport (
 from libc.errno cimport errno
 from libc.string cimport memcpy, memcmp
 
-from includes.memory cimport (
+from _check cimport errno_error
+from includes.mman cimport (
     mmap, munmap, mlock, MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE,
 )
-import os
 
 
 cdef class Mapping:
@@ -31,7 +31,7 @@ cdef class Mapping:
         with nogil:
             p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
         if p == MAP_FAILED:
-            raise OSError(errno, os.strerror(errno))
+            raise errno_error(errno, "mmap")
         self.base = <char *>p
 
     def __dealloc__(self):

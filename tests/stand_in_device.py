@@ -11,10 +11,12 @@ import os
 
 import torch
 
-import nvmeswap.gpudirect as gds_module
-import nvmeswap.handle as handle_module
+import nvmeswap.gds as gds_module
+import nvmeswap.gpu.cufile_placement as cufile_placement
+import nvmeswap.io.operation as operation_module
+import nvmeswap.io.placement as placement_module
 from nvmeswap import _memory
-from nvmeswap.buffers import IoBuffer, io_buffer
+from nvmeswap.io.buffers import IoBuffer, io_buffer
 
 
 class StandInCopier:
@@ -34,11 +36,11 @@ class StandInCopier:
         StandInCopier.made.append(self)
 
     def _copy(self, destination, source, length):
-        self.in_flight_at_copy.append(self.handle._chunks_in_flight)
+        self.in_flight_at_copy.append(self.handle._scheduler.chunks_in_flight)
         if self.calls == self.fail_at_piece:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         if self.calls == self.kill_worker_at_piece:
-            worker = self.handle._resources.pool.workers[0].process
+            worker = self.handle._scheduler.pool.workers[0].process
             worker.kill()
             worker.wait()
         self.calls += 1
@@ -69,12 +71,12 @@ def use_stand_in_device(monkeypatch):
             return IoBuffer(buf.owner, buf.address, buf.nbytes, device=torch.device("cuda", 0))
         return buf
 
-    for module in (handle_module, gds_module):
+    for module in (operation_module, gds_module):
         monkeypatch.setattr(module, "io_buffer", buffer_of)
-    monkeypatch.setattr(handle_module, "CudaCopier", StandInCopier)
-    monkeypatch.setattr(handle_module, "copy_stream", lambda device, streams: None)
-    monkeypatch.setattr(handle_module, "register_for_device_copies", registered.append)
-    monkeypatch.setattr(gds_module, "wait_for_queued_work", lambda device: None)
+    monkeypatch.setattr(placement_module, "CudaCopier", StandInCopier)
+    monkeypatch.setattr(placement_module, "copy_stream", lambda device, streams: None)
+    monkeypatch.setattr(placement_module, "register_for_device_copies", registered.append)
+    monkeypatch.setattr(cufile_placement, "wait_for_queued_work", lambda device: None)
     return registered
 
 

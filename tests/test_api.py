@@ -93,7 +93,7 @@ def test_validate_catches_a_mismatch(handle, tmp_path, monkeypatch):
     path = tmp_path / "v"
     data = bytearray(random_bytes(100_000))
     handle.sync_pwrite(data, path, 4096)
-    import nvmeswap.handle as module
+    import nvmeswap.io.validate as module
     real_pread = os.pread
 
     def corrupting_pread(fd, n, offset):

@@ -13,7 +13,7 @@ from conftest import random_bytes
 from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
-from nvmeswap.plan import StagingRing
+from nvmeswap.io.staging import StagingRing
 
 KiB, MiB = 1 << 10, 1 << 20
 PIECE = 64 * KiB

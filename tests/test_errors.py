@@ -129,7 +129,7 @@ def test_fd_open_read_only_cannot_be_written(handle, tmp_path):
 def test_buffered_fallback_when_o_direct_is_refused(handle_factory, tmp_path, monkeypatch):
     """Simulates a filesystem that refuses O_DIRECT (tmpfs did before Linux 6.6)."""
     import nvmeswap.errors as errors
-    import nvmeswap.files as files
+    import nvmeswap.io.files as files
     real_open = os.open
 
     def refusing_open(path, flags, mode=0o777):

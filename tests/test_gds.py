@@ -147,8 +147,8 @@ def test_a_driver_library_without_every_function_is_refused(tmp_path):
 
 
 def test_worker_error_codes_become_named_exceptions():
-    from nvmeswap import protocol
-    from nvmeswap.errors import transfer_error
+    from nvmeswap.workers import protocol
+    from nvmeswap.workers.protocol import error_from_code as transfer_error
 
     cufile = transfer_error(protocol.CUFILE_ERROR + 5024, "/f", "read of 4096 bytes at offset 0")
     assert isinstance(cufile, nvmeswap.CuFileError) and cufile.filename == "/f"

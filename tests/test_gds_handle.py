@@ -16,7 +16,8 @@ from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
 import nvmeswap.errors as errors
-import nvmeswap.gpudirect as gpudirect
+import nvmeswap.gds as gpudirect
+import nvmeswap.gpu.cufile_placement as cufile_placement
 from nvmeswap import _cuda
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -64,12 +65,12 @@ def test_slices_of_a_pinned_tensor_use_its_registration(gds, tmp_path, monkeypat
     monkeypatch.setenv("FAKE_CUFILE_REGISTERED_ONLY", "1")
     exported = []
 
-    class CountedRegion(gpudirect.DeviceRegion):
+    class CountedRegion(cufile_placement.DeviceRegion):
         def __init__(self, *args):
             super().__init__(*args)
             exported.append(self)
 
-    monkeypatch.setattr(gpudirect, "DeviceRegion", CountedRegion)
+    monkeypatch.setattr(cufile_placement, "DeviceRegion", CountedRegion)
     h = gds(intra_op_parallelism=2)
     whole = device_tensor(h, 4 * MiB, shared=True)
     assert h.pin_device_tensor(whole) and len(exported) == 1
@@ -153,7 +154,7 @@ def test_memory_that_cannot_be_exported_takes_the_aio_road(gds, tmp_path, monkey
 def test_workers_let_go_of_device_memory(gds, tmp_path):
     """An operation's mapping ends with it; a pinned tensor's with unpin."""
     h = gds()
-    worker = h._resources.pool.workers[0].process.pid
+    worker = h._scheduler.pool.workers[0].process.pid
     host = torch.ones(2 * MiB, dtype=torch.uint8)
 
     def worker_maps_device_memory():

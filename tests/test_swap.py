@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from nvmeswap.offload import OffloadedOptimizer
-from nvmeswap.swap import SwapBufferPool, SwapError, SwapState, TensorSwapper
+from nvmeswap.training import OffloadedOptimizer
+from nvmeswap.training.swap import SwapBufferPool, SwapError, SwapState, TensorSwapper
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -89,7 +89,7 @@ def test_synchronize_checks_counts_and_bytes(tmp_path, monkeypatch):
             swapper.synchronize_writes()
         monkeypatch.setattr(swapper.write_handle, "wait", real_wait)
         swapper.swap_out("b", torch.ones(5000))
-        import nvmeswap.swap as swap_module
+        import nvmeswap.training.swap as swap_module
 
         class Shrunk:
             st_size = 100

@@ -1,15 +1,20 @@
-"""A worker's GPUDirect Storage side: the parent's CUDA tensors, reached by CUDA IPC, read
-and written with cuFile.
+"""A worker's cuFile side: the parent's CUDA tensors, reached by CUDA IPC, read and written
+with cuFile.
 
-Loaded only when a gds_handle sends GDS_SETUP, so an aio worker never touches CUDA.
-Every failure is answered as an error code (protocol.CUFILE_ERROR / CUDA_ERROR + the
-library's code, or an errno), so the parent raises it with its name and file.
+Loaded only when a gds_handle sends CUFILE_SETUP, so an aio worker never touches CUDA.
+Every failure is answered as an error code (workers/protocol.py), so the parent raises
+it with its name and file.
 """
 import errno
 import os
 
-from . import _cuda, _cufile, protocol
-from .errors import CudaError, CuFileError
+from .. import _cuda, _cufile
+from .._engine import direct_split
+from ..errors import CudaError, CuFileError
+from . import protocol
+
+# Unaligned heads and tails go through host memory this much at a time.
+_BOUNCE = 16 << 20
 
 
 class DeviceMapping:
@@ -24,17 +29,17 @@ class DeviceMapping:
         self.registered = False
 
 
-class GdsWorker:
+class CufileIO:
     """cuFile I/O on CUDA regions the parent maps in; one per worker process."""
 
     def __init__(self):
-        self._setup_error = errno.ENOPKG   # until GDS_SETUP succeeds
+        self._setup_error = errno.ENOPKG   # until CUFILE_SETUP succeeds
         self._regions = {}      # region id -> DeviceMapping, or the error code of its map
         self._allocations = {}  # IPC handle -> [base address here, regions using it]
 
     def setup(self, payload, fds):
         """Load cuFile and the driver from the parent's paths and open the driver."""
-        cufile_path, cuda_path = (os.fsdecode(p) for p in payload.split(b"\0")[:2])
+        cufile_path, cuda_path = map(os.fsdecode, protocol.unpack_cufile_setup(payload))
         if fds:
             # Note [cuFile configuration]: the parent's JSON, in a memfd, never a file on disk.
             os.environ["CUFILE_ENV_PATH_JSON"] = f"/proc/self/fd/{fds[0]}"
@@ -47,7 +52,7 @@ class GdsWorker:
             _cuda.initialize()
             _cufile.driver_open()
         except Exception as error:
-            self._setup_error = error_code(error)
+            self._setup_error = protocol.error_code(error)
             return
         self._setup_error = 0
 
@@ -55,12 +60,12 @@ class GdsWorker:
         if self._setup_error:
             self._regions[region_id] = self._setup_error
             return
-        ipc_handle, ordinal, offset = protocol.DEVICE_REGION.unpack(payload)
+        ipc_handle, ordinal, offset = protocol.unpack_device_map(payload)
         try:
             _cuda.use_device(ordinal)
             base = self._open_allocation(ipc_handle)
         except Exception as error:
-            self._regions[region_id] = error_code(error)
+            self._regions[region_id] = protocol.error_code(error)
             return
         mapping = self._regions[region_id] = DeviceMapping(ipc_handle, ordinal, base + offset)
         try:
@@ -90,14 +95,13 @@ class GdsWorker:
         if alignment == 1:
             pieces = [(file_offset, end, True)]
         else:
-            head_end = min(end, -(-file_offset // alignment) * alignment)
-            tail_start = max(head_end, end // alignment * alignment)
-            pieces = [(file_offset, head_end, True), (head_end, tail_start, False),
-                      (tail_start, end, True)]
+            middle_start, middle_end = direct_split(file_offset, nbytes, alignment)
+            pieces = [(file_offset, middle_start, True), (middle_start, middle_end, False),
+                      (middle_end, end, True)]
         try:
             _cuda.use_device(mapping.ordinal)
         except CudaError as error:
-            return error_code(error), file_offset, nbytes, 0
+            return protocol.error_code(error), file_offset, nbytes, 0
         for start, stop, buffered in pieces:
             if start == stop:
                 continue
@@ -109,7 +113,7 @@ class GdsWorker:
                     got = _with_cufile(is_read, fds[0], mapping.address,
                                        region_offset + (start - file_offset), stop - start, start)
             except Exception as error:
-                return error_code(error), start, stop - start, 0
+                return protocol.error_code(error), start, stop - start, 0
             if got != stop - start:
                 return 0, start, stop - start, got
         return 0, file_offset, nbytes, nbytes
@@ -163,11 +167,10 @@ def _with_cufile(is_read, fd, base, base_offset, nbytes, file_offset):
 
 
 def _buffered(is_read, fd, address, nbytes, file_offset):
-    """cuMemcpy and pread/pwrite, 16 MiB at a time; returns the bytes moved."""
-    step = 16 << 20
+    """cuMemcpy and pread/pwrite, a bounce at a time; returns the bytes moved."""
     done = 0
     while done < nbytes:
-        length = min(step, nbytes - done)
+        length = min(_BOUNCE, nbytes - done)
         if is_read:
             data = os.pread(fd, length, file_offset + done)
             _cuda.copy_to_device(address + done, data)
@@ -178,14 +181,3 @@ def _buffered(is_read, fd, address, nbytes, file_offset):
         if moved < length:
             break
     return done
-
-
-def error_code(error):
-    """The response code of an exception (see protocol.CUFILE_ERROR)."""
-    if isinstance(error, CuFileError):
-        return protocol.CUFILE_ERROR + error.code
-    if isinstance(error, CudaError):
-        return protocol.CUDA_ERROR + error.code
-    if isinstance(error, OSError) and error.errno:
-        return error.errno
-    return errno.EIO

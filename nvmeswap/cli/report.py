@@ -10,7 +10,7 @@ import platform
 import resource
 import shutil
 
-from .units import human_size
+from ..units import human_size
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 DEFAULT_EVENTS_PER_HANDLE = 128     # aio-nr counts each context's queue depth
@@ -47,7 +47,7 @@ def machine_checks():
 
 
 def _kernel_aio():
-    from ._engine import AioEngine
+    from .._engine import AioEngine
     try:
         AioEngine(4096, 1, False, False)
     except OSError as error:
@@ -114,7 +114,7 @@ def _cuda():
                                          "through locked host memory"))
     else:
         checks.append(_check("CUDA", OK, "no GPU: host tensors only (nothing needed)"))
-    from .gds import gds_available, gds_unavailable_reason, nvidia_fs_loaded
+    from ..gpu.discovery import gds_available, gds_unavailable_reason, nvidia_fs_loaded
     cufile = gds_available()
     if cufile:
         mode = "GDS proper (nvidia-fs loaded)" if nvidia_fs_loaded() else \
@@ -152,7 +152,7 @@ def _o_direct(folder):
                           "put the files on ext4, XFS or another filesystem with O_DIRECT")
         return _check(name, FAIL, f"cannot create a file: {os.strerror(error.errno)}")
     try:
-        from .memory import SharedRegion
+        from ..io.regions import SharedRegion
         region = SharedRegion(4096)
         try:
             os.pwrite(fd, region.mapping, 0)

@@ -1,7 +1,7 @@
 """What the caller hands us as a buffer: a torch tensor, a numpy array, any buffer object."""
 import sys
 
-from ._memory import buffer_address
+from .._memory import buffer_address
 
 
 class IoBuffer:

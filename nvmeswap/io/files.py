@@ -13,8 +13,8 @@ import fcntl
 import os
 import stat
 
-from ._engine import preallocate
-from .errors import BufferedIOWarning, os_error, short_file_error, warn_once
+from .._engine import preallocate
+from ..errors import BufferedIOWarning, os_error, short_file_error, warn_once
 
 ALIGNMENT = 4096
 

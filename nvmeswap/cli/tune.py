@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from .units import format_size, size_argument
+from ..units import format_size, size_argument
 
 K, M = 1 << 10, 1 << 20
 BLOCK_SIZES = [128 * K, 256 * K, 1 * M, 4 * M, 8 * M]
@@ -105,7 +105,7 @@ class Tuner:
         """Write and read ``io_size`` bytes ``loops`` times; record median GB/s per job."""
         import torch
 
-        from .handle import aio_handle
+        from ..aio import aio_handle
         with aio_handle(**config_of(key)) as handle:
             tensor = handle.new_cpu_locked_tensor(self.io_size, torch.empty(0, dtype=torch.uint8))
             tensor.fill_(0x5A)

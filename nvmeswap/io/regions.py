@@ -1,4 +1,4 @@
-"""Page-locked shared memory: the regions that locked tensors and staging buffers live in.
+"""Page-locked shared memory that workers map, and the table that finds a region by address.
 
 A region is a memfd, so it reaches a worker as a file descriptor over its socket and
 can never be left behind in /dev/shm; the memory is gone once the last mapping goes.
@@ -7,9 +7,9 @@ import itertools
 import os
 import threading
 
-from . import protocol
-from ._memory import Mapping
-from .errors import MemoryLockWarning, warn_once
+from .._memory import Mapping
+from ..errors import MemoryLockWarning, warn_once
+from ..workers import protocol
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # Host and device regions share one numbering: a worker's UNMAP names either.
@@ -38,13 +38,12 @@ class SharedRegion:
             os.close(self.fd)
             raise
         self.address = self.mapping.address
-        self.unregister = None      # set by device.register_for_device_copies
+        self.unregister = None      # set by gpu.copies.register_for_device_copies
         _warn_if_refused(self.mapping.lock(), self.size)
 
     def map_request(self):
         """The message (and descriptors) that has a worker map this region."""
-        return protocol.REQUEST.pack(protocol.MAP, self.region_id, 0, 0, 0, self.size, 0, 0), \
-            [self.fd]
+        return protocol.map_request(self.region_id, self.size), [self.fd]
 
     def contains(self, address, nbytes):
         return self.address <= address and address + nbytes <= self.address + self.size
@@ -68,44 +67,46 @@ def _warn_if_refused(err, size):
                   MemoryLockWarning, stacklevel=4)
 
 
-class StagingPool:
-    """Reusable locked regions that ordinary buffers are copied through.
+class RegionTable:
+    """Regions that callers' tensors live in (locked host tensors, pinned device tensors),
+    found by address: I/O on a tensor inside one goes to the workers without a copy.
 
-    Regions are kept after use, so an operation costs no allocation, page fault or
-    mlock once the pool has grown to the sizes in use. Idle regions beyond
-    ``idle_limit`` bytes are handed back for freeing, smallest first, but the largest
-    is always kept: a program that moves one big plain tensor over and over keeps its
-    staging, one that once had many in flight does not keep them all.
+    Thread-safe; two handles may share one table (``share_locked_memory_with``).
     """
 
-    GRANULE = 1 << 21
-
-    def __init__(self, idle_limit=256 << 20):
-        self._idle = []
-        self._idle_limit = idle_limit
+    def __init__(self):
+        self._regions = {}
         self._lock = threading.Lock()
 
-    def acquire(self, nbytes):
+    def add(self, region):
         with self._lock:
-            fitting = [r for r in self._idle if r.size >= nbytes]
-            if fitting:
-                region = min(fitting, key=lambda r: r.size)
-                self._idle.remove(region)
-                return region
-        return SharedRegion(round_up(nbytes, self.GRANULE))
+            self._regions[region.region_id] = region
 
-    def release(self, region):
-        """Take ``region`` back; return the idle regions the caller should free."""
+    def containing(self, address, nbytes):
+        """The region that holds ``[address, address + nbytes)``, or None."""
         with self._lock:
-            self._idle.append(region)
-            self._idle.sort(key=lambda r: r.size)
-            surplus = []
-            while len(self._idle) > 1 and sum(r.size for r in self._idle) > self._idle_limit:
-                surplus.append(self._idle.pop(0))
-            return surplus
+            return next((r for r in self._regions.values() if r.contains(address, nbytes)),
+                        None)
+
+    def pop_starting_at(self, address):
+        """Remove and return the region that begins at ``address`` (None if there is none)."""
+        with self._lock:
+            for region in self._regions.values():
+                if region.address == address:
+                    return self._regions.pop(region.region_id)
+        return None
+
+    def pop_containing(self, address):
+        """Remove and return the region that holds ``address`` (None if there is none)."""
+        region = self.containing(address, 0)
+        with self._lock:
+            return self._regions.pop(region.region_id, None) if region is not None else None
+
+    def __contains__(self, region_id):
+        return region_id in self._regions
 
     def drain(self):
-        """Hand back every idle region (for the caller to unmap and close)."""
+        """Remove every region and return them (for the caller to close)."""
         with self._lock:
-            idle, self._idle = self._idle, []
-        return idle
+            regions, self._regions = list(self._regions.values()), {}
+        return regions

@@ -12,8 +12,8 @@ import sys
 import tempfile
 import time
 
-from .errors import ValidationError
-from .units import format_size, human_size, size_argument
+from ..errors import ValidationError
+from ..units import format_size, human_size, size_argument
 
 BUFFERS = ("locked", "pinned", "plain", "numpy")
 
@@ -78,7 +78,7 @@ def run(args):
 
 
 def _plan(args):
-    from .config import handle_arguments
+    from ..config import handle_arguments
     handle_args = {}
     if args.config:
         with open(args.config) as f:
@@ -158,8 +158,8 @@ def _rank_job(rank, plan, barrier):
     """One rank: its own handle, buffer and file; returns seconds per loop and CPU time."""
     import psutil
 
-    from .gpudirect import gds_handle
-    from .handle import aio_handle
+    from ..aio import aio_handle
+    from ..gds import gds_handle
 
     folder = plan["folders"][rank % len(plan["folders"])]
     path = os.path.join(folder, f"nvmeswap-bench-rank{rank}.bin")

@@ -9,9 +9,9 @@ import enum
 import os
 import re
 
-from .files import ALIGNMENT
-from .handle import aio_handle
-from .memory import round_up
+from ..aio import aio_handle
+from ..io.files import ALIGNMENT
+from ..io.regions import round_up
 
 
 class SwapState(enum.Enum):

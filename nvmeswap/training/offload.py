@@ -9,8 +9,8 @@ wrapped optimizer's own, group by group, so results are bit-identical to it.
 """
 import math
 
-from .files import ALIGNMENT
-from .memory import round_up
+from ..io.files import ALIGNMENT
+from ..io.regions import round_up
 from .swap import TensorSwapper
 
 # Scalar state (Adam's ``step``) stays in memory; every other state tensor is swapped.

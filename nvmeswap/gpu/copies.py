@@ -1,10 +1,9 @@
-"""Copies between a caller's buffer and the shared staging memory the workers see.
+"""Copies between a CUDA tensor and the host staging memory the workers see.
 
-A staged operation never hands the caller's memory to a worker: its bytes are copied
-into a shared region before a write and out of it after a read. For host memory that
-is a memcpy; for a CUDA tensor it is a copy on a stream of the handle's own, through
-torch (already loaded wherever there are CUDA tensors). Workers never touch CUDA on
-this road.
+On the aio road a worker never touches CUDA: a CUDA tensor's bytes are copied into a
+shared region before a write and out of it after a read (io/staging.py has the ring and
+the host copier), on a stream of the handle's own, through torch (already loaded
+wherever there are CUDA tensors).
 
 Note [stream order]
 A copy from a CUDA tensor must see the work the caller queued before handing it to us
@@ -13,29 +12,9 @@ A copy from a CUDA tensor must see the work the caller queued before handing it 
 submission, and every copy is synchronized before its slot is reused or the operation
 is declared done: work queued later, on any stream, sees the bytes.
 """
-from ._memory import copy_memory
-from .errors import warn_once
+from ..errors import warn_once
 
 HOST_REGISTER_PORTABLE = 1     # cudaHostRegisterPortable
-
-
-class HostCopier:
-    """memcpy between host memory at ``address`` and staging regions."""
-
-    __slots__ = ("address",)
-
-    def __init__(self, address):
-        self.address = address
-
-    def to_region(self, start, length, region, region_offset):
-        copy_memory(region.address + region_offset, self.address + start, length)
-
-    def from_region(self, start, length, region, region_offset):
-        copy_memory(self.address + start, region.address + region_offset, length)
-
-    def host_bytes(self, start, length):
-        """The buffer's bytes ``[start, start + length)`` as host memory: (address, keeper)."""
-        return self.address + start, None
 
 
 class CudaCopier:

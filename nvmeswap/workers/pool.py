@@ -7,18 +7,21 @@ import subprocess
 import sys
 import time
 
+from ..errors import WorkerDied, os_error
 from . import protocol
-from .errors import WorkerDied, os_error
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from nvmeswap.worker import main; main(*map(int, sys.argv[2:8]))")
+         "from nvmeswap.workers.main import main; main(*map(int, sys.argv[2:8]))")
 STARTUP_TIMEOUT = 60.0
 STOP_GRACE = 1.0
 
 
 class Worker:
-    """One worker process, the parent's end of its socket, and a pidfd that fires at its death."""
+    """One worker process, the parent's end of its socket, and a pidfd that fires at its death.
+
+    ``mapped`` holds the regions (and set-ups) the worker has been sent, so each is sent once.
+    """
 
     def __init__(self, engine_args):
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -37,8 +40,8 @@ class Worker:
         self.pidfd = os.pidfd_open(self.process.pid)
         self.mapped = set()
 
-    def send(self, header, fds=()):
-        socket.send_fds(self.sock, [header], list(fds))
+    def send(self, message, fds=()):
+        socket.send_fds(self.sock, [message], list(fds))
 
     def kill(self):
         if self.process.poll() is None:
@@ -55,7 +58,6 @@ class WorkerPool:
 
     def __init__(self, size, engine_args):
         self.workers = []
-        self.failure = None
         try:
             for _ in range(size):
                 self.workers.append(Worker(engine_args))
@@ -75,11 +77,11 @@ class WorkerPool:
         for worker in self.workers:
             ready, _, _ = select.select([worker.sock, worker.pidfd], [], [],
                                         max(0.0, deadline - time.monotonic()))
-            data = worker.sock.recv(protocol.RESPONSE.size) if worker.sock in ready else b""
+            data = worker.sock.recv(protocol.RESPONSE_SIZE) if worker.sock in ready else b""
             if not data:
                 raise WorkerDied(f"worker process {worker.process.pid} did not start "
                                  f"(exit status {worker.process.poll()})")
-            err = protocol.RESPONSE.unpack(data)[2]
+            err = protocol.unpack_response(data).error
             if err:
                 raise os_error(err, "/proc/sys/fs/aio-max-nr",
                                "io_setup failed: too many kernel AIO contexts are in use; raise "
@@ -89,7 +91,7 @@ class WorkerPool:
         """What happened to a worker that has exited, or None; never blocks.
 
         (A message, not an exception: an exception held in a local while raised would
-        tie the caller's frames into a cycle, Note [no reference cycle] in handle.py.)
+        tie the caller's frames into a cycle, Note [no reference cycle] in io/scheduler.py.)
         """
         for worker in self.workers:
             if worker.process.poll() is not None:
@@ -106,14 +108,14 @@ class WorkerPool:
                 continue
             while True:
                 try:
-                    data = worker.sock.recv(protocol.RESPONSE.size, socket.MSG_DONTWAIT)
+                    data = worker.sock.recv(protocol.RESPONSE_SIZE, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 except ConnectionResetError:
                     data = b""
                 if not data:
                     break
-                responses.append(protocol.RESPONSE.unpack(data))
+                responses.append(protocol.unpack_response(data))
         # Responses that arrived before a death still count; the death is seen next call.
         if not responses:
             death = self.first_death()

@@ -1,0 +1,260 @@
+"""``nvmeswap.aio_handle``: DeepNVMe's aio_handle, the public face of the scheduler.
+
+Every method checks its arguments and hands the call to ``io.scheduler.Scheduler``,
+which runs it on a pool of worker processes (kernel AIO, without the GIL).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import Any, Mapping, Union
+
+from .config import handle_arguments
+from .gpu.copies import register_for_device_copies
+from .io.files import ALIGNMENT
+from .io.operation import checked_bool, checked_int
+from .io.placement import HostPlacement
+from .io.regions import SharedRegion
+from .io.scheduler import Scheduler
+
+MAX_QUEUE_DEPTH = 1024
+MAX_BLOCK_SIZE = 1 << 30
+
+Buffer = Any            # a torch tensor, a numpy array, or any buffer-protocol object
+Target = Union[str, bytes, "os.PathLike[str]", int]     # a file name, or an open fd
+
+
+class aio_handle:
+    """Asynchronous file I/O through kernel AIO, fanned out to worker processes.
+
+    Parameters
+    ----------
+    block_size : int
+        Bytes per kernel I/O request; a multiple of 4096.
+    queue_depth : int
+        Requests in flight per worker.
+    single_submit : bool
+        One ``io_submit`` call per request instead of one per batch.
+    overlap_events : bool
+        Refill the queue as each request completes instead of batch by batch.
+    intra_op_parallelism : int
+        Worker processes; each operation is cut into up to this many chunks.
+    o_direct : bool or None
+        None (default) uses O_DIRECT and falls back to buffered I/O with a warning on
+        filesystems that refuse it; True makes that an error; False never uses O_DIRECT.
+    share_locked_memory_with : aio_handle, optional
+        Share locked tensors with another handle: those made by either are zero-copy for
+        both (a read handle and a write handle over the same swap buffers, say). Workers
+        of the other handle keep such memory mapped until that handle is closed.
+
+    Notes
+    -----
+    Buffers that come from ``new_cpu_locked_tensor`` go to the workers without a copy;
+    any other buffer is copied through a reusable pool of locked staging memory. Any
+    size and any file offset is allowed (Note [O_DIRECT tail] in io/files.py). The
+    blocking calls release the GIL; a handle may be used from several threads at once.
+    """
+
+    def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
+                 single_submit: bool = False, overlap_events: bool = False,
+                 intra_op_parallelism: int = 1, *, o_direct: bool | None = None,
+                 share_locked_memory_with: aio_handle | None = None) -> None:
+        self._block_size = checked_int("block_size", block_size, ALIGNMENT, MAX_BLOCK_SIZE)
+        if self._block_size % ALIGNMENT:
+            raise ValueError(f"block_size must be a multiple of {ALIGNMENT}, got {block_size}")
+        self._queue_depth = checked_int("queue_depth", queue_depth, 1, MAX_QUEUE_DEPTH)
+        self._parallelism = checked_int("intra_op_parallelism", intra_op_parallelism, 1,
+                                        max(8, 4 * (os.cpu_count() or 1)))
+        self._single_submit = checked_bool("single_submit", single_submit)
+        self._overlap_events = checked_bool("overlap_events", overlap_events)
+        if o_direct not in (None, True, False):
+            raise TypeError(f"o_direct must be None, True or False, got {o_direct!r}")
+        shared = share_locked_memory_with
+        self._placement = self._make_placement(
+            HostPlacement(self._parallelism, self._block_size,
+                          shared._placement.locked if shared is not None else None))
+        engine_args = (self._block_size, self._queue_depth, int(self._single_submit),
+                       int(self._overlap_events))
+        self._scheduler = Scheduler(self._placement, self._parallelism, engine_args, o_direct)
+        self._finalizer = weakref.finalize(self, self._scheduler.release)
+
+    def _make_placement(self, host: HostPlacement) -> HostPlacement:
+        """The placement hook: where operations' bytes live (gds_handle puts cuFile first)."""
+        return host
+
+    @classmethod
+    def from_config(cls, config: Mapping | str, **overrides: Any) -> aio_handle:
+        """A handle from a DeepSpeed ``"aio"`` section or a tuner result (dict or JSON text)."""
+        return cls(**{**handle_arguments(config), **overrides})
+
+    # -- getters (DeepNVMe names) ------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._parallelism
+
+    def get_alignment(self) -> int:
+        """File offsets, sizes and addresses that avoid any staging or buffered tail."""
+        return ALIGNMENT
+
+    # -- operations ------------------------------------------------------------------
+    def sync_pread(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> int:
+        """Read ``buffer``'s size in bytes from ``filename`` at ``file_offset``; returns 1.
+
+        Raises ``ShortFileError`` (naming the file and sizes) if the file ends sooner.
+        """
+        return self._run(buffer, filename, file_offset, is_read=True)
+
+    def sync_pwrite(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> int:
+        """Write ``buffer`` to ``filename`` at ``file_offset`` (created if missing, never
+        truncated); returns 1."""
+        return self._run(buffer, filename, file_offset, is_read=False)
+
+    def async_pread(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> int:
+        """Start a read; returns 0. The data is in ``buffer`` once ``wait()`` returns.
+
+        ``buffer`` must stay alive and unchanged until then.
+        """
+        return self._submit(buffer, filename, file_offset, is_read=True)
+
+    def async_pwrite(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> int:
+        """Start a write to a file name or an open int fd (used, never closed); returns 0."""
+        return self._submit(buffer, filename, file_offset, is_read=False)
+
+    def pread(self, buffer: Buffer, filename: Target, validate: bool = False,
+              async_op: bool = False, file_offset: int = 0, **kwargs: Any) -> int:
+        """DeepNVMe's pread: 1 when done synchronously, 0 when started (``async_op``).
+
+        DeepNVMe's keyword ``async`` is accepted too: ``pread(..., **{"async": True})``.
+        ``validate`` re-reads the bytes just moved and raises ``ValidationError`` on a
+        difference.
+        """
+        async_op = _async_keyword(async_op, kwargs)
+        return self._call(buffer, filename, validate, async_op, file_offset, is_read=True)
+
+    def pwrite(self, buffer: Buffer, filename: Target, validate: bool = False,
+               async_op: bool = False, file_offset: int = 0, **kwargs: Any) -> int:
+        """DeepNVMe's pwrite: 1 when done synchronously, 0 when started (``async_op``)."""
+        async_op = _async_keyword(async_op, kwargs)
+        return self._call(buffer, filename, validate, async_op, file_offset, is_read=False)
+
+    def read(self, buffer: Buffer, filename: Target, validate: bool = False,
+             file_offset: int = 0) -> int:
+        """DeepNVMe's synchronous read; returns 1."""
+        return self._run(buffer, filename, file_offset, is_read=True, validate=validate)
+
+    def write(self, buffer: Buffer, filename: Target, validate: bool = False,
+              file_offset: int = 0) -> int:
+        """DeepNVMe's synchronous write; returns 1."""
+        return self._run(buffer, filename, file_offset, is_read=False, validate=validate)
+
+    def wait(self) -> int:
+        """Wait for every started operation; return how many completed (0 if none).
+
+        If any failed, the first failure is raised once all have completed; its
+        ``failed_operations`` attribute (and, on Python 3.11+, its note) says how many.
+        """
+        self._scheduler.check_usable()
+        return self._scheduler.collect()
+
+    # -- locked tensors -----------------------------------------------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None, *,
+                              example_tenosr: Any = None) -> Any:
+        """A 1-D tensor of ``num_elem`` elements of ``example_tensor``'s dtype in locked,
+        page-aligned memory shared with the workers: I/O on it (or on its slices) is
+        zero-copy. (DeepNVMe's misspelt keyword ``example_tenosr`` is accepted too.)
+        """
+        import torch
+
+        example = example_tensor if example_tensor is not None else example_tenosr
+        if not isinstance(example, torch.Tensor):
+            raise TypeError("new_cpu_locked_tensor() needs an example tensor for the dtype")
+        num_elem = checked_int("num_elem", num_elem, 0, None)
+        self._scheduler.check_usable()
+        itemsize = torch.empty((), dtype=example.dtype).element_size()
+        region = SharedRegion(num_elem * itemsize)
+        if torch.cuda.is_initialized():
+            # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
+            register_for_device_copies(region)
+        self._placement.locked.add(region)
+        tensor = torch.frombuffer(region.mapping, dtype=torch.uint8)
+        return tensor[: num_elem * itemsize].view(example.dtype)
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        """Stop sharing a locked tensor with the workers; the memory goes with the tensor."""
+        self._scheduler.check_usable()
+        region = self._placement.locked.pop_containing(tensor.data_ptr())
+        if region is None:
+            return False
+        self._scheduler.unshare(region)
+        return True
+
+    def is_pinned(self, tensor: Any) -> bool:
+        """True for tensors (and views of them) in this handle's locked memory."""
+        nbytes = tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else 0
+        return self._placement.locked.containing(tensor.data_ptr(), nbytes) is not None
+
+    # -- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish what is in flight, stop the workers and free the shared memory.
+
+        Idempotent; any later call but ``close()`` raises ``ValueError``.
+        """
+        if self._scheduler.closed:
+            return
+        try:
+            if os.getpid() == self._scheduler.creator_pid:
+                self._scheduler.drain()
+        finally:
+            self._finalizer()
+
+    def __enter__(self) -> aio_handle:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        scheduler = getattr(self, "_scheduler", None)
+        if scheduler is not None and not scheduler.closed \
+                and os.getpid() == scheduler.creator_pid:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, source=self)
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._scheduler.closed else "open"
+        return (f"<nvmeswap.{type(self).__name__} {state} block_size={self._block_size} "
+                f"queue_depth={self._queue_depth} intra_op_parallelism={self._parallelism}>")
+
+    # -- delegation ----------------------------------------------------------------------
+    def _call(self, buffer, target, validate, async_op, file_offset, *, is_read):
+        if async_op:
+            return self._submit(buffer, target, file_offset, is_read=is_read, validate=validate)
+        return self._run(buffer, target, file_offset, is_read=is_read, validate=validate)
+
+    def _run(self, buffer, target, file_offset, *, is_read, validate=False):
+        self._scheduler.check_usable()
+        return self._scheduler.run(buffer, target, file_offset, is_read=is_read,
+                                   validate=validate)
+
+    def _submit(self, buffer, target, file_offset, *, is_read, validate=False):
+        self._scheduler.check_usable()
+        self._scheduler.submit(buffer, target, file_offset, is_read=is_read, validate=validate)
+        return 0
+
+
+def _async_keyword(async_op, kwargs):
+    if set(kwargs) - {"async"}:
+        raise TypeError(f"unexpected keyword arguments: {sorted(set(kwargs) - {'async'})}")
+    return bool(kwargs.get("async", async_op))

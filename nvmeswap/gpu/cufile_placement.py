@@ -1,0 +1,133 @@
+"""gds_handle's placement: CUDA tensors go to the workers' cuFile as device regions.
+
+Note [device regions]
+A worker cannot use the parent's device pointers, so CUDA memory reaches it through
+CUDA IPC: the parent exports the allocation that holds a tensor (cuMemGetAddressRange,
+cuIpcGetMemHandle), each worker opens it in the same device's primary context,
+registers the tensor's range with cuFile, and reads or writes its chunk at the
+tensor's offset in it. A pinned tensor (``pin_device_tensor``) is mapped and registered
+by each worker once and stays so until unpinned; any other tensor is mapped and
+registered on the fly for one operation. (Registration is a speed-up, not a condition:
+where cuFile refuses it, the worker goes on unregistered.) The region holds the tensor
+while workers map it, so the memory cannot be freed under them. Memory that cannot be
+exported (allocated with cuMemCreate, as torch's expandable segments are) takes the aio
+road of aio_handle, with one warning.
+"""
+import os
+
+from .. import _cuda
+from ..errors import CudaError, GdsFallbackWarning, warn_once
+from ..io.chunks import plan_chunks
+from ..io.regions import RegionTable, region_ids
+from ..workers import protocol
+from .copies import wait_for_queued_work
+
+
+class DeviceRegion:
+    """A range of CUDA memory that workers map by IPC (Note [device regions])."""
+
+    read_kind, write_kind = protocol.CUFILE_READ, protocol.CUFILE_WRITE
+
+    def __init__(self, owner, address, nbytes, ordinal):
+        self.region_id = next(region_ids)
+        self.owner = owner      # the tensor, kept alive while workers map it
+        self.address = address
+        self.size = nbytes
+        self.ordinal = ordinal
+        self.ipc_handle, self.allocation_base, _ = _cuda.export(address, ordinal)
+
+    def map_request(self):
+        return protocol.device_map_request(self.region_id, self.size, self.ipc_handle,
+                                           self.ordinal, self.address - self.allocation_base), []
+
+    def contains(self, address, nbytes):
+        return self.address <= address and address + nbytes <= self.address + self.size
+
+    def close(self):
+        self.owner = None
+
+
+class CufilePlacement:
+    """CUDA tensors as device regions for cuFile; everything else as ``host`` places it.
+
+    ``libraries``: the (cuFile, driver) paths the workers load, or None where cuFile is
+    not usable (then CUDA tensors take the host placement's staging ring).
+    ``config_fd``: a memfd of cuFile's JSON configuration, or -1; closed by ``release``.
+    """
+
+    def __init__(self, host, libraries, config_fd=-1):
+        self.host = host
+        self.locked = host.locked
+        self.pinned = RegionTable()
+        self.libraries = libraries
+        self._config_fd = config_fd
+
+    def inline_limit(self, op):
+        if op.buffer.device is not None and self.libraries is not None:
+            return 0        # cuFile runs in the workers, never in the calling thread
+        return self.host.inline_limit(op)
+
+    def place(self, op):
+        buf = op.buffer
+        region = self._cufile_region(buf) if buf.device is not None else None
+        if region is None:
+            self.host.place(op)
+            return
+        wait_for_queued_work(buf.device)
+        op.region, op.region_offset = region, buf.address - region.address
+        op.owns_region = region.region_id not in self.pinned
+        op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.host.parallelism,
+                                op.file.alignment)
+        op.remaining = len(op.chunks)
+
+    def pin(self, buf):
+        """Keep ``buf``'s CUDA memory as a region every worker maps once; False if it cannot
+        go to cuFile."""
+        if self.libraries is None:
+            return False
+        if self.pinned.containing(buf.address, buf.nbytes) is not None:
+            return True
+        region = self._export(buf)
+        if region is None:
+            return False
+        self.pinned.add(region)
+        return True
+
+    def map_requests(self, worker, region):
+        requests = self.host.map_requests(worker, region)
+        if isinstance(region, DeviceRegion) and "cufile" not in worker.mapped:
+            worker.mapped.add("cufile")     # load cuFile there before its first device map
+            setup = protocol.cufile_setup_request([os.fsencode(p) for p in self.libraries])
+            requests.insert(0, (setup, [self._config_fd] if self._config_fd >= 0 else []))
+        return requests
+
+    def give_back(self, op):
+        return self.host.give_back(op)
+
+    def bytes_reader(self, op):
+        return self.host.bytes_reader(op)
+
+    def release(self):
+        if self._config_fd >= 0:
+            os.close(self._config_fd)
+            self._config_fd = -1
+        return [*self.host.release(), *self.pinned.drain()]
+
+    def _cufile_region(self, buf):
+        if self.libraries is None:
+            return None
+        return self.pinned.containing(buf.address, buf.nbytes) or self._export(buf)
+
+    def _export(self, buf):
+        try:
+            return DeviceRegion(buf.owner, buf.address, buf.nbytes,
+                                buf.device.index)    # a tensor's device has one
+        except CudaError as error:
+            warn_gds("export", f"CUDA memory the workers cannot map ({error}; torch's "
+                     "expandable_segments allocates such memory) moves through locked host "
+                     "memory instead of cuFile")
+            return None
+
+
+def warn_gds(key, message):
+    warn_once(("gds", key), message, GdsFallbackWarning, stacklevel=4)

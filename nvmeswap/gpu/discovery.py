@@ -1,0 +1,73 @@
+"""Finding cuFile and the CUDA driver at run time (never at build): is GPUDirect Storage usable?
+
+Where cuFile is looked for, in order: ``$NVMESWAP_CUFILE_LIBRARY``, the dynamic loader's
+``libcufile.so.0``, and the ``nvidia-cufile`` wheel's ``nvidia/cufile/lib``. The CUDA
+driver (for CUDA IPC between a handle and its workers): ``$NVMESWAP_CUDA_LIBRARY``, then
+``libcuda.so.1``.
+"""
+import os
+import sys
+
+from .. import _cuda, _cufile
+
+# Present when the nvidia-fs kernel module is loaded; without it cuFile runs in compat mode.
+NVIDIA_FS = ("/proc/driver/nvidia-fs", "/sys/module/nvidia_fs")
+_state = {}
+
+
+def candidates():
+    paths = [os.environ["NVMESWAP_CUFILE_LIBRARY"]] if os.environ.get("NVMESWAP_CUFILE_LIBRARY") \
+        else []
+    paths.append("libcufile.so.0")
+    for entry in sys.path:
+        wheel_copy = os.path.join(entry, "nvidia", "cufile", "lib", "libcufile.so.0")
+        if os.path.exists(wheel_copy):
+            paths.append(wheel_copy)
+    return paths
+
+
+def driver_candidates():
+    paths = [os.environ["NVMESWAP_CUDA_LIBRARY"]] if os.environ.get("NVMESWAP_CUDA_LIBRARY") \
+        else []
+    return paths + ["libcuda.so.1"]
+
+
+def _first_loadable(library, paths, what):
+    reasons = []
+    for path in paths:
+        ok, why = library.load(path)
+        if ok:
+            return path, ""
+        reasons.append(why)
+    return None, f"{what} could not be loaded: " + "; ".join(reasons)
+
+
+def _load():
+    if not _state:
+        cufile, reason = _first_loadable(_cufile, candidates(), "cuFile")
+        cuda = None
+        if cufile is not None:
+            cuda, reason = _first_loadable(_cuda, driver_candidates(), "the CUDA driver")
+        _state.update(available=cufile is not None and cuda is not None, reason=reason,
+                      cufile=cufile, cuda=cuda)
+    return _state
+
+
+def gds_available():
+    """True when cuFile and the CUDA driver loaded (GPUDirect Storage, or cuFile's compat mode)."""
+    return _load()["available"]
+
+
+def gds_unavailable_reason():
+    """Why ``gds_available()`` is False ("" when it is True)."""
+    return _load()["reason"]
+
+
+def library_paths():
+    """The paths cuFile and the CUDA driver were loaded from (for the workers to load too)."""
+    state = _load()
+    return state["cufile"], state["cuda"]
+
+
+def nvidia_fs_loaded():
+    return any(os.path.exists(path) for path in NVIDIA_FS)

@@ -1,0 +1,1 @@
+"""The I/O path of both handles: operations, their chunk plan, memory, and the scheduler."""

@@ -1,0 +1,36 @@
+"""The chunk plan: how one operation's bytes are cut into chunks for the workers."""
+
+# Below this a chunk costs more in dispatch than it gains in parallelism.
+MIN_CHUNK = 256 << 10
+# Staged operations are cut finer so that copying one piece overlaps the I/O of others.
+STAGING_PIECE = 32 << 20
+
+
+def chunk_bounds(file_offset, nbytes, parts, alignment):
+    """Split ``[0, nbytes)`` into up to ``parts`` contiguous ``(start, length)`` chunks.
+
+    Every boundary between chunks falls on an aligned *file* offset, so only the first
+    chunk can have an unaligned head and only the last an unaligned tail.
+    """
+    if parts == 1:
+        return [(0, nbytes)]
+    bounds = [0]
+    for k in range(1, parts):
+        cut = (file_offset + nbytes * k // parts) // alignment * alignment - file_offset
+        if bounds[-1] < cut < nbytes:
+            bounds.append(cut)
+    bounds.append(nbytes)
+    return [(start, end - start) for start, end in zip(bounds, bounds[1:])]
+
+
+def chunk_count(nbytes, parallelism, staged):
+    """How many chunks an operation of ``nbytes`` is cut into."""
+    parts = min(parallelism, max(1, nbytes // MIN_CHUNK))
+    if staged:
+        parts = max(parts, -(-nbytes // STAGING_PIECE))
+    return parts
+
+
+def plan_chunks(file_offset, nbytes, parallelism, alignment, staged=False):
+    """The ``(start, length)`` chunks of an operation, up to one per worker (finer if staged)."""
+    return chunk_bounds(file_offset, nbytes, chunk_count(nbytes, parallelism, staged), alignment)

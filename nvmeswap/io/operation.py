@@ -1,0 +1,107 @@
+"""One operation: its arguments checked and its file opened, its chunks, and its outcome."""
+import errno
+import operator
+
+from ..errors import os_error, short_file_error
+from ..workers.protocol import error_from_code
+from .buffers import io_buffer
+from .files import open_target
+
+MAX_FILE_END = (1 << 63) - 1
+# Writes that grow a file by at least this much preallocate (Note [preallocation]).
+PREALLOCATE_MIN = 1 << 20
+
+
+class Operation:
+    """One call in flight: where its bytes go, its chunks still out, and its first error."""
+
+    __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
+                 "staged", "owns_region", "copier", "ring", "chunks", "remaining", "error",
+                 "validate", "done")
+
+    def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
+        self.op_id = op_id
+        self.is_read = is_read
+        self.buffer = buffer
+        self.file = file
+        self.file_offset = file_offset
+        self.validate = validate
+        self.region = None
+        self.region_offset = 0
+        self.staged = False     # the region is staging memory, given back at the end
+        self.owns_region = False    # the region was made for this operation alone
+        self.copier = None      # moves bytes between the buffer and a staging region
+        self.ring = None        # a CUDA tensor's staging slots (Note [device pipeline])
+        self.chunks = []        # (start, length) in the buffer, set by the placement
+        self.remaining = 0
+        self.error = None
+        self.done = False
+
+    def is_done(self):
+        return self.done
+
+    def region_offset_of(self, index):
+        """Where chunk ``index`` sits in the region the workers use."""
+        if self.ring is not None:
+            return self.ring.region_offset(index)
+        return self.region_offset + self.chunks[index][0]
+
+    def describe(self):
+        verb = "read of" if self.is_read else "write of"
+        return f"{verb} {self.buffer.nbytes} bytes at offset {self.file_offset} of {self.file.name}"
+
+    def transfer_error(self, err, at_offset, requested, got):
+        """The exception for a chunk that failed (``err``) or came back short."""
+        where = f"{requested} bytes at offset {at_offset}"
+        if err:
+            return error_from_code(err, self.file.name,
+                                   f"{'read' if self.is_read else 'write'} of {where}")
+        if self.is_read:
+            return short_file_error(self.file.name, f"short read: got {got} of {where}; "
+                                                    "was the file truncated while it was read?")
+        return os_error(errno.ENOSPC, self.file.name, f"short write: wrote {got} of {where}")
+
+    def copy_error(self, error):
+        """A failed copy between the buffer and staging memory, as an error of the operation.
+
+        (A new exception: the caught one's traceback holds frames that hold the operation.)
+        """
+        return RuntimeError(f"copying the {self.describe()} through host memory failed: "
+                            f"{type(error).__name__}: {error}")
+
+
+def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_direct):
+    """Check the arguments and open the file: everything that can fail before any I/O."""
+    buf = io_buffer(buffer, writable=is_read)
+    file_offset = checked_int("file_offset", file_offset, 0, MAX_FILE_END - buf.nbytes)
+    if buf.nbytes == 0:
+        raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
+    file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
+                       o_direct=o_direct)
+    if not is_read and buf.nbytes >= PREALLOCATE_MIN:
+        try:
+            file.preallocate(file_offset + buf.nbytes)
+        except BaseException:
+            file.close()
+            raise
+    return Operation(op_id, is_read, buf, file, file_offset, validate)
+
+
+def checked_int(name, value, low, high):
+    """``value`` as an int in ``[low, high]`` (no upper bound if ``high`` is None)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def checked_bool(name, value):
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)

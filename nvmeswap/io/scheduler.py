@@ -1,0 +1,359 @@
+"""The scheduler: places each operation, hands its chunks to the workers, reads their
+responses, and completes operations for ``wait()``. Both handles run on it.
+
+The road of one operation: ``open_operation`` (checks, file) -> ``placement.place``
+(memory and chunk plan) -> ``_dispatch`` (a request per chunk) -> a worker's engine ->
+``_pump`` (responses) -> ``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``.
+"""
+import functools
+import itertools
+import os
+import threading
+
+from .._engine import transfer_in_caller
+from ..errors import ValidationError, WorkerDied
+from ..workers import protocol
+from ..workers.pool import WorkerPool
+from .operation import open_operation
+from .validate import validate
+
+# Started operations wait while this many chunks are with the workers.
+MAX_CHUNKS_IN_FLIGHT = 128
+
+
+class Scheduler:
+    """One handle's operations in flight, its workers, and the memory it shares with them.
+
+    Holds no reference to the handle, so a finalizer can release it (``release``).
+    """
+
+    def __init__(self, placement, parallelism, engine_args, o_direct):
+        self.placement = placement
+        self.pool = None
+        self.closed = False
+        self.creator_pid = os.getpid()
+        self.chunks_in_flight = 0
+        self._parallelism = parallelism
+        self._engine_args = engine_args
+        self._o_direct = o_direct
+        self._cond = threading.Condition()
+        self._pumping = False
+        self._ops = {}
+        self._async_ops = []
+        self._op_ids = itertools.count(1)
+        self._next_worker = 0
+        self._driving = False
+        with self._cond:
+            self._running_pool()
+
+    # -- what the handles call ----------------------------------------------------------
+    def run(self, buffer, target, file_offset, *, is_read, validate):
+        """A synchronous operation: returns 1, or raises its error."""
+        op = self._open(buffer, target, file_offset, is_read, validate)
+        if op.buffer.nbytes <= self.placement.inline_limit(op):
+            self._run_inline(op)
+        else:
+            self._start(op, is_async=False)
+            self._wait_until(op.is_done)
+        error = op.error
+        if error is None:
+            return 1
+        del op      # Note [no reference cycle] in collect()
+        try:
+            raise error
+        finally:
+            del error
+
+    def submit(self, buffer, target, file_offset, *, is_read, validate):
+        """Start an operation that ``collect()`` completes."""
+        op = self._open(buffer, target, file_offset, is_read, validate)
+        self._start(op, is_async=True)
+
+    def collect(self):
+        """Wait for every submitted operation; return how many, or raise the first failure."""
+        with self._cond:
+            ops = list(self._async_ops)
+        if not ops:
+            return 0
+        self._wait_until(functools.partial(_all_done, ops))
+        with self._cond:
+            collected = set(map(id, ops))
+            self._async_ops = [op for op in self._async_ops if id(op) not in collected]
+        failed = [op.error for op in ops if op.error is not None]
+        if not failed:
+            return len(ops)
+        first = failed[0]
+        first.failed_operations = len(failed)
+        if hasattr(first, "add_note"):      # Python 3.11+
+            first.add_note(f"{len(failed)} of {len(ops)} operations failed")
+        # Note [no reference cycle]: the traceback holds this frame; this frame must not
+        # hold the error, or the operations (and the caller's buffers) through them, or
+        # only the garbage collector would free them, locked memory included.
+        del failed, ops
+        try:
+            raise first
+        finally:
+            del first
+
+    def drain(self):
+        """Wait until nothing is in flight (errors stay with their operations)."""
+        self._wait_until(lambda: not self._ops)
+
+    def unshare(self, region):
+        """Have the workers unmap ``region`` and drop our descriptor of it."""
+        with self._cond:
+            for worker in self.pool.workers if self.pool is not None else []:
+                if region.region_id in worker.mapped:
+                    worker.mapped.discard(region.region_id)
+                    try:
+                        worker.send(protocol.unmap_request(region.region_id))
+                    except OSError:
+                        pass    # a dead worker maps nothing; the pump will see its death
+        region.close()
+
+    def check_usable(self):
+        if self.closed:
+            raise ValueError("I/O operation on a closed nvmeswap handle")
+        if os.getpid() != self.creator_pid:
+            raise RuntimeError(f"this nvmeswap handle belongs to process {self.creator_pid}; "
+                               "after fork() create a new handle in the child")
+
+    def release(self):
+        """Stop the workers and close every region (never from a forked child)."""
+        self.closed = True
+        if os.getpid() != self.creator_pid:
+            return
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.stop()
+        for region in self.placement.release():
+            region.close()
+
+    # -- the road of one operation -----------------------------------------------------
+    def _open(self, buffer, target, file_offset, is_read, validate):
+        return open_operation(next(self._op_ids), buffer, target, file_offset, is_read=is_read,
+                              validate=validate, o_direct=self._o_direct)
+
+    def _start(self, op, is_async):
+        """Place the operation and hand its chunks to the workers."""
+        try:
+            # Back-pressure: every chunk in flight holds descriptors in a worker.
+            self._wait_until(lambda: self.chunks_in_flight < MAX_CHUNKS_IN_FLIGHT)
+            with self._cond:
+                self.check_usable()
+                pool = self._running_pool()     # before registering: it may fail what is out
+                self.placement.place(op)
+                self._ops[op.op_id] = op
+                if is_async:
+                    self._async_ops.append(op)
+                if op.ring is None:
+                    self._dispatch(op, pool)
+                    return
+                self._feed(op)
+                if is_async and not op.done and not self._driving:
+                    self._drive_in_background()
+        except BaseException:
+            if op.op_id not in self._ops:
+                self._abandon(op)
+            raise
+
+    def _run_inline(self, op):
+        """Note [small synchronous operations]: an operation of one request runs in the
+        calling thread. A round trip to a worker costs two process wake-ups, more than
+        the request itself on a fast device, and one request gains nothing from fan-out.
+        """
+        try:
+            with self._cond:
+                self.check_usable()
+                self.placement.place(op)
+                if op.ring is not None:
+                    op.ring.start_next()
+            region_offset = op.region_offset_of(0)
+            if op.copier is not None and not op.is_read:
+                op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
+            result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
+                                        op.region.address + region_offset, op.buffer.nbytes,
+                                        op.file_offset, op.file.alignment)
+        except BaseException:
+            self._abandon(op)
+            raise
+        with self._cond:
+            self._complete_chunk(op, 0, *result)
+
+    def _dispatch(self, op, pool):
+        """Hand every chunk out; a staged write copies each just before it goes."""
+        for index, (start, length) in enumerate(op.chunks):
+            if op.copier is not None and not op.is_read:
+                op.copier.to_region(start, length, op.region, op.region_offset_of(index))
+            if not self._send(op, index, pool.workers):
+                break
+        op.file.close()
+
+    def _feed(self, op):
+        """Start the ring's next pieces while it has free slots (Note [device pipeline])."""
+        while not op.done and op.error is None:
+            index = op.ring.start_next()
+            if index is None:
+                return
+            if not op.is_read:
+                start, length = op.chunks[index]
+                try:
+                    op.copier.to_region(start, length, op.region, op.ring.region_offset(index))
+                except Exception as error:
+                    op.error = op.copy_error(error)
+                    op.ring.finish(index)
+                    op.remaining -= 1
+                    break
+            if not self._send(op, index, self.pool.workers):
+                return
+        if op.error is not None and not op.done:
+            op.remaining -= op.ring.cancel_rest()
+            if op.remaining == 0:
+                self._finish(op)
+
+    def _send(self, op, index, workers):
+        """Send chunk ``index`` to the next worker; False if that worker is gone."""
+        worker = workers[self._next_worker]
+        self._next_worker = (self._next_worker + 1) % len(workers)
+        start, length = op.chunks[index]
+        region = op.region
+        self.chunks_in_flight += 1
+        try:
+            if region.region_id not in worker.mapped:
+                for message, fds in self.placement.map_requests(worker, region):
+                    worker.send(message, fds)
+                worker.mapped.add(region.region_id)
+            worker.send(protocol.transfer_request(
+                region.read_kind if op.is_read else region.write_kind, region.region_id,
+                op.op_id, index, op.region_offset_of(index), length, op.file_offset + start,
+                op.file.alignment), op.file.descriptors())
+        except OSError:
+            # The worker is dead or dying; the pump sees its pidfd and fails the
+            # operations in flight, this one included.
+            return False
+        return True
+
+    def _drive_in_background(self):
+        """Note [device pipeline]: an async CUDA operation has more pieces than slots, and
+        only a thread reading responses frees slots; without one it would stall until
+        ``wait()``. The thread ends when no such operation is left.
+        """
+        self._driving = True
+
+        def drive():
+            try:
+                self._wait_until(self._ring_work_done)
+            except BaseException:
+                with self._cond:
+                    self._driving = False
+                raise
+
+        threading.Thread(target=drive, name="nvmeswap-device-pipeline", daemon=True).start()
+
+    def _ring_work_done(self):
+        # Decided under the lock that _start holds, so no operation is left undriven.
+        done = all(op.ring is None for op in self._ops.values())
+        if done:
+            self._driving = False
+        return done
+
+    def _running_pool(self):
+        """The current workers; a set with a member that died while idle is replaced."""
+        pool = self.pool
+        if pool is not None and not self._ops and not self._pumping:
+            death = pool.first_death()      # with operations out, the pump sees a death
+            if death is not None:
+                self._fail_pool(pool, WorkerDied(death))
+        if self.pool is None:
+            self.pool = WorkerPool(self._parallelism, self._engine_args)
+        return self.pool
+
+    # -- responses ---------------------------------------------------------------------
+    def _wait_until(self, finished):
+        """Block (GIL released) until ``finished()``; one thread at a time reads responses."""
+        while True:
+            with self._cond:
+                if finished():
+                    return
+                if self._pumping:
+                    self._cond.wait()
+                    continue
+                pool = self.pool
+                self._pumping = True
+            try:
+                self._pump(pool)
+            finally:
+                with self._cond:
+                    self._pumping = False
+                    self._cond.notify_all()
+
+    def _pump(self, pool):
+        try:
+            responses = pool.receive()
+        except WorkerDied as death:
+            with self._cond:
+                self._fail_pool(pool, death)
+            return
+        with self._cond:
+            for response in responses:
+                op = self._ops.get(response.op_id)
+                if op is not None:
+                    self.chunks_in_flight -= 1
+                    self._complete_chunk(op, response.chunk, response.error,
+                                         response.at_offset, response.requested, response.got)
+
+    def _complete_chunk(self, op, chunk, err, at_offset, requested, got):
+        start, length = op.chunks[chunk]
+        if err or got != requested:
+            if op.error is None:
+                op.error = op.transfer_error(err, at_offset, requested, got)
+        elif op.copier is not None and op.is_read and op.error is None:
+            try:
+                op.copier.from_region(start, length, op.region, op.region_offset_of(chunk))
+            except Exception as error:
+                op.error = op.copy_error(error)
+        op.remaining -= 1
+        if op.ring is not None:
+            op.ring.finish(chunk)
+            self._feed(op)
+        if op.remaining == 0 and not op.done:
+            self._finish(op)
+
+    def _fail_pool(self, pool, death):
+        """A worker died: kill its siblings, fail everything in flight, restart on next use."""
+        if pool is not self.pool:
+            return
+        pool.kill()     # reaped: no kernel AIO of theirs touches our memory any more
+        self.pool = None
+        self.chunks_in_flight = 0
+        for op in list(self._ops.values()):
+            if op.error is None:
+                op.error = WorkerDied(f"{death}: {op.describe()}")
+            self._finish(op)
+
+    def _finish(self, op):
+        self._ops.pop(op.op_id, None)
+        if op.error is None and op.validate:
+            try:
+                validate(op, self.placement.bytes_reader(op))
+            except (ValidationError, OSError) as error:
+                op.error = error
+        if op.error is not None and not op.is_read:
+            op.file.undo_growth(op.file_offset + op.buffer.nbytes)
+        self._release_memory(op)
+        op.buffer = op.region = op.copier = None
+        op.done = True
+
+    def _abandon(self, op):
+        """Give back what an operation that never started holds."""
+        self._release_memory(op)
+
+    def _release_memory(self, op):
+        op.file.close()
+        if op.region is not None:
+            for region in self.placement.give_back(op):
+                self.unshare(region)
+
+
+def _all_done(ops):
+    return all(op.done for op in ops)

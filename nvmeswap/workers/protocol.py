@@ -1,0 +1,153 @@
+"""Every message between a handle and its workers, and every error code, packed and unpacked here.
+
+One request or response is one datagram of a few dozen bytes on a SEQPACKET socket;
+descriptors (files, memfds) travel beside it as SCM_RIGHTS. No pickling, so a chunk
+costs microseconds. Error codes in a response are an errno, or ``CUFILE_ERROR`` /
+``CUDA_ERROR`` plus the library's own code.
+"""
+import array
+import errno
+import socket
+import struct
+from typing import NamedTuple
+
+from ..errors import CudaError, CuFileError, os_error
+
+MAP, UNMAP, READ, WRITE = 1, 2, 3, 4
+# GPUDirect Storage: load cuFile, map a CUDA region by IPC, cuFile I/O on it.
+CUFILE_SETUP, DEVICE_MAP, CUFILE_READ, CUFILE_WRITE = 5, 6, 7, 8
+
+CUFILE_ERROR = 1 << 16
+CUDA_ERROR = 1 << 20
+
+# kind, region id, op id, chunk index, region offset, nbytes, file offset, alignment
+_REQUEST = struct.Struct("<BxxxIQIxxxxQQqQ")
+# op id, chunk index, error code, failed at offset, bytes requested there, bytes got there
+_RESPONSE = struct.Struct("<QIiqqq")
+RESPONSE_SIZE = _RESPONSE.size
+# The allocation's IPC handle, the device ordinal, the region's offset in the allocation.
+_DEVICE_REGION = struct.Struct("<64sIQ")
+# A request and its payload (CUFILE_SETUP: library paths) fit in one datagram of this size.
+MAX_MESSAGE = 8192
+MAX_FDS = 2
+_READY_OP = 0
+_FD_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+class Request(NamedTuple):
+    kind: int
+    region_id: int
+    op_id: int
+    chunk: int
+    region_offset: int
+    nbytes: int
+    file_offset: int
+    alignment: int
+    fds: list
+    payload: bytes
+
+
+class Response(NamedTuple):
+    op_id: int
+    chunk: int
+    error: int          # 0, an errno, or CUFILE_ERROR / CUDA_ERROR + a library code
+    at_offset: int      # where the first failure happened
+    requested: int      # bytes asked for there
+    got: int            # bytes that came back there
+
+
+# -- parent -> worker ----------------------------------------------------------------------
+def map_request(region_id, size):
+    """Map the memfd sent beside this message as region ``region_id``."""
+    return _REQUEST.pack(MAP, region_id, 0, 0, 0, size, 0, 0)
+
+
+def unmap_request(region_id):
+    return _REQUEST.pack(UNMAP, region_id, 0, 0, 0, 0, 0, 0)
+
+
+def transfer_request(kind, region_id, op_id, chunk, region_offset, nbytes, file_offset,
+                     alignment):
+    """Move ``nbytes`` at ``region_offset`` of a region; the file's descriptors go beside."""
+    return _REQUEST.pack(kind, region_id, op_id, chunk, region_offset, nbytes, file_offset,
+                         alignment)
+
+
+def cufile_setup_request(library_paths):
+    """Load cuFile and the CUDA driver from these paths; a config memfd may go beside."""
+    return _REQUEST.pack(CUFILE_SETUP, 0, 0, 0, 0, 0, 0, 0) + b"\0".join(library_paths)
+
+
+def device_map_request(region_id, size, ipc_handle, ordinal, offset):
+    """Open a CUDA allocation by IPC and use ``size`` bytes at ``offset`` of it."""
+    return (_REQUEST.pack(DEVICE_MAP, region_id, 0, 0, 0, size, 0, 0)
+            + _DEVICE_REGION.pack(ipc_handle, ordinal, offset))
+
+
+def unpack_request(data, fds):
+    return Request(*_REQUEST.unpack_from(data), fds, data[_REQUEST.size:])
+
+
+def unpack_cufile_setup(payload):
+    """The (cuFile, CUDA driver) library paths of a CUFILE_SETUP payload."""
+    cufile, cuda = payload.split(b"\0")[:2]
+    return cufile, cuda
+
+
+def unpack_device_map(payload):
+    """(IPC handle, device ordinal, offset in the allocation) of a DEVICE_MAP payload."""
+    return _DEVICE_REGION.unpack(payload)
+
+
+# -- worker -> parent ----------------------------------------------------------------------
+def response(op_id, chunk, error=0, at_offset=0, requested=0, got=0):
+    return _RESPONSE.pack(op_id, chunk, error, at_offset, requested, got)
+
+
+def ready_response(error=0):
+    """The first message of a worker: 0, or the errno that kept its engine from starting."""
+    return response(_READY_OP, 0, error)
+
+
+def unpack_response(data):
+    return Response(*_RESPONSE.unpack(data))
+
+
+def receive_with_fds(sock, size, flags=0):
+    """One datagram and the descriptors sent with it.
+
+    (``socket.recv_fds`` ignores its ``flags`` argument, so MSG_DONTWAIT needs this.)
+    """
+    data, ancillary, _, _ = sock.recvmsg(size, _FD_SPACE, flags)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
+
+
+# -- error codes ----------------------------------------------------------------------------
+def error_code(error):
+    """The response code for an exception raised in a worker."""
+    if isinstance(error, CuFileError):
+        return CUFILE_ERROR + error.code
+    if isinstance(error, CudaError):
+        return CUDA_ERROR + error.code
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    return errno.EIO
+
+
+def error_from_code(code, filename, detail):
+    """The exception for a response's error code, naming ``filename``."""
+    if code >= CUDA_ERROR:
+        from .._cuda import error_name
+
+        error = CudaError(code - CUDA_ERROR, f"{filename}: CUDA IPC for the {detail}",
+                          error_name(code - CUDA_ERROR))
+    elif code >= CUFILE_ERROR:
+        error = CuFileError(code - CUFILE_ERROR, f"{filename}: cuFile {detail}")
+    else:
+        return os_error(code, filename, detail)
+    error.filename = filename
+    return error
