@@ -1,6 +1,6 @@
 """``nvmeswap.gds_handle``: DeepNVMe's gds_handle; aio_handle with cuFile placing CUDA tensors.
 
-CUDA tensors go to cuFile in the worker processes (gpu/cufile_placement.py,
+CUDA tensors go to cuFile in the worker processes (io/cufile_placement.py,
 Note [device regions]); everything else takes aio_handle's road.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from .aio import aio_handle
-from .gpu.cufile_placement import CufilePlacement, warn_gds
+from .io.cufile_placement import CufilePlacement, warn_gds
 from .gpu.discovery import gds_available, gds_unavailable_reason, library_paths, nvidia_fs_loaded
 from .io.buffers import io_buffer
 from .io.placement import HostPlacement

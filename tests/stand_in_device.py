@@ -12,7 +12,7 @@ import os
 import torch
 
 import nvmeswap.gds as gds_module
-import nvmeswap.gpu.cufile_placement as cufile_placement
+import nvmeswap.io.cufile_placement as cufile_placement
 import nvmeswap.io.operation as operation_module
 import nvmeswap.io.placement as placement_module
 from nvmeswap import _memory

@@ -17,7 +17,7 @@ from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 import nvmeswap
 import nvmeswap.errors as errors
 import nvmeswap.gds as gpudirect
-import nvmeswap.gpu.cufile_placement as cufile_placement
+import nvmeswap.io.cufile_placement as cufile_placement
 from nvmeswap import _cuda
 
 KiB, MiB = 1 << 10, 1 << 20

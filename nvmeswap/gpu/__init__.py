@@ -1,1 +1,1 @@
-"""CUDA: finding libcuda/libcufile, copies to and from the GPU, CUDA memory for cuFile workers."""
+"""CUDA primitives: finding libcuda/libcufile, copies to and from the GPU, CUDA IPC of memory."""

@@ -2,7 +2,7 @@
 
 A buffer inside a locked region goes as is (zero-copy); any other host buffer is
 copied through a staging region; a CUDA tensor takes the staging ring, piece by piece.
-``gds_handle`` puts its own placement in front of this one (gpu/cufile_placement.py).
+``gds_handle`` puts its own placement in front of this one (io/cufile_placement.py).
 """
 from ..gpu.copies import CudaCopier, copy_stream, register_for_device_copies
 from .chunks import plan_chunks

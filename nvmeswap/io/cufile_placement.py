@@ -1,50 +1,16 @@
-"""gds_handle's placement: CUDA tensors go to the workers' cuFile as device regions.
+"""gds_handle's placement: CUDA tensors go to the workers' cuFile as device regions
+(gpu/ipc.py); everything else as the host placement puts it.
 
-Note [device regions]
-A worker cannot use the parent's device pointers, so CUDA memory reaches it through
-CUDA IPC: the parent exports the allocation that holds a tensor (cuMemGetAddressRange,
-cuIpcGetMemHandle), each worker opens it in the same device's primary context,
-registers the tensor's range with cuFile, and reads or writes its chunk at the
-tensor's offset in it. A pinned tensor (``pin_device_tensor``) is mapped and registered
-by each worker once and stays so until unpinned; any other tensor is mapped and
-registered on the fly for one operation. (Registration is a speed-up, not a condition:
-where cuFile refuses it, the worker goes on unregistered.) The region holds the tensor
-while workers map it, so the memory cannot be freed under them. Memory that cannot be
-exported (allocated with cuMemCreate, as torch's expandable segments are) takes the aio
-road of aio_handle, with one warning.
+See Note [device regions] in gpu/ipc.py.
 """
 import os
 
-from .. import _cuda
 from ..errors import CudaError, GdsFallbackWarning, warn_once
-from ..io.chunks import plan_chunks
-from ..io.regions import RegionTable, region_ids
+from ..gpu.copies import wait_for_queued_work
+from ..gpu.ipc import DeviceRegion
 from ..workers import protocol
-from .copies import wait_for_queued_work
-
-
-class DeviceRegion:
-    """A range of CUDA memory that workers map by IPC (Note [device regions])."""
-
-    read_kind, write_kind = protocol.CUFILE_READ, protocol.CUFILE_WRITE
-
-    def __init__(self, owner, address, nbytes, ordinal):
-        self.region_id = next(region_ids)
-        self.owner = owner      # the tensor, kept alive while workers map it
-        self.address = address
-        self.size = nbytes
-        self.ordinal = ordinal
-        self.ipc_handle, self.allocation_base, _ = _cuda.export(address, ordinal)
-
-    def map_request(self):
-        return protocol.device_map_request(self.region_id, self.size, self.ipc_handle,
-                                           self.ordinal, self.address - self.allocation_base), []
-
-    def contains(self, address, nbytes):
-        return self.address <= address and address + nbytes <= self.address + self.size
-
-    def close(self):
-        self.owner = None
+from .chunks import plan_chunks
+from .regions import RegionTable, region_ids
 
 
 class CufilePlacement:
@@ -120,7 +86,7 @@ class CufilePlacement:
 
     def _export(self, buf):
         try:
-            return DeviceRegion(buf.owner, buf.address, buf.nbytes,
+            return DeviceRegion(next(region_ids), buf.owner, buf.address, buf.nbytes,
                                 buf.device.index)    # a tensor's device has one
         except CudaError as error:
             warn_gds("export", f"CUDA memory the workers cannot map ({error}; torch's "
