@@ -1,21 +1,40 @@
-"""Byte counts as people write them: 4096, 64K, 1M, 1G."""
+"""Byte counts as people write them (4096, 64K, 1M, 1G) and the units nvmeswap prints.
+
+Note [units]: every size given to nvmeswap counts in powers of 1024, as ds_io's do:
+``K``/``KiB``/``KB`` = 2^10, ``M`` = 2^20, ``G`` = 2^30, ``T`` = 2^40 bytes. Speeds in
+nvmeswap's own tables are GB/s with GB = 10^9 bytes (as fio and drive makers count); the
+``Task``/``E2E`` lines kept for scripts written for ds_io use ds_io's GB = 2^30 bytes.
+Each output says which it uses.
+"""
 
 _SCALE = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
+#: Bytes in the GB of nvmeswap's tables (decimal, as fio and drive makers count).
+GB = 10**9
+#: Bytes in the GB of ds_io's ``Task``/``E2E ... Speed`` lines.
+DS_IO_GB = 1 << 30
+#: One line for help texts.
+SIZE_HELP = "K, M, G, T (also KiB, MB, ...) are powers of 1024, as in ds_io"
+
 
 def parse_size(text):
-    """``"1G"`` -> 1073741824; plain integers pass through; a clear ValueError otherwise."""
+    """``"1G"`` -> 1073741824; plain integers pass through; a clear ValueError otherwise.
+
+    See Note [units]: every suffix is a power of 1024.
+    """
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     cleaned = str(text).strip().upper().removesuffix("B").removesuffix("I")
     scale = _SCALE.get(cleaned[-1:], 1)
     digits = cleaned[:-1] if scale > 1 else cleaned
     if not digits.isdigit():
-        raise ValueError(f"not a size: {text!r} (use a number with an optional K, M, G suffix)")
+        raise ValueError(f"not a size: {text!r} (a whole number with an optional K, M, G or T "
+                         "suffix; " + SIZE_HELP + ")")
     return int(digits) * scale
 
 
 def format_size(n):
+    """``1073741824`` -> ``"1G"``: exact, in the form :func:`parse_size` reads back."""
     for suffix, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale and n % scale == 0:
             return f"{n // scale}{suffix}"
@@ -31,9 +50,12 @@ def human_size(n):
 
 
 def size_argument(text):
-    """``parse_size`` for argparse, so that its message reaches the user."""
+    """A positive ``parse_size`` for argparse, so that its message reaches the user."""
     import argparse
     try:
-        return parse_size(text)
+        value = parse_size(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value

@@ -1,0 +1,108 @@
+"""What the three commands share: argument types whose messages speak in CLI words, the
+up-front check of output paths, and the one-line errors the commands end with."""
+import argparse
+import os
+import sys
+
+
+class UsageError(Exception):
+    """A refusal before any work: printed as one line, exit status 2."""
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default; keeps the descriptions' line breaks."""
+
+
+def positive_int(text):
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text):
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text, low):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def check_output_path(path, option):
+    """Refuse, before the run, an output file that could not be written at its end."""
+    if path is None or path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path}: folder {folder} does not exist; "
+                         f"create it (mkdir -p {folder}) or pick another path")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise UsageError(f"{option} {path}: file is not writable; pick another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: folder {folder} is not writable; "
+                         "pick another path")
+
+
+def check_folder(folder, option="--folder"):
+    """The folder the files go to: it exists and this user may create files in it."""
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {folder}: does not exist; create it (mkdir -p {folder}) "
+                         "or pick another folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {folder}: not writable by this user; "
+                         f"chmod u+w {folder} or pick another folder")
+
+
+def write_json(path, data):
+    """``data`` as indented JSON to ``path`` ('-' or None: standard output)."""
+    import json
+    text = json.dumps(data, indent=2) + "\n"
+    if path is None or path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def torch_available():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_count():
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# Python names in messages from the library, as the options that set them are spelt.
+_CLI_WORDS = {"block_size": "--block-size", "queue_depth": "--queue-depth",
+              "intra_op_parallelism": "--intra-op-parallelism",
+              "single_submit": "--single-submit", "overlap_events": "--overlap-events"}
+
+
+def in_cli_words(message):
+    for name, option in _CLI_WORDS.items():
+        message = message.replace(name, option)
+    return message
