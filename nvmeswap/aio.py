@@ -15,11 +15,14 @@ from .gpu.copies import register_for_device_copies
 from .io.files import ALIGNMENT
 from .io.operation import checked_bool, checked_int
 from .io.placement import HostPlacement
-from .io.regions import SharedRegion
+from .io.regions import SharedRegion, locked_memory, round_up
 from .io.scheduler import Scheduler
 
 MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
+# DeepNVMe's get_alignment(): O_DIRECT's sector size times the parallelism; the sizes its
+# FastFileWriter and swappers make their buffers multiples of.
+SECTOR = 512
 
 Buffer = Any            # a torch tensor, a numpy array, or any buffer-protocol object
 Target = Union[str, bytes, "os.PathLike[str]", int]     # a file name, or an open fd
@@ -31,7 +34,9 @@ class aio_handle:
     Parameters
     ----------
     block_size : int
-        Bytes per kernel I/O request; a multiple of 4096.
+        Bytes per kernel I/O request. Any positive size is accepted, as by DeepNVMe; one
+        that is not a multiple of 4096 is served by the next multiple (Note [block size]),
+        while ``get_block_size()`` reports the size asked for.
     queue_depth : int
         Requests in flight per worker.
     single_submit : bool
@@ -44,9 +49,9 @@ class aio_handle:
         None (default) uses O_DIRECT and falls back to buffered I/O with a warning on
         filesystems that refuse it; True makes that an error; False never uses O_DIRECT.
     share_locked_memory_with : aio_handle, optional
-        Share locked tensors with another handle: those made by either are zero-copy for
-        both (a read handle and a write handle over the same swap buffers, say). Workers
-        of the other handle keep such memory mapped until that handle is closed.
+        Kept for older callers: every handle of the process now shares one set of locked
+        tensors (Note [process-wide locked memory] in io/regions.py), so this changes
+        nothing but is still checked to be a handle.
 
     Notes
     -----
@@ -60,9 +65,11 @@ class aio_handle:
                  single_submit: bool = False, overlap_events: bool = False,
                  intra_op_parallelism: int = 1, *, o_direct: bool | None = None,
                  share_locked_memory_with: aio_handle | None = None) -> None:
-        self._block_size = checked_int("block_size", block_size, ALIGNMENT, MAX_BLOCK_SIZE)
-        if self._block_size % ALIGNMENT:
-            raise ValueError(f"block_size must be a multiple of {ALIGNMENT}, got {block_size}")
+        self._block_size = checked_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+        # Note [block size]: O_DIRECT requests must cover whole 4 KiB sectors of memory and
+        # file, so a smaller (or unaligned) block size asked for is served by the next
+        # multiple of 4096. Requests only cut the transfer: the bytes moved are the same.
+        engine_block = round_up(self._block_size, ALIGNMENT)
         self._queue_depth = checked_int("queue_depth", queue_depth, 1, MAX_QUEUE_DEPTH)
         self._parallelism = checked_int("intra_op_parallelism", intra_op_parallelism, 1,
                                         max(8, 4 * (os.cpu_count() or 1)))
@@ -70,13 +77,17 @@ class aio_handle:
         self._overlap_events = checked_bool("overlap_events", overlap_events)
         if o_direct not in (None, True, False):
             raise TypeError(f"o_direct must be None, True or False, got {o_direct!r}")
-        shared = share_locked_memory_with
+        if share_locked_memory_with is not None \
+                and not isinstance(share_locked_memory_with, aio_handle):
+            raise TypeError("share_locked_memory_with must be an aio_handle, got "
+                            f"{type(share_locked_memory_with).__name__}")
+        locked = locked_memory().join()
         self._placement = self._make_placement(
-            HostPlacement(self._parallelism, self._block_size,
-                          shared._placement.locked if shared is not None else None))
-        engine_args = (self._block_size, self._queue_depth, int(self._single_submit),
+            HostPlacement(self._parallelism, engine_block, locked))
+        engine_args = (engine_block, self._queue_depth, int(self._single_submit),
                        int(self._overlap_events))
         self._scheduler = Scheduler(self._placement, self._parallelism, engine_args, o_direct)
+        locked.attach(self._scheduler)
         self._finalizer = weakref.finalize(self, self._scheduler.release)
 
     def _make_placement(self, host: HostPlacement) -> HostPlacement:
@@ -105,8 +116,13 @@ class aio_handle:
         return self._parallelism
 
     def get_alignment(self) -> int:
-        """File offsets, sizes and addresses that avoid any staging or buffered tail."""
-        return ALIGNMENT
+        """DeepNVMe's alignment: 512 x ``intra_op_parallelism``, the multiple that DeepSpeed
+        makes its I/O buffers of.
+
+        Any size, offset and address works with nvmeswap; transfers whose memory address
+        and file offset are both multiples of 4096 avoid a staging copy.
+        """
+        return SECTOR * self._parallelism
 
     # -- operations ------------------------------------------------------------------
     def sync_pread(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> int:
@@ -128,9 +144,14 @@ class aio_handle:
         """
         return self._submit(buffer, filename, file_offset, is_read=True)
 
-    def async_pwrite(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> int:
-        """Start a write to a file name or an open int fd (used, never closed); returns 0."""
-        return self._submit(buffer, filename, file_offset, is_read=False)
+    def async_pwrite(self, buffer: Buffer, filename: Target | None = None,
+                     file_offset: int = 0, *, fd: int | None = None) -> int:
+        """Start a write to a file name or an open int fd (used, never closed); returns 0.
+
+        As in DeepNVMe, the fd may be given by keyword: ``async_pwrite(buffer=t, fd=fd,
+        file_offset=0)``.
+        """
+        return self._submit(buffer, _target(filename, fd), file_offset, is_read=False)
 
     def pread(self, buffer: Buffer, filename: Target, validate: bool = False,
               async_op: bool = False, file_offset: int = 0, **kwargs: Any) -> int:
@@ -169,53 +190,47 @@ class aio_handle:
         return self._scheduler.collect()
 
     # -- locked tensors -----------------------------------------------------------------
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None, *,
-                              example_tenosr: Any = None) -> Any:
-        """A 1-D tensor of ``num_elem`` elements of ``example_tensor``'s dtype in locked,
+    def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: Any = None, *,
+                              example_tensor: Any = None) -> Any:
+        """A 1-D tensor of ``num_elem`` elements of the example tensor's dtype in locked,
         page-aligned memory shared with the workers: I/O on it (or on its slices) is
-        zero-copy. (DeepNVMe's misspelt keyword ``example_tenosr`` is accepted too.)
-        """
-        import torch
+        zero-copy.
 
-        example = example_tensor if example_tensor is not None else example_tenosr
-        if not isinstance(example, torch.Tensor):
-            raise TypeError("new_cpu_locked_tensor() needs an example tensor for the dtype")
-        num_elem = checked_int("num_elem", num_elem, 0, None)
+        The tensor belongs to the process-wide locked set: every handle (and DeepSpeed's
+        pin-memory op, once switched, see ``nvmeswap.deepspeed``) sees it as pinned, and
+        any of them may free it. The keyword is DeepNVMe's (misspelt) ``example_tenosr``;
+        ``example_tensor`` is accepted too.
+        """
         self._scheduler.check_usable()
-        itemsize = torch.empty((), dtype=example.dtype).element_size()
-        region = SharedRegion(num_elem * itemsize)
-        if torch.cuda.is_initialized():
-            # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
-            register_for_device_copies(region)
-        self._placement.locked.add(region)
-        tensor = torch.frombuffer(region.mapping, dtype=torch.uint8)
-        return tensor[: num_elem * itemsize].view(example.dtype)
+        return new_locked_tensor(self._placement.locked, num_elem,
+                                 example_tenosr if example_tenosr is not None else example_tensor)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        """Stop sharing a locked tensor with the workers; the memory goes with the tensor."""
+        """Take a locked tensor (made by any handle) out of the process's locked set and
+        unmap it from every handle's workers; False if it was not in the set. The memory
+        itself goes with the last reference to the tensor."""
         self._scheduler.check_usable()
-        region = self._placement.locked.pop_containing(tensor.data_ptr())
-        if region is None:
-            return False
-        self._scheduler.unshare(region)
-        return True
+        return free_locked_tensor(self._placement.locked, tensor)
 
-    def is_pinned(self, tensor: Any) -> bool:
-        """True for tensors (and views of them) in this handle's locked memory."""
-        nbytes = tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else 0
-        return self._placement.locked.containing(tensor.data_ptr(), nbytes) is not None
+    def is_pinned(self, buffer: Any) -> bool:
+        """True for tensors (and views of them) in the process's locked memory, and, as
+        in DeepNVMe, for tensors torch has pinned."""
+        return is_locked(self._placement.locked, buffer)
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:
         """Finish what is in flight, stop the workers and free the shared memory.
 
-        Idempotent; any later call but ``close()`` raises ``ValueError``.
+        Operations nobody waited for are waited for here, and the first failure among
+        them is raised (after the handle is closed). Idempotent; any later call but
+        ``close()`` raises ``ValueError``. A Ctrl-C during ``close()`` leaves the handle
+        closed: its workers killed, unfinished writes undone.
         """
         if self._scheduler.closed:
             return
         try:
             if os.getpid() == self._scheduler.creator_pid:
-                self._scheduler.drain()
+                self._scheduler.collect()
         finally:
             self._finalizer()
 
@@ -252,6 +267,70 @@ class aio_handle:
         self._scheduler.check_usable()
         self._scheduler.submit(buffer, target, file_offset, is_read=is_read, validate=validate)
         return 0
+
+
+def new_locked_tensor(locked: Any, num_elem: int, example: Any) -> Any:
+    """A 1-D locked tensor of ``num_elem`` elements of ``example``'s dtype, added to
+    ``locked`` (a ``LockedUser``) so that every handle of the process finds it."""
+    import torch
+
+    if not isinstance(example, torch.Tensor):
+        raise TypeError("new_cpu_locked_tensor() needs an example tensor for the dtype, got "
+                        f"{type(example).__name__}")
+    num_elem = checked_int("num_elem", num_elem, 0, None)
+    itemsize = torch.empty((), dtype=example.dtype).element_size()
+    region = SharedRegion(num_elem * itemsize)
+    if torch.cuda.is_initialized():
+        # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
+        register_for_device_copies(region)
+    locked.add(region)
+    tensor = torch.frombuffer(region.mapping, dtype=torch.uint8)
+    return tensor[: num_elem * itemsize].view(example.dtype)
+
+
+def free_locked_tensor(locked: Any, tensor: Any, *, address: int | None = None) -> bool:
+    """Take the region holding ``tensor`` (or starting at ``address``) out of the set,
+    unmapped from the workers of every user; False if there is none."""
+    if address is None:
+        region = locked.pop_containing(_data_ptr(tensor))
+    else:
+        region = locked.pop_starting_at(address)
+    if region is None:
+        return False
+    locked.memory.free(region)
+    return True
+
+
+def is_locked(locked: Any, buffer: Any) -> bool:
+    """Whether ``buffer`` lies in the process's locked set, or torch pinned it."""
+    address = _data_ptr(buffer)
+    nbytes = buffer.numel() * buffer.element_size() if hasattr(buffer, "numel") else 0
+    if locked.containing(address, nbytes) is not None:
+        return True
+    is_pinned = getattr(buffer, "is_pinned", None)
+    try:
+        return bool(is_pinned()) if callable(is_pinned) else False
+    except RuntimeError:      # a torch without any accelerator may refuse the question
+        return False
+
+
+def _data_ptr(tensor):
+    data_ptr = getattr(tensor, "data_ptr", None)
+    if not callable(data_ptr):
+        raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
+    return data_ptr()
+
+
+def _target(filename, fd):
+    if fd is None:
+        if filename is None:
+            raise TypeError("async_pwrite() needs a filename or an fd")
+        return filename
+    if filename is not None:
+        raise TypeError("async_pwrite() takes a filename or an fd, not both")
+    if isinstance(fd, bool) or not isinstance(fd, int):
+        raise TypeError(f"fd must be an int file descriptor, got {type(fd).__name__}")
+    return fd
 
 
 def _async_keyword(async_op, kwargs):

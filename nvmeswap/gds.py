@@ -63,10 +63,17 @@ o_direct, share_locked_memory_with
         return CufilePlacement(host, library_paths(), config_fd)
 
     # -- cuFile buffer registration (DeepNVMe names) ---------------------------------------
-    def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
-        """A 1-D CUDA tensor of ``example_tensor``'s dtype (and device, if a CUDA one),
-        registered with cuFile."""
+    def new_pinned_device_tensor(self, num_elem: int, example_tenosr: Any = None, *,
+                                 example_tensor: Any = None) -> Any:
+        """A 1-D CUDA tensor of the example tensor's dtype (and device, if a CUDA one),
+        registered with cuFile. The keyword is DeepNVMe's (misspelt) ``example_tenosr``;
+        ``example_tensor`` is accepted too."""
         import torch
+
+        example_tensor = example_tenosr if example_tenosr is not None else example_tensor
+        if not isinstance(example_tensor, torch.Tensor):
+            raise TypeError("new_pinned_device_tensor() needs an example tensor, got "
+                            f"{type(example_tensor).__name__}")
 
         device = example_tensor.device if example_tensor.is_cuda else \
             torch.device("cuda", torch.cuda.current_device())

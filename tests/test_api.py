@@ -17,7 +17,7 @@ def test_getters_equal_constructor_arguments(handle_factory):
     h = handle_factory(**ARGS)
     assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(),
             h.get_overlap_events(), h.get_intra_op_parallelism()) == tuple(ARGS.values())
-    assert h.get_alignment() == 4096
+    assert h.get_alignment() == 512 * ARGS["intra_op_parallelism"]   # DeepNVMe's meaning
 
 
 def test_positional_constructor_like_deepnvme(handle_factory):
@@ -192,3 +192,119 @@ def test_compat_gds_builder_loads_a_gds_handle():
     from nvmeswap.compat import GDSBuilder
     assert GDSBuilder().is_compatible() is nvmeswap.gds_available()
     assert GDSBuilder().load().gds_handle is nvmeswap.gds_handle
+
+
+@pytest.mark.parametrize("block_size", [1, 512, 1024, 1000, 4097, 6000])
+def test_block_size_below_or_off_4096_reports_what_was_asked(handle_factory, tmp_path,
+                                                             block_size):
+    """DeepNVMe accepts any block size (its own op tests use 1024/2/2); a small one is
+    served by a larger internal block, with the same bytes and return values."""
+    h = handle_factory(block_size=block_size, queue_depth=2, intra_op_parallelism=2)
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_intra_op_parallelism(),
+            h.get_alignment()) == (block_size, 2, 2, 1024)
+    reference = handle_factory()
+    for size, offset in [(1, 0), (4095, 512), (70_001, 4096), (300_000, 12_345)]:
+        data = bytearray(random_bytes(size, seed=size))
+        ours, theirs = tmp_path / f"s{size}", tmp_path / f"r{size}"
+        assert h.sync_pwrite(data, ours, offset) == 1
+        assert reference.sync_pwrite(data, theirs, offset) == 1
+        assert ours.read_bytes() == theirs.read_bytes()
+        back = bytearray(size)
+        assert h.async_pread(back, ours, offset) == 0 and h.wait() == 1
+        assert back == data
+
+
+@pytest.mark.parametrize("block_size", [0, -4096, 1 << 31])
+def test_block_size_out_of_range_is_refused(block_size):
+    with pytest.raises(ValueError, match="block_size"):
+        nvmeswap.aio_handle(block_size=block_size)
+
+
+def test_keyword_arguments_are_deepnvmes(handle_factory, tmp_path):
+    """Every method by the keyword names of DeepSpeed's pybind signatures."""
+    h = handle_factory(block_size=1024, queue_depth=2, single_submit=False,
+                       overlap_events=False, intra_op_parallelism=2)
+    example = torch.empty(0, dtype=torch.uint8)
+    locked = h.new_cpu_locked_tensor(num_elem=8192, example_tenosr=example)
+    data = torch.frombuffer(bytearray(random_bytes(8192)), dtype=torch.uint8)
+    locked.copy_(data)
+    path = str(tmp_path / "kw")
+    assert h.sync_pwrite(buffer=locked, filename=path, file_offset=0) == 1
+    assert h.write(buffer=locked, filename=path, validate=True, file_offset=8192) == 1
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert h.async_pwrite(buffer=locked, fd=fd, file_offset=16384) == 0
+        assert h.wait() == 1
+    finally:
+        os.close(fd)
+    assert h.async_pwrite(buffer=locked, filename=path, file_offset=24576) == 0
+    assert h.pwrite(buffer=locked, filename=path, validate=False, file_offset=32768,
+                    **{"async": True}) == 0
+    assert h.wait() == 2
+    expected = bytes(data.numpy()) * 5
+    assert (tmp_path / "kw").read_bytes() == expected
+    for i, read in enumerate([
+            lambda b, o: h.sync_pread(buffer=b, filename=path, file_offset=o),
+            lambda b, o: h.read(buffer=b, filename=path, validate=True, file_offset=o),
+            lambda b, o: h.pread(buffer=b, filename=path, validate=False, file_offset=o,
+                                 **{"async": False})]):
+        back = torch.zeros(8192, dtype=torch.uint8)
+        assert read(back, 8192 * i) == 1 and torch.equal(back, data)
+    back = torch.zeros(8192, dtype=torch.uint8)
+    assert h.async_pread(buffer=back, filename=path, file_offset=0) == 0 and h.wait() == 1
+    assert torch.equal(back, data)
+    assert h.is_pinned(buffer=locked) and not h.is_pinned(buffer=back)
+    assert h.free_cpu_locked_tensor(tensor=locked) is True
+
+
+def test_async_pwrite_target_mistakes_are_type_errors(handle, tmp_path):
+    buf = bytearray(10)
+    with pytest.raises(TypeError, match="filename or an fd"):
+        handle.async_pwrite(buffer=buf)
+    with pytest.raises(TypeError, match="not both"):
+        handle.async_pwrite(buf, str(tmp_path / "x"), fd=3)
+    with pytest.raises(TypeError, match="fd must be an int"):
+        handle.async_pwrite(buf, fd="3")
+
+
+def _mapped_by_workers(h, region_id):
+    return [region_id in worker.mapped for worker in h._scheduler.pool.workers]
+
+
+def test_locked_memory_is_process_wide(handle_factory, tmp_path):
+    """A tensor locked by one handle is pinned, and zero-copy, in every handle; any handle
+    frees it, and then no handle's workers map it."""
+    a = handle_factory(intra_op_parallelism=2)
+    b = handle_factory(block_size=1024, queue_depth=2, intra_op_parallelism=2)
+    t = a.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
+    assert a.is_pinned(t) and b.is_pinned(t) and b.is_pinned(t[4096:8192])
+    region = b._placement.locked.containing(t.data_ptr(), t.numel())
+    data = torch.frombuffer(bytearray(random_bytes(1 << 20, seed=3)), dtype=torch.uint8)
+    t.copy_(data)
+    assert b.sync_pwrite(t, tmp_path / "f") == 1
+    assert all(_mapped_by_workers(b, region.region_id))     # zero-copy: b's workers map it
+    t.zero_()
+    assert a.sync_pread(t, tmp_path / "f") == 1 and torch.equal(t, data)
+    assert all(_mapped_by_workers(a, region.region_id))
+    assert b.free_cpu_locked_tensor(t) is True                # freed by the other handle
+    assert not a.is_pinned(t) and not b.is_pinned(t)
+    assert a.free_cpu_locked_tensor(t) is False
+    assert not any(_mapped_by_workers(a, region.region_id))
+    assert not any(_mapped_by_workers(b, region.region_id))
+    assert torch.equal(t, data)       # the memory stays valid while the tensor lives
+
+
+def test_locked_memory_outlives_the_handle_that_made_it(handle_factory, tmp_path):
+    """The set belongs to the process: closing the handle that made a tensor leaves it
+    pinned for the others; the last handle to close releases it."""
+    a = handle_factory()
+    b = handle_factory()
+    t = a.new_cpu_locked_tensor(5000, torch.empty(0, dtype=torch.float64))
+    a.close()
+    assert b.is_pinned(t)
+    t.copy_(torch.arange(5000, dtype=torch.float64))
+    assert b.sync_pwrite(t, tmp_path / "f") == 1
+    assert (tmp_path / "f").read_bytes() == torch.arange(5000, dtype=torch.float64).numpy().tobytes()
+    b.close()
+    with nvmeswap.aio_handle() as c:
+        assert not c.is_pinned(t)     # released with the last handle

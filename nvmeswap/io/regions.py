@@ -6,6 +6,7 @@ can never be left behind in /dev/shm; the memory is gone once the last mapping g
 import itertools
 import os
 import threading
+import weakref
 
 from .._memory import Mapping
 from ..errors import MemoryLockWarning, warn_once
@@ -64,14 +65,14 @@ def _warn_if_refused(err, size):
         warn_once("page-lock", f"could not page-lock {size} bytes ({os.strerror(err)}); "
                   "continuing with unlocked shared memory. Raise the limit with `ulimit -l "
                   "unlimited` (or memlock in /etc/security/limits.conf) for locked tensors.",
-                  MemoryLockWarning, stacklevel=4)
+                  MemoryLockWarning)
 
 
 class RegionTable:
     """Regions that callers' tensors live in (locked host tensors, pinned device tensors),
     found by address: I/O on a tensor inside one goes to the workers without a copy.
 
-    Thread-safe; two handles may share one table (``share_locked_memory_with``).
+    Thread-safe; every handle of the process shares the locked one (``LockedMemory``).
     """
 
     def __init__(self):
@@ -110,3 +111,110 @@ class RegionTable:
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}
         return regions
+
+
+class LockedMemory:
+    """Note [process-wide locked memory]: the locked host regions of the whole process.
+
+    DeepSpeed keeps one pinned-tensor set per process: a tensor locked through any handle
+    (or through its pin-memory op) is pinned for every handle. So every handle, and every
+    ``PinMemoryBuilder().load().pin_handle()``, joins this one set as a user
+    (``LockedUser``): a region added by any of them is found, and goes zero-copy, in all.
+
+    Invariants: a freed region is unmapped by the workers of every live user before its
+    descriptor is closed; the regions are closed when the last user leaves. A forked
+    child starts with an empty set (``locked_memory()``), never touching the parent's.
+    """
+
+    def __init__(self):
+        self.table = RegionTable()
+        self._users = set()
+        self._lock = threading.Lock()
+        self.creator_pid = os.getpid()
+
+    def join(self, scheduler=None):
+        """A new user; ``scheduler`` (set later with ``LockedUser.attach``) owns workers
+        that may map the set's regions."""
+        user = LockedUser(self, scheduler)
+        with self._lock:
+            self._users.add(user)
+        return user
+
+    def leave(self, user):
+        """Forget ``user``; if it was the last, empty the set and return its regions for
+        the caller to close (nobody can do I/O on them any more)."""
+        with self._lock:
+            self._users.discard(user)
+            last = not self._users
+        return self.table.drain() if last else []
+
+    def free(self, region):
+        """Unmap ``region`` in the workers of every user, then close our descriptor."""
+        with self._lock:
+            users = list(self._users)
+        for user in users:
+            user.unshare(region)
+        region.close()
+
+    @property
+    def users(self):
+        with self._lock:
+            return len(self._users)
+
+
+class LockedUser:
+    """One user's view of the process-wide set, with the interface of ``RegionTable``
+    that placements use (``locked``). ``drain()`` is the user leaving."""
+
+    def __init__(self, memory, scheduler=None):
+        self.memory = memory
+        self._scheduler = None
+        self._left = False
+        if scheduler is not None:
+            self.attach(scheduler)
+
+    def attach(self, scheduler):
+        # Weak: the scheduler holds its placement, which holds this user.
+        self._scheduler = weakref.ref(scheduler)
+
+    def unshare(self, region):
+        scheduler = self._scheduler() if self._scheduler is not None else None
+        if scheduler is not None and not scheduler.closed \
+                and os.getpid() == scheduler.creator_pid:
+            scheduler.unshare(region)
+
+    # -- RegionTable's interface, on the shared table ------------------------------------
+    def add(self, region):
+        self.memory.table.add(region)
+
+    def containing(self, address, nbytes):
+        return self.memory.table.containing(address, nbytes)
+
+    def pop_starting_at(self, address):
+        return self.memory.table.pop_starting_at(address)
+
+    def pop_containing(self, address):
+        return self.memory.table.pop_containing(address)
+
+    def __contains__(self, region_id):
+        return region_id in self.memory.table
+
+    def drain(self):
+        """This user leaves; the regions to close if it was the last one."""
+        if self._left:
+            return []
+        self._left = True
+        return self.memory.leave(self)
+
+
+_locked_memory = None
+_locked_memory_lock = threading.Lock()
+
+
+def locked_memory():
+    """The process's ``LockedMemory`` (a fresh one in a forked child)."""
+    global _locked_memory
+    with _locked_memory_lock:
+        if _locked_memory is None or _locked_memory.creator_pid != os.getpid():
+            _locked_memory = LockedMemory()
+        return _locked_memory
