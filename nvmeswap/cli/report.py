@@ -11,6 +11,7 @@ import resource
 import shutil
 
 from ..units import human_size
+from .options import check_output_path
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 DEFAULT_EVENTS_PER_HANDLE = 128     # aio-nr counts each context's queue depth
@@ -23,6 +24,9 @@ def add_arguments(parser):
 
 
 def run(args):
+    check_output_path(args.json, "--json")
+    found = versions()
+    print("versions: " + ", ".join(f"{name} {value}" for name, value in found.items()))
     checks = machine_checks() + [c for folder in (args.folders or ["."])
                                  for c in folder_checks(folder)]
     for check in checks:
@@ -34,8 +38,44 @@ def run(args):
     print("nvmeswap can work here" if usable else "nvmeswap cannot work here: see [FAIL] above")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"usable": usable, "checks": checks}, f, indent=2)
+            json.dump({"usable": usable, "versions": found, "checks": checks}, f, indent=2)
     return 0 if usable else 1
+
+
+def versions():
+    """nvmeswap, Python, torch, numpy and the kernel, and what built the extensions: the
+    Cython version and compiler recorded in the compiled engine module."""
+    from .. import __version__, _engine
+    found = {"nvmeswap": __version__,
+             "Python": platform.python_version(),
+             "torch": _module_version("torch"),
+             "numpy": _module_version("numpy"),
+             "kernel": f"Linux {platform.release()}"}
+    found.update(_build_tools(_engine.__file__))
+    return found
+
+
+def _module_version(name):
+    try:
+        module = __import__(name)
+    except ImportError:
+        return "not installed"
+    return getattr(module, "__version__", "unknown")
+
+
+def _build_tools(path):
+    """Cython's ABI tag (``_cython_3_1_2``) and the compiler's ``.comment`` string
+    (``GCC: (...) 12.2.0``), as the build left them in the module's bytes."""
+    import re
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return {"Cython": "unknown", "compiler": "unknown"}
+    cython = re.search(rb"_cython_(\d+)_(\d+)_(\d+)", data)
+    compiler = re.search(rb"(GCC: \([^)]*\) [\w.]+|clang version [\w.]+)", data)
+    return {"Cython": ".".join(g.decode() for g in cython.groups()) if cython else "unknown",
+            "compiler": compiler.group(1).decode() if compiler else "unknown"}
 
 
 def _check(name, status, found, fix=None):
@@ -71,16 +111,35 @@ def _aio_limit():
     return _check("aio-max-nr", OK, found)
 
 
+CAP_IPC_LOCK = 14       # linux/capability.h
+
+
+def has_cap_ipc_lock():
+    """Whether this process holds CAP_IPC_LOCK (may lock beyond RLIMIT_MEMLOCK), read from
+    its effective capability set: being root is not enough inside many containers."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def _memlock():
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if has_cap_ipc_lock():
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else human_size(soft)
+        return _check("ulimit -l", OK, f"{limit}, and this process holds CAP_IPC_LOCK: "
+                                       "locked tensors of any size")
     if soft == resource.RLIM_INFINITY:
         return _check("ulimit -l", OK, "unlimited: locked tensors of any size")
-    if os.geteuid() == 0:
-        return _check("ulimit -l", OK, f"{human_size(soft)}, but root may lock any amount")
-    found = (f"{human_size(soft)}: larger locked tensors and staging buffers work "
-             "unlocked (one MemoryLockWarning), which can be slower")
+    found = (f"{human_size(soft)} and no CAP_IPC_LOCK: larger locked tensors and staging "
+             "buffers work unlocked (one MemoryLockWarning), which can be slower")
     return _check("ulimit -l", WARN, found,
-                  "ulimit -l unlimited (or 'memlock unlimited' in /etc/security/limits.conf)")
+                  "ulimit -l unlimited (or 'memlock unlimited' in /etc/security/limits.conf; "
+                  "in a container, --cap-add IPC_LOCK or --ulimit memlock=-1)")
 
 
 def _io_uring():

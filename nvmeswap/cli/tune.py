@@ -4,16 +4,21 @@ The default search walks one setting at a time from a good start (parallelism, t
 block size, then queue depth, then the submit modes), reusing one handle and one locked
 buffer per configuration, widening a setting only when its edge wins, and confirms the
 leaders by measuring them again, interleaved. ``--exhaustive`` measures the full grid.
+The result (JSON) goes to --json FILE, or alone to standard output; everything else goes to
+standard error. Ctrl-C stops after the current configuration and keeps the best so far.
 """
 import itertools
-import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
-from ..units import format_size, size_argument
+from ..units import GB, SIZE_HELP, format_size, size_argument
+from .options import (UsageError, check_folder, check_output_path, positive_float,
+                      positive_int, torch_available, write_json)
 
 K, M = 1 << 10, 1 << 20
 BLOCK_SIZES = [128 * K, 256 * K, 1 * M, 4 * M, 8 * M]
@@ -22,59 +27,120 @@ JOBS = ("read", "write", "combined")
 
 
 def add_arguments(parser):
-    parser.add_argument("--folder", required=True, help="folder on the device to tune for")
-    parser.add_argument("--io-size", "--io_size", type=size_argument, default=256 * M,
-                        help="bytes per measured operation (default 256M)")
-    parser.add_argument("--loops", type=int, default=2, help="timed loops per configuration")
+    parser.add_argument("--folder", action="append", dest="folders", metavar="DIR",
+                        required=True, help="folder on the device to tune for (once)")
+    parser.add_argument("--io-size", "--io_size", type=size_argument, default="256M",
+                        metavar="SIZE", help=f"bytes per measured operation ({SIZE_HELP})")
+    parser.add_argument("--loops", type=positive_int, default=2, metavar="N",
+                        help="timed loops per configuration")
     parser.add_argument("--exhaustive", action="store_true", help="measure the whole grid")
-    parser.add_argument("--budget-seconds", type=float, default=50.0,
-                        help="stop the default search after this long (default 50)")
-    parser.add_argument("--json", metavar="FILE", help="write the result to FILE")
+    parser.add_argument("--budget-seconds", type=positive_float, default=50.0, metavar="S",
+                        help="stop the default search after this many seconds "
+                             "(the confirming round comes after)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write the result to FILE (default: to standard output, alone; "
+                             "everything else goes to standard error)")
     parser.add_argument("--plot", metavar="FILE.png",
-                        help="heat map of GB/s over block size x queue depth (needs matplotlib)")
+                        help="heat map of GB/s over block size x queue depth, one panel per "
+                             "parallelism, one colour scale, the pick marked (needs matplotlib)")
 
 
 def run(args):
-    if not os.path.isdir(args.folder) or not os.access(args.folder, os.W_OK | os.X_OK):
-        print(f"nvmeswap tune: folder {args.folder} does not exist or is not writable",
-              file=sys.stderr)
-        return 2
+    if len(args.folders) > 1:
+        raise UsageError(f"--folder given {len(args.folders)} times; tune measures one folder: "
+                         f"run it once per folder ({', '.join(args.folders[1:])} would never "
+                         "be used)")
+    folder = args.folders[0]
+    check_folder(folder)
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
+    if not torch_available():
+        raise UsageError("tune needs torch (it measures the handle's locked tensors): "
+                         "pip install torch")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("nvmeswap tune: --plot needs matplotlib (pip install matplotlib)",
-                  file=sys.stderr)
-            return 2
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
     started = time.monotonic()
-    tuner = Tuner(args.folder, args.io_size, args.loops)
+    tuner = Tuner(folder, args.io_size, args.loops)
+    planned = len(full_grid()) if args.exhaustive else tuner.planned_search()
+    tuner.progress = _progress_bar(planned)
     try:
-        if args.exhaustive:
-            tuner.measure_all(full_grid())
-        else:
-            tuner.search(deadline=started + args.budget_seconds)
-        picks = tuner.confirm()
+        with _StopOnInterrupt(tuner.stop):
+            if args.exhaustive:
+                tuner.measure_all(full_grid())
+            else:
+                tuner.search(deadline=started + args.budget_seconds)
+            if tuner.progress is not None:
+                tuner.progress.total = tuner.progress.n + tuner.planned_confirm()
+                tuner.progress.refresh()
+            if not tuner.stop.is_set():
+                tuner.confirm()
     except (OSError, RuntimeError) as error:
         print(f"nvmeswap tune: {error}", file=sys.stderr)
         return 1
     finally:
+        if tuner.progress is not None:
+            tuner.progress.close()
         tuner.close()
+    interrupted = tuner.stop.is_set()
+    if not tuner.results:
+        print("nvmeswap tune: interrupted before any configuration was measured",
+              file=sys.stderr)
+        return 130
+    picks = tuner.picks()
     result = {
         "aio": picks["combined"]["config"],
         **{job: {**picks[job]["config"], "gb_per_s": picks[job]["gb_per_s"]} for job in JOBS},
+        "units": {"gb_per_s": "10^9 bytes per second", "io_size": "bytes"},
         "io_size": args.io_size,
         "seconds": time.monotonic() - started,
+        "interrupted": interrupted,
         "configurations_measured": len(tuner.results),
         "measurements": [{**config_of(key), **rates} for key, rates in tuner.results.items()],
     }
+    write_json(args.json, result)
     _print_result(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
     if args.plot:
-        plot_heat_map(tuner.results, args.plot)
-        print(f"heat map written to {args.plot}")
+        plot_heat_map(tuner.results, args.plot, winner=key_of(result["aio"]))
+        print(f"heat map written to {args.plot}", file=sys.stderr)
+    if interrupted:
+        print("nvmeswap tune: interrupted; the best of the configurations measured so far "
+              "is kept", file=sys.stderr)
+        return 130
     return 0
+
+
+def _progress_bar(total):
+    """A tqdm bar with an ETA on a terminal; nothing when standard error is not one."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="tune", unit="config", file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+class _StopOnInterrupt:
+    """The first Ctrl-C sets ``event`` (the tuner stops after the current configuration and
+    keeps what it measured); a second one interrupts at once."""
+
+    def __init__(self, event):
+        self.event = event
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        self.event.set()
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._handler:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def full_grid():
@@ -90,8 +156,22 @@ def config_of(key):
             "overlap_events": overlap_events}
 
 
+def key_of(config):
+    return (config["block_size"], config["queue_depth"], config["intra_op_parallelism"],
+            config["single_submit"], config["overlap_events"])
+
+
+def _parallelisms():
+    cpus = os.cpu_count() or 1
+    return sorted({1, 2, min(4, 2 * cpus), min(8, 4 * cpus)})
+
+
 class Tuner:
-    """Measures configurations on one file; remembers every rate it saw."""
+    """Measures configurations on one file; remembers every rate it saw.
+
+    ``stop`` (an Event) ends the measuring between configurations; ``progress`` (a tqdm
+    bar or None) advances once per configuration measured.
+    """
 
     def __init__(self, folder, io_size, loops):
         self.folder = tempfile.mkdtemp(prefix="nvmeswap-tune-", dir=folder)
@@ -100,6 +180,8 @@ class Tuner:
         self.loops = loops
         self.results = {}
         self.samples = {}
+        self.stop = threading.Event()
+        self.progress = None
 
     def measure(self, key, loops=None):
         """Write and read ``io_size`` bytes ``loops`` times; record median GB/s per job."""
@@ -120,14 +202,18 @@ class Tuner:
             handle.free_cpu_locked_tensor(tensor)
         read = statistics.median(samples["read"])
         write = statistics.median(samples["write"])
-        self.results[key] = {"read": self.io_size / read / 1e9,
-                             "write": self.io_size / write / 1e9,
-                             "combined": 2 * self.io_size / (read + write) / 1e9}
+        self.results[key] = {"read": self.io_size / read / GB,
+                             "write": self.io_size / write / GB,
+                             "combined": 2 * self.io_size / (read + write) / GB}
+        if self.progress is not None:
+            best = max(r["combined"] for r in self.results.values())
+            self.progress.set_postfix_str(f"best {best:.2f} GB/s")
+            self.progress.update(1)
         return self.results[key]
 
     def measure_all(self, keys, deadline=None):
         for key in keys:
-            if deadline is not None and time.monotonic() > deadline:
+            if self.stop.is_set() or (deadline is not None and time.monotonic() > deadline):
                 return
             if key not in self.results:
                 self.measure(key)
@@ -136,15 +222,21 @@ class Tuner:
         keys = among if among is not None else self.results
         return max(keys, key=lambda k: self.results[k][job])
 
+    def planned_search(self):
+        """The most configurations :meth:`search` measures (for the progress bar)."""
+        return len(_parallelisms()) + len(BLOCK_SIZES) + len(QUEUE_DEPTHS) + 4
+
+    def planned_confirm(self, leaders=3, rounds=2):
+        chosen = set()
+        for job in JOBS:
+            chosen.update(sorted(self.results, key=lambda k: self.results[k][job],
+                                 reverse=True)[:leaders])
+        return len(chosen) * rounds
+
     def search(self, deadline):
         """One setting at a time from a good start; widen a range only if its edge wins."""
         start = (1 * M, 32, 1, False, True)
-        cpus = os.cpu_count() or 1
-        steps = [
-            (2, sorted({1, 2, min(4, 2 * cpus), min(8, 4 * cpus)})),
-            (0, BLOCK_SIZES),
-            (1, QUEUE_DEPTHS),
-        ]
+        steps = [(2, _parallelisms()), (0, BLOCK_SIZES), (1, QUEUE_DEPTHS)]
         current = start
         for position, values in steps:
             candidates = [current[:position] + (v,) + current[position + 1:] for v in values]
@@ -153,27 +245,37 @@ class Tuner:
             self.measure_all([candidates[middle]], deadline)
             for direction in (-1, 1):
                 index = middle + direction
-                while 0 <= index < len(candidates) and time.monotonic() < deadline:
+                while 0 <= index < len(candidates) and time.monotonic() < deadline \
+                        and not self.stop.is_set():
                     self.measure_all([candidates[index]], deadline)
                     previous = candidates[index - direction]
-                    if self.results[candidates[index]]["combined"] < \
+                    if candidates[index] not in self.results or \
+                            self.results[candidates[index]]["combined"] < \
                             0.97 * self.results[previous]["combined"]:
                         break
                     index += direction
-            current = self.best(among=[c for c in candidates if c in self.results])
+            measured = [c for c in candidates if c in self.results]
+            if not measured:
+                return
+            current = self.best(among=measured)
         modes = [current[:3] + (single, overlap)
                  for single, overlap in itertools.product((False, True), (False, True))]
         self.measure_all(modes, deadline)
 
     def confirm(self, leaders=3, rounds=2):
-        """Measure the leaders of each job again, interleaved; pick by all samples."""
+        """Measure the leaders of each job again, interleaved; the picks use all samples."""
         chosen = set()
         for job in JOBS:
             ranked = sorted(self.results, key=lambda k: self.results[k][job], reverse=True)
             chosen.update(ranked[:leaders])
         for _ in range(rounds):
             for key in sorted(chosen):
+                if self.stop.is_set():
+                    return
                 self.measure(key, loops=1)
+
+    def picks(self):
+        """The best configuration so far for each job, with its GB/s."""
         return {job: {"config": config_of(self.best(job)),
                       "gb_per_s": self.results[self.best(job)][job]} for job in JOBS}
 
@@ -184,32 +286,49 @@ class Tuner:
 
 
 def _print_result(result):
+    """The prose, on standard error: standard output carries the JSON alone."""
+    out = sys.stderr
     print(f"measured {result['configurations_measured']} configurations of "
-          f"{format_size(result['io_size'])} in {result['seconds']:.1f} s")
+          f"{format_size(result['io_size'])} in {result['seconds']:.1f} s "
+          "(GB = 10^9 bytes)", file=out)
     for job in JOBS:
         pick = result[job]
         settings = ", ".join(f"{k}={pick[k]}" for k in config_of((0,) * 5))
-        print(f"best {job:<9} {pick['gb_per_s']:6.2f} GB/s  {settings}")
-    print(json.dumps({"aio": result["aio"]}, indent=2))
+        print(f"best {job:<9} {pick['gb_per_s']:6.2f} GB/s  {settings}", file=out)
 
 
-def plot_heat_map(results, filename):
-    """GB/s (combined) over block size x queue depth, one panel per parallelism."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def heat_map_grids(results):
+    """Per parallelism, the best combined GB/s over queue depth (rows) x block size
+    (columns); and the one colour scale (low, high) that every panel shares."""
     import numpy
-
-    parallelisms = sorted({k[2] for k in results})
-    figure, axes = plt.subplots(1, len(parallelisms), figsize=(4.5 * len(parallelisms), 4),
-                                squeeze=False)
-    for axis, parallelism in zip(axes[0], parallelisms):
+    grids = {}
+    for parallelism in sorted({k[2] for k in results}):
         grid = numpy.full((len(QUEUE_DEPTHS), len(BLOCK_SIZES)), numpy.nan)
         for key, rates in results.items():
             if key[2] == parallelism and key[0] in BLOCK_SIZES and key[1] in QUEUE_DEPTHS:
                 row, column = QUEUE_DEPTHS.index(key[1]), BLOCK_SIZES.index(key[0])
                 grid[row, column] = numpy.fmax(grid[row, column], rates["combined"])
-        image = axis.imshow(grid, origin="lower", cmap="viridis")
+        grids[parallelism] = grid
+    values = [v for grid in grids.values() for v in grid.ravel() if not numpy.isnan(v)]
+    scale = (min(values), max(values)) if values else (0.0, 1.0)
+    return grids, scale
+
+
+def plot_heat_map(results, filename, winner=None):
+    """GB/s (combined) over block size x queue depth, one panel per parallelism, all on one
+    colour scale; the ``winner`` configuration's cell is outlined in red."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy
+    from matplotlib.patches import Rectangle
+
+    grids, (low, high) = heat_map_grids(results)
+    figure, axes = plt.subplots(1, len(grids), figsize=(4.5 * len(grids) + 1, 4),
+                                squeeze=False)
+    image = None
+    for axis, (parallelism, grid) in zip(axes[0], grids.items()):
+        image = axis.imshow(grid, origin="lower", cmap="viridis", vmin=low, vmax=high)
         axis.set_xticks(range(len(BLOCK_SIZES)), [format_size(b) for b in BLOCK_SIZES])
         axis.set_yticks(range(len(QUEUE_DEPTHS)), QUEUE_DEPTHS)
         axis.set_xlabel("block size")
@@ -218,6 +337,12 @@ def plot_heat_map(results, filename):
         for (row, column), value in numpy.ndenumerate(grid):
             if not numpy.isnan(value):
                 axis.text(column, row, f"{value:.2f}", ha="center", va="center", color="w")
-        figure.colorbar(image, ax=axis, label="GB/s (read+write)")
-    figure.tight_layout()
+        if winner is not None and winner[2] == parallelism \
+                and winner[0] in BLOCK_SIZES and winner[1] in QUEUE_DEPTHS:
+            row, column = QUEUE_DEPTHS.index(winner[1]), BLOCK_SIZES.index(winner[0])
+            axis.add_patch(Rectangle((column - 0.5, row - 0.5), 1, 1, fill=False,
+                                     edgecolor="red", linewidth=3, label="pick"))
+            axis.set_title(f"intra_op_parallelism={parallelism} (pick outlined)")
+    figure.colorbar(image, ax=list(axes[0]), label="GB/s, read+write (GB = 10^9 bytes)")
     figure.savefig(filename, dpi=100)
+    plt.close(figure)
