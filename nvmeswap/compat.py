@@ -1,4 +1,4 @@
 """The name DeepSpeed users first met: ``from nvmeswap.compat import AsyncIOBuilder``."""
-from .deepspeed import AsyncIOBuilder, GDSBuilder
+from .deepspeed import AsyncIOBuilder, GDSBuilder, PinMemoryBuilder, install, uninstall
 
-__all__ = ["AsyncIOBuilder", "GDSBuilder"]
+__all__ = ["AsyncIOBuilder", "GDSBuilder", "PinMemoryBuilder", "install", "uninstall"]
