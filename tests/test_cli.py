@@ -72,10 +72,14 @@ def test_bench_errors(tmp_path):
     missing = nvmeswap_command("bench", "--folder", tmp_path / "nope", "--io-size", "1M")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     too_big = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "64T")
-    assert too_big.returncode == 1 and "free" in too_big.stderr
+    assert too_big.returncode == 2 and "free" in too_big.stderr
+    assert os.listdir(tmp_path) == []
     if not torch.cuda.is_available():
         gpu = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--gpu")
         assert gpu.returncode == 2 and "need a CUDA GPU" in gpu.stderr
+        pinned = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M",
+                                  "--buffer", "pinned")
+        assert pinned.returncode == 2 and "--buffer pinned needs a CUDA GPU" in pinned.stderr
     bad_size = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "lots")
     assert bad_size.returncode == 2 and "not a size" in bad_size.stderr
 
