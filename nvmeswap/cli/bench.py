@@ -334,11 +334,21 @@ def _rank_job(rank, plan, barrier, stop):
 def _timed_loops(handle, job, buffer, path, plan, barrier, stop):
     import psutil
 
-    call = handle.pread if job == "read" else handle.pwrite
+    operation = handle.pread if job == "read" else handle.pwrite
+
+    def call():
+        try:
+            operation(buffer, path, plan["validate"], False, 0)
+        except (OSError, RuntimeError):
+            # A Ctrl-C also reaches worker processes still starting; then the stop counts.
+            if stop.is_set():
+                return False
+            raise
+        return True
+
     for _ in range(plan["warmup_loops"]):
-        if stop.is_set():
+        if stop.is_set() or not call():
             break
-        call(buffer, path, plan["validate"], False, 0)
     progress = _progress_bar(job, plan)
     task, e2e = [], []
     cpu_before = _cpu_seconds(psutil.Process())
@@ -347,7 +357,8 @@ def _timed_loops(handle, job, buffer, path, plan, barrier, stop):
             if stop.is_set():
                 break
             started = time.perf_counter()
-            call(buffer, path, plan["validate"], False, 0)
+            if not call():
+                break
             done = time.perf_counter()
             if barrier is not None:
                 try:

@@ -78,8 +78,11 @@ def run(args):
             if not tuner.stop.is_set():
                 tuner.confirm()
     except (OSError, RuntimeError) as error:
-        print(f"nvmeswap tune: {error}", file=sys.stderr)
-        return 1
+        # A Ctrl-C can also reach worker processes that are still starting (they ignore it
+        # only once running): the configuration then fails, and the stop is what counts.
+        if not tuner.stop.is_set():
+            print(f"nvmeswap tune: {error}", file=sys.stderr)
+            return 1
     finally:
         if tuner.progress is not None:
             tuner.progress.close()
