@@ -338,3 +338,43 @@ def test_fast_file_writer_checkpoint_of_a_state_dict(routed, utils_op, tmp_path)
         h.free_cpu_locked_tensor(pinned)
     finally:
         h.close()
+
+
+# -- ds_io's engines -------------------------------------------------------------------------
+def _ds_io_args(monkeypatch, folder, *extra):
+    from deepspeed.nvme.ds_aio_args import get_validated_args
+    monkeypatch.setattr(sys, "argv", ["ds_io", "--folder", str(folder), "--io_size", "301K",
+                                      "--block_size", "1K", "--queue_depth", "2",
+                                      "--io_parallel", "2", "--validate", "--loops", "1",
+                                      *extra])
+    return get_validated_args()
+
+
+@pytest.mark.parametrize("engine", ["aio_basic", "aio_handle"])
+def test_ds_io_engines_write_and_read_their_buffers(routed, monkeypatch, tmp_path, engine):
+    """ds_io's basic (aio_read/aio_write) and handle (pread/pwrite) engines, at DeepSpeed's
+    op-test geometry with its own validation on: the files hold the engines' buffers."""
+    from deepspeed.nvme.ds_aio_basic import AIOBasic_Engine
+    from deepspeed.nvme.ds_aio_handle import AIOHandle_Engine
+    from deepspeed.nvme.ds_aio_constants import BUFFER, FILE, HANDLE
+    engine_class = AIOBasic_Engine if engine == "aio_basic" else AIOHandle_Engine
+    args = _ds_io_args(monkeypatch, tmp_path)
+    writer = engine_class(args, 0, False)
+    writer.write(args, 0, 0)
+    path = writer.ctxt[FILE] if engine == "aio_basic" else writer.ctxt[FILE][0]
+    written = bytes(writer.ctxt[BUFFER].numpy())
+    assert open(path, "rb").read() == written and len(written) == 301 * 1024     # not a 4 KiB multiple
+    writer.fini()
+
+    read_args = _ds_io_args(monkeypatch, tmp_path, "--read")
+    reader = engine_class(read_args, 0, True)
+    source = reader.ctxt[FILE] if engine == "aio_basic" else reader.ctxt[FILE][0]
+    reader.ctxt[BUFFER].zero_()
+    reader.read(read_args, 0, 0)
+    assert bytes(reader.ctxt[BUFFER].numpy()) == open(source, "rb").read()
+    handle = reader.ctxt.get(HANDLE)
+    reader.fini()
+    if handle is not None:
+        handle.close()
+    if engine == "aio_handle":
+        writer.ctxt[HANDLE].close()
