@@ -57,9 +57,9 @@ def add_arguments(parser):
                          default=None, help="refill the queue as each request completes "
                                             "(default: the handle's, off)")
     overlap.add_argument("--sequential-requests", "--sequential_requests",
-                         action="store_false", dest="overlap_events",
+                         action="store_false", dest="overlap_events", default=None,
                          help="submit a batch, wait for all of it, repeat "
-                              "(the opposite of --overlap-events)")
+                              "(the opposite of --overlap-events; default: the handle's, on)")
     parser.add_argument("--intra-op-parallelism", "--io-parallel", "--io_parallel",
                         type=positive_int, dest="intra_op_parallelism", default=None,
                         metavar="N", help="worker processes that share each operation "
@@ -83,10 +83,11 @@ def add_arguments(parser):
                         help="independent rank processes, started together behind a barrier")
     parser.add_argument("--json", metavar="FILE",
                         help="write every figure and every loop's time to FILE "
-                             "('-': standard output, with the table on standard error)")
+                             "('-': standard output, with the table on standard error; "
+                             "default: not written)")
     parser.add_argument("--config", metavar="FILE",
                         help="handle settings from a tuner result or a DeepSpeed 'aio' section; "
-                             "options given here override it")
+                             "options given here override it (default: the handle's defaults)")
 
 
 def run(args):

@@ -27,7 +27,7 @@ def build_parser():
                                   ("tune", tune, "best settings for a folder "
                                                  "(like ds_nvme_tune)"),
                                   ("report", report, "can nvmeswap work here? (like ds_report)")):
-        sub = commands.add_parser(name, help=summary, description=module.__doc__,
+        sub = commands.add_parser(name, help=summary, description=module.__doc__.replace("``", ""),
                                   formatter_class=Formatter)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run, command_name=name)

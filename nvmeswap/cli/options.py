@@ -9,8 +9,16 @@ class UsageError(Exception):
     """A refusal before any work: printed as one line, exit status 2."""
 
 
-class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default; keeps the descriptions' line breaks."""
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the descriptions' line breaks and shows each option's default, unless its help
+    already says it (a default of None means "decided later", which the help explains)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) \
+                or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def positive_int(text):

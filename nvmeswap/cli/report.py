@@ -1,6 +1,8 @@
 """``nvmeswap report``: can nvmeswap work here, and how well (``ds_report``'s async_io lines).
 
-Every check gives a status, what it found and, for a problem, the fix in one line.
+First the versions (nvmeswap, Python, torch, numpy, kernel, and the Cython and compiler that
+built the extensions); then every check with a status, what it found and, for a problem,
+the fix in one line.
 """
 import ctypes
 import errno
@@ -20,7 +22,9 @@ DEFAULT_EVENTS_PER_HANDLE = 128     # aio-nr counts each context's queue depth
 def add_arguments(parser):
     parser.add_argument("--folder", action="append", dest="folders", metavar="DIR",
                         help="folder to check (repeatable; default: the current directory)")
-    parser.add_argument("--json", metavar="FILE", help="write the checks to FILE")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the versions and checks to FILE as JSON "
+                             "(default: printed only)")
 
 
 def run(args):

@@ -35,14 +35,15 @@ def add_arguments(parser):
                         help="timed loops per configuration")
     parser.add_argument("--exhaustive", action="store_true", help="measure the whole grid")
     parser.add_argument("--budget-seconds", type=positive_float, default=50.0, metavar="S",
-                        help="stop the default search after this many seconds "
-                             "(the confirming round comes after)")
+                        help="stop the search (not --exhaustive) after this many seconds; "
+                             "the confirming round comes after")
     parser.add_argument("--json", metavar="FILE",
                         help="write the result to FILE (default: to standard output, alone; "
                              "everything else goes to standard error)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="heat map of GB/s over block size x queue depth, one panel per "
-                             "parallelism, one colour scale, the pick marked (needs matplotlib)")
+                             "parallelism, one colour scale, the pick marked (needs matplotlib; "
+                             "default: not drawn)")
 
 
 def run(args):
