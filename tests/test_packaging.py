@@ -1,0 +1,96 @@
+"""What pip and a packager see: one version, a LICENSE that matches the metadata, a
+setuptools floor that reads that metadata, and an sdist that carries and collects its tests."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import nvmeswap
+
+ROOT = Path(__file__).resolve().parents[1]
+pyproject = pytest.importorskip("tomllib").loads((ROOT / "pyproject.toml").read_text())
+
+# Files of the working tree that are outputs, not sources.
+LEFT_OUT = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.so",
+                                  ".pytest_cache", ".benchmarks", "*.c")
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """The sdist built by the build backend the project names, from a copy of this tree."""
+    work = tmp_path_factory.mktemp("sdist")
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=LEFT_OUT)
+    built = subprocess.run(
+        [sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                               "print(build_meta.build_sdist(sys.argv[1]))", str(work / "dist")],
+        cwd=source, capture_output=True, text=True, timeout=240)
+    assert built.returncode == 0, built.stderr
+    archive = work / "dist" / built.stdout.strip().splitlines()[-1]
+    with tarfile.open(archive) as tar:
+        tar.extractall(work / "unpacked", filter="data")
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    (top,) = (work / "unpacked").iterdir()
+    return {"names": names, "top": top, "source": source}
+
+
+def test_one_version_source(sdist):
+    assert "version" not in pyproject["project"]
+    assert pyproject["project"]["dynamic"] == ["version"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "nvmeswap.__version__"}
+    pkg_info = (sdist["top"] / "PKG-INFO").read_text()
+    assert re.search(rf"^Version: {re.escape(nvmeswap.__version__)}$", pkg_info, re.MULTILINE)
+    init = (ROOT / "nvmeswap" / "__init__.py").read_text()
+    assert init.count(nvmeswap.__version__) == 1      # written once, nowhere else in the package
+
+
+def test_license_file_matches_the_metadata(sdist):
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    pkg_info = (sdist["top"] / "PKG-INFO").read_text()
+    assert "License-Expression: Apache-2.0" in pkg_info and "License-File: LICENSE" in pkg_info
+    assert (sdist["top"] / "LICENSE").read_text() == text
+
+
+def test_setuptools_floor_reads_the_license_metadata():
+    """An SPDX string in `license` and `license-files` need setuptools 77 or later."""
+    floor = next(r for r in pyproject["build-system"]["requires"] if r.startswith("setuptools"))
+    minimum = tuple(int(p) for p in re.fullmatch(r"setuptools>=([\d.]+)", floor)[1].split("."))
+    assert minimum >= (77,)
+    import setuptools
+    installed = tuple(int(p) for p in re.findall(r"\d+", setuptools.__version__)[:2])
+    assert installed >= minimum
+
+
+def test_sdist_carries_tests_examples_and_bench(sdist):
+    for folder in ("tests", "examples", "bench"):
+        wanted = {str(p.relative_to(sdist["source"])) for p in (sdist["source"] / folder).rglob("*")
+                  if p.suffix in (".py", ".md") and "__pycache__" not in p.parts}
+        assert wanted and wanted <= sdist["names"], wanted - sdist["names"]
+    for needed in ("LICENSE", "README.md", "setup.py", "pyproject.toml",
+                   "cdeps/kernel_aio.h", "pyx/_engine.pyx"):
+        assert needed in sdist["names"]
+
+
+def test_sdist_collects_its_tests(sdist):
+    """pytest, run inside the unpacked sdist (with this build's extensions beside it),
+    collects every test module the tree has: none of them needs a file left out."""
+    top = sdist["top"]
+    for extension in (ROOT / "nvmeswap").glob("*.so"):
+        shutil.copy(extension, top / "nvmeswap")
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests"], cwd=top, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(top)})
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    modules = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
+    expected = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+    assert modules == expected
