@@ -9,16 +9,24 @@ installed), plain Python (buffered write + fsync / readinto, and O_DIRECT os.pwr
 os.preadv), and torch.save / torch.load. Jobs: overwrite an existing file, and read it
 back after dropping the page cache. Printed: GB/s (median over rounds) and the median
 per-round ratio of nvmeswap bench to each.
+
+    python bench/compare.py --folder /nvme/scratch --size 400M --rounds 3 --ds-io
+
+runs instead DeepSpeed's ``ds_io`` and ``nvmeswap bench`` with the same settings (I/O size,
+loops, warm-up loops, block size, queue depth, parallelism), interleaved, and compares the
+``E2E Write/Read Speed`` lines that both print (ds_io's meanings and its GB of 2^30 bytes):
+nvmeswap's E2E speed should be within 15 % of ds_io's (a ratio of 0.85 or more). Without
+DeepSpeed it says so and exits 0.
 """
 import json
 import mmap
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
@@ -118,9 +126,12 @@ class PlainPython:
 
 class TorchSaveLoad:
     def __init__(self, size):
+        import torch
         self.tensor = torch.randint(0, 255, (size,), dtype=torch.uint8)
 
     def write(self, path):
+        import torch
+
         def save():
             with open(path, "wb") as f:
                 torch.save(self.tensor, f)
@@ -129,6 +140,7 @@ class TorchSaveLoad:
         return peers.timed(save)
 
     def read(self, path):
+        import torch
         return peers.timed(lambda: torch.load(path, weights_only=True))
 
     def remove(self, path):
@@ -139,12 +151,79 @@ class TorchSaveLoad:
         pass
 
 
+# ds_io's summary lines, which nvmeswap bench prints with the same meanings.
+E2E_LINE = re.compile(r"^E2E (Read|Write) Speed = ([0-9.e+-]+) GB/sec$", re.MULTILINE)
+SAME_SETTINGS = {"loops": "3", "warmup_loops": "1", "block_size": "1M", "queue_depth": "32",
+                 "io_parallel": "1"}
+
+
+def e2e_speeds(output):
+    """``{"write": GB/s, "read": GB/s}`` from ds_io-style output (GB = 2^30 bytes)."""
+    return {job.lower(): float(value) for job, value in E2E_LINE.findall(output)}
+
+
+def run_ds_io(folder, size, job):
+    """One ds_io run; newer DeepSpeed picks the handle with --engine, older with --handle."""
+    common = ["--folder", folder, "--io_size", str(size),
+              *[f"--{k}={v}" for k, v in SAME_SETTINGS.items()],
+              *(["--read"] if job == "read" else [])]
+    for engine in (["--engine", "aio_handle"], ["--handle"]):
+        done = subprocess.run(["ds_io", *common, *engine], capture_output=True, text=True)
+        if done.returncode == 0 and job in e2e_speeds(done.stdout):
+            return e2e_speeds(done.stdout)[job]
+        if "unrecognized arguments" not in done.stderr:
+            break
+    raise RuntimeError(f"ds_io failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def run_nvmeswap(folder, size, job):
+    command = [sys.executable, "-m", "nvmeswap", "bench", "--folder", folder,
+               "--io-size", str(size), f"--{job}", "--loops", SAME_SETTINGS["loops"],
+               "--warmup-loops", SAME_SETTINGS["warmup_loops"],
+               "--block-size", SAME_SETTINGS["block_size"],
+               "--queue-depth", SAME_SETTINGS["queue_depth"],
+               "--intra-op-parallelism", SAME_SETTINGS["io_parallel"]]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return e2e_speeds(done.stdout)[job]
+
+
+def compare_with_ds_io(folder, size, rounds):
+    """Interleaved rounds of ds_io and nvmeswap bench; the median ratio of E2E speeds."""
+    if shutil.which("ds_io") is None:
+        print("DeepSpeed's ds_io is not installed: the E2E comparison is left out "
+              "(pip install deepspeed, then run this again)", file=sys.stderr)
+        return 0
+    ratios = {}
+    for job in ("write", "read"):
+        pairs = []
+        for round_number in range(rounds):
+            runs = [("ds_io", run_ds_io), ("nvmeswap", run_nvmeswap)]
+            if round_number % 2:
+                runs.reverse()
+            speeds = {name: run(folder, size, job) for name, run in runs}
+            pairs.append(speeds)
+            print(f"{job} round {round_number + 1}: ds_io {speeds['ds_io']:.3f}, nvmeswap "
+                  f"{speeds['nvmeswap']:.3f} GB/s (E2E, GB = 2^30 bytes)", file=sys.stderr)
+        ratios[job] = statistics.median(p["nvmeswap"] / p["ds_io"] for p in pairs)
+    print(f"{size / 2**20:.0f} MiB, {rounds} rounds, settings {SAME_SETTINGS}")
+    failed = False
+    for job, ratio in ratios.items():
+        verdict = "within 15 %" if ratio >= 0.85 else "MORE than 15 % slower"
+        failed |= ratio < 0.85
+        print(f"E2E {job:<5} nvmeswap / ds_io = {ratio:.3f} (median per-round ratio): {verdict}")
+    return 1 if failed else 0
+
+
 def main():
     parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--ds-io", action="store_true",
+                        help="compare E2E speeds with DeepSpeed's ds_io on the same settings")
     arguments = parser.parse_args()
     folder = arguments.folder
     os.makedirs(folder, exist_ok=True)
     size = parse_size(arguments.size)
+    if arguments.ds_io:
+        return compare_with_ds_io(folder, size, arguments.rounds)
     contenders = {
         "nvmeswap bench": NvmeswapBench(size),
         "nvmeswap bench --ranks 2": NvmeswapBench(size, ranks=2),
@@ -190,4 +269,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
