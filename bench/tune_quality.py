@@ -25,11 +25,6 @@ def run_tune(folder, *extra):
         return json.load(out)
 
 
-def key_of(config):
-    return (config["block_size"], config["queue_depth"], config["intra_op_parallelism"],
-            config["single_submit"], config["overlap_events"])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default="nvmeswap-bench-data")
@@ -39,7 +34,7 @@ def main():
     quick = run_tune(arguments.folder)
     full = run_tune(arguments.folder, "--exhaustive")
     tuner = tune.Tuner(arguments.folder, quick["io_size"], loops=1)
-    picks = {"quick": key_of(quick["aio"]), "exhaustive": key_of(full["aio"])}
+    picks = {"quick": tune.key_of(quick["aio"]), "exhaustive": tune.key_of(full["aio"])}
     try:
         rates = {name: [] for name in picks}
         for _ in range(arguments.rounds):

@@ -15,7 +15,6 @@ import os
 import queue
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import threading
