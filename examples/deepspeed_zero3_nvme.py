@@ -6,6 +6,7 @@ offloading to CPU memory; the losses and final weights must agree bit for bit.
 
     python examples/deepspeed_zero3_nvme.py                 # both runs, compared
     python examples/deepspeed_zero3_nvme.py --offload nvme --out run.pt --folder /mnt/nvme
+    python examples/deepspeed_zero3_nvme.py --engine deepspeed   # DeepSpeed's compiled op
 
 Layer sizes are deliberately not multiples of 4 KiB, so ZeRO's partitions sit at
 locked-buffer addresses that are not 4 KiB-aligned.
@@ -51,11 +52,12 @@ def config(offload: str, folder: str) -> dict:
     }
 
 
-def train(offload: str, folder: str) -> dict:
+def train(offload: str, folder: str, engine: str = "nvmeswap") -> dict:
     """Train a few steps; return the losses and the final (gathered) weights."""
     import nvmeswap
     import nvmeswap.deepspeed
-    nvmeswap.deepspeed.install()        # the one line: DeepSpeed's I/O goes to nvmeswap
+    if engine == "nvmeswap":
+        nvmeswap.deepspeed.install()    # the one line: DeepSpeed's I/O goes to nvmeswap
 
     import deepspeed
     import torch
@@ -86,7 +88,8 @@ def train(offload: str, folder: str) -> dict:
         param_swapper = next(iter(engine.module.parameters())).nvme_swapper
         handles = (engine.optimizer.optimizer_swapper.aio_handle,
                    param_swapper.aio_read_handle, param_swapper.aio_write_handle)
-        assert all(isinstance(h, nvmeswap.aio_handle) for h in handles), handles
+        if engine == "nvmeswap":
+            assert all(isinstance(h, nvmeswap.aio_handle) for h in handles), handles
         swap_files = sum(len(files) for _, _, files in os.walk(folder))
         assert swap_files > 0, f"no swap files under {folder}"
         print(f"ZeRO-Infinity swappers on {type(handles[0]).__module__}.aio_handle; "
@@ -99,11 +102,11 @@ def train(offload: str, folder: str) -> dict:
     return {"losses": torch.stack(losses), "weights": weights, "swap_files": swap_files}
 
 
-def _run_child(offload: str, folder: str, out: str) -> None:
+def _run_child(offload: str, folder: str, out: str, engine: str) -> None:
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     subprocess.run([sys.executable, __file__, "--offload", offload, "--folder", folder,
-                    "--out", out], env=env, check=True)
+                    "--out", out, "--engine", engine], env=env, check=True)
 
 
 def _free_port() -> int:
@@ -112,14 +115,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def compare(folder: str) -> bool:
-    """Run NVMe and CPU offload in fresh processes; print and return whether they agree."""
+def compare(folder: str, engine: str = "nvmeswap") -> bool:
+    """Run NVMe (through ``engine``) and CPU offload in fresh processes; print and return
+    whether they agree."""
     import torch
 
     results = {}
     for offload in ("nvme", "cpu"):
         out = os.path.join(folder, f"{offload}.pt")
-        _run_child(offload, os.path.join(folder, "swap"), out)
+        _run_child(offload, os.path.join(folder, "swap"), out, engine)
         results[offload] = torch.load(out)
     nvme, cpu = results["nvme"], results["cpu"]
     for step, (a, b) in enumerate(zip(nvme["losses"].tolist(), cpu["losses"].tolist())):
@@ -136,15 +140,17 @@ def main() -> int:
     parser.add_argument("--offload", choices=("nvme", "cpu"))
     parser.add_argument("--folder", help="swap folder (default: a temporary one)")
     parser.add_argument("--out", help="where a single run saves its losses and weights")
+    parser.add_argument("--engine", choices=("nvmeswap", "deepspeed"), default="nvmeswap",
+                        help="who does the NVMe I/O: nvmeswap, or DeepSpeed's compiled op")
     args = parser.parse_args()
     if args.offload is None:
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
-            return 0 if compare(folder) else 1
+            return 0 if compare(folder, args.engine) else 1
     import torch
     if args.folder:
         os.makedirs(args.folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
-        result = train(args.offload, folder)
+        result = train(args.offload, folder, args.engine)
     if args.out:
         torch.save(result, args.out)
     print("losses:", [f"{x:.9g}" for x in result["losses"].tolist()])
