@@ -58,9 +58,10 @@ def test_swap_out_and_in_round_trip(tmp_path):
         swapper.swap_out("ints", TENSORS["ints"], async_op=False)
         assert swapper.swap_in("ints", out=out, async_op=False) is out
         assert torch.equal(out, TENSORS["ints"])
-        files = os.listdir(tmp_path / "swap")
+        files = os.listdir(swapper.directory)
+        assert os.path.dirname(swapper.directory) == str(tmp_path / "swap")
         swapper.release("ints")
-        assert len(os.listdir(tmp_path / "swap")) == len(files) - 1
+        assert len(os.listdir(swapper.directory)) == len(files) - 1
     assert os.listdir(tmp_path / "swap") == []
 
 
@@ -76,6 +77,11 @@ def test_swapper_refuses_what_would_lose_data(tmp_path):
         swapper.synchronize_writes()
         with pytest.raises(ValueError, match="holds 4000 bytes"):
             swapper.swap_in("t", out=torch.empty(10))
+        with pytest.raises(ValueError, match=r"shape \(1000,\).*shape \(10, 100\)"):
+            swapper.swap_in("t", out=torch.empty(10, 100))
+        with pytest.raises(TypeError, match="holds torch.float32; the output tensor is "
+                                            "torch.int32"):
+            swapper.swap_in("t", out=torch.empty(1000, dtype=torch.int32))
         with pytest.raises(ValueError, match="contiguous"):
             swapper.swap_out("u", torch.ones(10, 10).t())
 
@@ -87,6 +93,9 @@ def test_synchronize_checks_counts_and_bytes(tmp_path, monkeypatch):
         monkeypatch.setattr(swapper.write_handle, "wait", lambda: real_wait() - 1)
         with pytest.raises(SwapError, match="0 writes completed, 1 were started"):
             swapper.synchronize_writes()
+        assert swapper.state("a") is SwapState.FAILED      # which write landed is unknown
+        with pytest.raises(SwapError, match="'a' cannot be read: 0 writes completed"):
+            swapper.swap_in("a")
         monkeypatch.setattr(swapper.write_handle, "wait", real_wait)
         swapper.swap_out("b", torch.ones(5000))
         import nvmeswap.training.swap as swap_module
@@ -97,6 +106,9 @@ def test_synchronize_checks_counts_and_bytes(tmp_path, monkeypatch):
         with pytest.raises(SwapError, match="has 100 bytes, expected 20000"):
             swapper.synchronize_writes()
         monkeypatch.undo()
+        assert swapper.state("b") is SwapState.FAILED
+        swapper.swap_out("b", torch.full((5000,), 2.0), async_op=False)     # written again
+        assert torch.equal(swapper.swap_in("b", async_op=False), torch.full((5000,), 2.0))
 
 
 def _adam_steps(optimizer_factory, steps=6):
@@ -144,7 +156,8 @@ def test_offloaded_adam_is_bit_identical_and_its_state_leaves_memory(tmp_path, o
         in_memory = [v for state in optimizer.optimizer.state.values() for v in state.values()
                      if torch.is_tensor(v) and v.numel() > 1]
         assert in_memory == []                       # only Adam's step counters stayed
-        assert len(os.listdir(tmp_path)) == 2 * 4    # exp_avg and exp_avg_sq of 4 params
+        # exp_avg and exp_avg_sq of 4 params, in the optimizer's own sub-folder
+        assert len(os.listdir(optimizer.swapper.directory)) == 2 * 4
     assert os.listdir(tmp_path) == []
 
 
@@ -191,8 +204,9 @@ def test_small_tensors_share_a_pack_file_and_batch_their_writes(tmp_path):
         for key, tensor in small.items():
             swapper.swap_out(key, tensor)
         assert swapper.synchronize_writes() == 1         # 50 tensors, one write
-        assert os.listdir(tmp_path) == ["pack.swp"]
-        size = os.path.getsize(tmp_path / "pack.swp")
+        assert os.listdir(swapper.directory) == ["pack.swp"]
+        pack = os.path.join(swapper.directory, "pack.swp")
+        size = os.path.getsize(pack)
         back = {key: swapper.swap_in(key) for key in small}
         swapper.synchronize_reads()
         assert all(torch.equal(back[k], small[k]) for k in small)
@@ -201,7 +215,7 @@ def test_small_tensors_share_a_pack_file_and_batch_their_writes(tmp_path):
             swapper.swap_out(key, tensor * 2)
         swapper.swap_out("large", torch.randn(100_000))   # not packed: a file of its own
         assert swapper.synchronize_writes() == 2
-        assert os.path.getsize(tmp_path / "pack.swp") == size
+        assert os.path.getsize(pack) == size
         assert torch.equal(swapper.swap_in("t7", async_op=False), small["t7"] * 2)
         swapper.swap_out("t3", torch.randn(5000), async_op=False)      # grew: a new slot
         assert swapper.swap_in("t3", async_op=False).numel() == 5000

@@ -1,13 +1,18 @@
 """Swapping tensors out to files and back: the layer ZeRO-Infinity style offload needs.
 
 ``TensorSwapper`` keeps, per key, where a tensor is (in memory, being written, on disk,
-being read) and moves it with two handles, one for reads and one for writes, so that a
-prefetch never waits behind a write-back. ``SwapBufferPool`` is a set of locked buffers
-allocated once, for callers that swap the same sizes over and over.
+being read, or failed) and moves it with two handles, one for reads and one for writes,
+so that a prefetch never waits behind a write-back. ``SwapBufferPool`` is a set of locked
+buffers allocated once, for callers that swap the same sizes over and over.
 """
+from __future__ import annotations
+
 import enum
+import hashlib
 import os
 import re
+import tempfile
+from typing import Any, Hashable, Optional
 
 from ..aio import aio_handle
 from ..io.files import ALIGNMENT
@@ -19,6 +24,7 @@ class SwapState(enum.Enum):
     WRITING = "being written"
     ON_DISK = "on disk"
     READING = "being read"
+    FAILED = "failed"       # its last write failed or may not have landed whole
 
 
 class SwapError(RuntimeError):
@@ -66,8 +72,9 @@ class SwapBufferPool:
         self._all, self._free = [], []
 
 
+
 class _Entry:
-    __slots__ = ("path", "offset", "shape", "dtype", "nbytes", "state", "tensor")
+    __slots__ = ("path", "offset", "shape", "dtype", "nbytes", "state", "tensor", "error")
 
     def __init__(self, path, offset, shape, dtype, nbytes):
         self.path = path
@@ -77,16 +84,18 @@ class _Entry:
         self.nbytes = nbytes
         self.state = SwapState.IN_MEMORY
         self.tensor = None      # held while an operation on it is in flight
+        self.error = None       # why the state is FAILED
 
 
 class TensorSwapper:
-    """Swap tensors of any size and dtype to files in ``folder``, one file per key.
+    """Swap tensors of any size and dtype to files, one file per key.
 
     Parameters
     ----------
-    folder : str
-        Where the swap files go; created if missing. Files are removed by ``release``
-        and ``close``.
+    folder : str or os.PathLike
+        Where the swap files go; created if missing. The swapper makes a sub-folder of
+        its own there (``directory``), so several swappers (or optimizers, or ranks) may
+        share one folder. ``close()`` deletes that sub-folder and everything in it.
     read_handle, write_handle : aio_handle, optional
         The handles to use; by default two of its own (``**handle_args``) that share
         their locked memory, so reads are never queued behind writes and tensors from
@@ -96,135 +105,246 @@ class TensorSwapper:
         slot that it keeps when swapped out again; their writes wait until
         ``synchronize_writes()`` and go out as one write per run of adjacent slots
         (write-behind batching). 0 (default): one file per tensor.
+
+    Notes
+    -----
+    Keys are any hashable values, usually strings of any length and characters: file
+    names are a cleaned, shortened prefix of the key and a hash of all of it.
+
+    A key's ``state`` is always true. A swap-out that fails to start, or whose write
+    fails or comes up short, leaves the key ``FAILED`` (``swap_in`` refuses it with a
+    ``SwapError``; ``swap_out`` again or ``release`` it). A swap-in that fails leaves
+    the key as it was before, readable again.
     """
 
-    def __init__(self, folder, read_handle=None, write_handle=None, *, pack_below=0,
-                 **handle_args):
+    def __init__(self, folder: "str | os.PathLike[str]", read_handle: Optional[aio_handle] = None,
+                 write_handle: Optional[aio_handle] = None, *, pack_below: int = 0,
+                 **handle_args: Any) -> None:
+        folder = os.fspath(folder)
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
+        self.directory = tempfile.mkdtemp(prefix="swap-", dir=folder)
+        self._closed = False
         self._own = [h is None for h in (read_handle, write_handle)]
-        self.read_handle = read_handle or aio_handle(**handle_args)
-        self.write_handle = write_handle or aio_handle(
-            **handle_args, share_locked_memory_with=self.read_handle if self._own[0] else None)
+        self.read_handle = read_handle
+        self.write_handle = write_handle
+        try:
+            self.read_handle = read_handle or aio_handle(**handle_args)
+            self.write_handle = write_handle or aio_handle(
+                **handle_args,
+                share_locked_memory_with=self.read_handle if self._own[0] else None)
+        except BaseException:
+            self._close_handles()
+            os.rmdir(self.directory)
+            raise
         self._entries = {}
         self._reading = []
         self._writing = []
+        self._uncertain_reads = 0   # submissions that raised: wait() may or may not count them
+        self._uncertain_writes = 0
+        self._locked = []           # tensors made by new_locked_tensor, freed at close
         self.pack_below = pack_below
-        self._pack_path = os.path.join(folder, "pack.swp")
+        self._pack_path = os.path.join(self.directory, "pack.swp")
         self._pack_end = 0
         self._slots = {}            # packed key -> (offset, capacity) in the pack file
         self._batched = []          # packed keys written at the next synchronize_writes
         self._batch_buffers = []    # staging of the batched writes in flight
 
-    def new_locked_tensor(self, nbytes):
-        """A locked uint8 tensor that both of the swapper's handles move without a copy."""
-        import torch
-        return self.read_handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+    def new_locked_tensor(self, nbytes: int) -> Any:
+        """A locked uint8 tensor that both of the swapper's handles move without a copy.
 
-    def free_locked_tensor(self, tensor):
+        ``close()`` frees any that ``free_locked_tensor`` has not.
+        """
+        import torch
+        self._check_open()
+        tensor = self.read_handle.new_cpu_locked_tensor(nbytes,
+                                                        torch.empty(0, dtype=torch.uint8))
+        self._locked.append(tensor)
+        return tensor
+
+    def free_locked_tensor(self, tensor: Any) -> None:
+        """Stop sharing ``tensor`` (from ``new_locked_tensor``) with the workers."""
+        self._check_open()
+        self._locked = [t for t in self._locked if t is not tensor]
         self.read_handle.free_cpu_locked_tensor(tensor)
 
-    def state(self, key):
+    def state(self, key: Hashable) -> SwapState:
         return self._entries[key].state
 
-    def swap_out(self, key, tensor, async_op=True):
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def swap_out(self, key: Hashable, tensor: Any, async_op: bool = True) -> None:
         """Write ``tensor`` under ``key``. The tensor must not change until
-        ``synchronize_writes()`` (async) or this call (sync) returns."""
+        ``synchronize_writes()`` (async) or this call (sync) returns.
+
+        Raises ``RuntimeError`` if the key is being written or read. If the write cannot
+        be started, the key is left ``FAILED`` and the error raised.
+        """
+        self._check_open()
         entry = self._entries.get(key)
         if entry is not None and entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
         flat = _as_bytes(tensor)
         packed = 0 < flat.numel() < self.pack_below
         path, offset = (self._pack_path, self._slot(key, flat.numel())) if packed else \
-            (self._path_of(key), 0)
+            (os.path.join(self.directory, _file_name(key)), 0)
         entry = _Entry(path, offset, tuple(tensor.shape), tensor.dtype, flat.numel())
         self._entries[key] = entry
         if entry.nbytes == 0:
             entry.state = SwapState.ON_DISK         # nothing to write
-        elif packed:
+            return
+        if packed:
             entry.state, entry.tensor = SwapState.WRITING, flat
             self._writing.append(key)
             self._batched.append(key)
             if not async_op:
                 self.synchronize_writes()
-        elif async_op:
-            entry.state, entry.tensor = SwapState.WRITING, flat
-            self._writing.append(key)
-            self.write_handle.async_pwrite(flat, entry.path)
-        else:
-            self.write_handle.sync_pwrite(flat, entry.path)
-            entry.state = SwapState.ON_DISK
+            return
+        try:
+            if async_op:
+                entry.state, entry.tensor = SwapState.WRITING, flat
+                self.write_handle.async_pwrite(flat, entry.path)
+                self._writing.append(key)
+            else:
+                self.write_handle.sync_pwrite(flat, entry.path)
+                entry.state = SwapState.ON_DISK
+        except BaseException as error:
+            if async_op:
+                self._uncertain_writes += 1
+            _fail(entry, f"writing {entry.path} failed: {error}")
+            raise
 
-    def swap_in(self, key, out=None, async_op=True):
+    def swap_in(self, key: Hashable, out: Any = None, async_op: bool = True) -> Any:
         """Read ``key`` into ``out`` (or a new tensor of its shape and dtype) and return it;
-        with ``async_op`` the data is there after ``synchronize_reads()`` (a prefetch)."""
+        with ``async_op`` the data is there after ``synchronize_reads()`` (a prefetch).
+
+        ``out`` must have the dtype (else ``TypeError``) and shape (else ``ValueError``)
+        the key was swapped out with. A key read before may be read again: its file is
+        unchanged until the next ``swap_out``.
+        """
         import torch
+        self._check_open()
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"nothing swapped out under {key!r}")
-        if entry.state is not SwapState.ON_DISK:
+        if entry.state is SwapState.FAILED:
+            raise SwapError(f"swap key {key!r} cannot be read: {entry.error}")
+        if entry.state not in (SwapState.ON_DISK, SwapState.IN_MEMORY):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}, not on disk")
         if out is None:
             out = torch.empty(entry.shape, dtype=entry.dtype)
+        elif not isinstance(out, torch.Tensor):
+            raise TypeError(f"swap_in needs a torch tensor as out, got {type(out).__name__}")
+        elif out.dtype != entry.dtype:
+            raise TypeError(f"swap key {key!r} holds {entry.dtype}; the output tensor is "
+                            f"{out.dtype}")
+        elif tuple(out.shape) != entry.shape:
+            raise ValueError(f"swap key {key!r} holds {entry.nbytes} bytes of shape "
+                             f"{entry.shape}; the output tensor has shape {tuple(out.shape)}")
         flat = _as_bytes(out)
-        if flat.numel() != entry.nbytes:
-            raise ValueError(f"swap key {key!r} holds {entry.nbytes} bytes; the output "
-                             f"tensor has {flat.numel()}")
+        before = entry.state
         if entry.nbytes == 0:
             entry.state = SwapState.IN_MEMORY
-        elif async_op:
-            entry.state, entry.tensor = SwapState.READING, flat
-            self._reading.append(key)
-            self.read_handle.async_pread(flat, entry.path, entry.offset)
-        else:
-            self.read_handle.sync_pread(flat, entry.path, entry.offset)
-            entry.state = SwapState.IN_MEMORY
+            return out
+        try:
+            if async_op:
+                entry.state, entry.tensor = SwapState.READING, flat
+                self.read_handle.async_pread(flat, entry.path, entry.offset)
+                self._reading.append(key)
+            else:
+                self.read_handle.sync_pread(flat, entry.path, entry.offset)
+                entry.state = SwapState.IN_MEMORY
+        except BaseException:
+            if async_op:
+                self._uncertain_reads += 1
+            entry.state, entry.tensor = before, None     # the file is as it was
+            raise
         return out
 
-    def synchronize_writes(self):
+    def synchronize_writes(self) -> int:
         """Wait for every swap_out; check that all of them, and all their bytes, landed.
 
-        A key whose file came up short is forgotten (its file deleted) and named in the
-        SwapError; the caller still holds the tensor and can swap it out again.
+        Returns the number of writes completed. If the handle reports a failure or other
+        counts than were started, every key written since the last synchronize is left
+        ``FAILED`` (which of them landed is not known); a key whose file came up short is
+        left ``FAILED`` and named. Either way a ``SwapError`` (or the handle's error) is
+        raised once no write is in flight; the caller still holds the tensors and can swap
+        them out again.
         """
+        self._check_open()
         keys, self._writing = self._writing, []
-        started = len(keys) - len(self._batched) + self._write_batches()
-        done = self.write_handle.wait()
-        self._batch_buffers = []
-        problems = [] if done == started else [f"{done} writes completed, {started} were "
-                                               "started"]
+        uncertain, self._uncertain_writes = self._uncertain_writes, 0
+        try:
+            started = len(keys) - len(self._batched) + self._write_batches()
+        except BaseException:
+            uncertain += 1
+            started = -1
+            self._batched = []
+        try:
+            done = self.write_handle.wait()
+        except BaseException as error:
+            for key in keys:
+                _fail(self._entries[key], f"a write failed: {error}")
+            raise
+        finally:
+            self._batch_buffers = []
+        problems = [] if started <= done <= started + uncertain else \
+            [f"{done} writes completed, {max(started, 0)} were started"]
         for key in keys:
             entry = self._entries[key]
             entry.tensor = None
-            size = os.stat(entry.path).st_size - entry.offset if entry.nbytes else 0
-            entry.state = SwapState.ON_DISK
+            if problems:
+                _fail(entry, problems[0])
+                continue
+            size = os.stat(entry.path).st_size - entry.offset
             if size < entry.nbytes:
-                problems.append(f"swap file {entry.path} has {size} bytes, expected "
-                                f"{entry.nbytes}")
-                self.release(key)
+                message = f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
+                problems.append(message)
+                _fail(entry, message)
+            else:
+                entry.state = SwapState.ON_DISK
         if problems:
             raise SwapError("; ".join(problems))
         return done
 
-    def synchronize_reads(self):
-        """Wait for every swap_in; check the count and that every byte arrived."""
+    def synchronize_reads(self) -> int:
+        """Wait for every swap_in; check the count and that every byte arrived.
+
+        If a read failed, every key read since the last synchronize is left as it was
+        before (on disk, readable again) and the error raised.
+        """
+        self._check_open()
         keys, self._reading = self._reading, []
-        done = self.read_handle.wait()
-        problems = [] if done == len(keys) else [f"{done} reads completed, {len(keys)} were "
-                                                 "started"]
+        uncertain, self._uncertain_reads = self._uncertain_reads, 0
+        try:
+            done = self.read_handle.wait()
+        except BaseException:
+            for key in keys:
+                entry = self._entries[key]
+                entry.state, entry.tensor = SwapState.ON_DISK, None
+            raise
+        problems = [] if len(keys) <= done <= len(keys) + uncertain else \
+            [f"{done} reads completed, {len(keys)} were started"]
         for key in keys:
             entry = self._entries[key]
             if entry.tensor.numel() != entry.nbytes:
                 problems.append(f"swap key {key!r} read {entry.tensor.numel()} bytes, "
                                 f"expected {entry.nbytes}")
             entry.tensor = None
-            entry.state = SwapState.IN_MEMORY
+            entry.state = SwapState.ON_DISK if problems else SwapState.IN_MEMORY
         if problems:
+            for key in keys:
+                self._entries[key].state = SwapState.ON_DISK
             raise SwapError("; ".join(problems))
         return done
 
-    def release(self, key):
+    def release(self, key: Hashable) -> None:
         """Forget ``key`` and delete its file."""
+        self._check_open()
         entry = self._entries[key]
         if entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
@@ -263,28 +383,77 @@ class TensorSwapper:
             self.write_handle.async_pwrite(staging, self._pack_path, start)
         return len(runs)
 
-    def close(self):
-        if self._writing:
-            self.synchronize_writes()
-        if self._reading:
-            self.synchronize_reads()
-        for key in list(self._entries):
-            self.release(key)
-        if os.path.exists(self._pack_path):
-            os.unlink(self._pack_path)
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for what is in flight, delete every file and the swapper's sub-folder,
+        free the locked tensors it made and close the handles it made. Idempotent."""
+        if self._closed:
+            return
+        errors = []
+        try:
+            for pending, synchronize in ((self._writing, self.synchronize_writes),
+                                         (self._reading, self.synchronize_reads)):
+                if pending:
+                    try:
+                        synchronize()
+                    except Exception as error:      # noqa: PERF203 - cleanup goes on
+                        errors.append(error)
+            for key in list(self._entries):
+                self.release(key)
+            for path in (self._pack_path,):
+                if os.path.exists(path):
+                    os.unlink(path)
+            for tensor in self._locked:
+                self.read_handle.free_cpu_locked_tensor(tensor)
+            self._locked = []
+            try:
+                os.rmdir(self.directory)
+            except FileNotFoundError:
+                pass
+        finally:
+            self._closed = True
+            self._close_handles()
+        if errors:
+            raise errors[0]
+
+    def _close_handles(self):
         for own, handle in zip(self._own, (self.read_handle, self.write_handle)):
-            if own:
+            if own and handle is not None:
                 handle.close()
 
-    def __enter__(self):
+    def _check_open(self):
+        if self._closed:
+            raise ValueError(f"this TensorSwapper ({self.directory}) is closed")
+
+    def __enter__(self) -> TensorSwapper:
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _path_of(self, key):
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
-        return os.path.join(self.folder, f"{safe}.{abs(hash(key)) & 0xFFFFFF:06x}.swp")
+    def __repr__(self) -> str:
+        return (f"<TensorSwapper {'closed' if self._closed else 'open'} {self.directory} "
+                f"keys={len(self._entries)}>")
+
+
+def _fail(entry, why):
+    entry.state, entry.tensor, entry.error = SwapState.FAILED, None, why
+
+
+# Long enough to recognise the key; short enough that a name never nears NAME_MAX (255).
+NAME_PREFIX = 64
+
+
+def _file_name(key):
+    """A safe file name for any key: a cleaned prefix of it and a hash of all of it."""
+    text = key if isinstance(key, str) else f"{type(key).__name__}:{key!r}"
+    tagged = ("str:" + key) if isinstance(key, str) else text
+    digest = hashlib.sha256(tagged.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:NAME_PREFIX]
+    return f"{readable}.{digest}.swp"
 
 
 def _as_bytes(tensor):
