@@ -4,8 +4,8 @@ swappers make them: DeepSpeed's compiled op against nvmeswap, bytes compared.
 DeepSpeed pads each partition to a multiple of 512 x intra_op_parallelism bytes (its
 get_alignment()) and packs them one after another into a locked buffer, so with
 partition sizes that are not 4 KiB multiples most slices start inside a page. Each
-(padded) slice is written to its own file, the file is compared with the slice, then
-read back into a zeroed slice and compared again. Each engine runs in its own process,
+(padded) slice is written to its own file and read back into the cleared buffer, as the
+swappers do (all started, then one wait); files and slices are compared. Each engine runs in its own process,
 so that an abort in one is reported rather than ending the comparison.
 
     python bench/deepspeed_unaligned_slices.py            # both, where DeepSpeed's op loads
@@ -47,22 +47,27 @@ def run(engine: str, folder: str, parallelism: int, block_size: int) -> tuple[in
     for step in aligned:
         slices.append(buffer.narrow(0, offset, step))
         offset += step
-    bad = 0
+    # As the swappers do: every slice written with one wait, the buffer cleared, every
+    # slice read back with one wait, then each compared (so a read that spills into a
+    # neighbouring slice shows there).
+    expected, paths = [], []
     for index, piece in enumerate(slices):
         piece.copy_(torch.randn(piece.numel(), generator=generator))
-        expected = piece.clone()
-        path = os.path.join(folder, f"{engine}-{index}.swp")
-        handle.async_pwrite(piece, path)
-        handle.wait()
-        with open(path, "rb") as written:
-            file_ok = written.read() == expected.numpy().tobytes()
-        piece.zero_()
+        expected.append(piece.clone())
+        paths.append(os.path.join(folder, f"{engine}-{index}.swp"))
+        handle.async_pwrite(piece, paths[-1])
+    handle.wait()
+    buffer.zero_()
+    for piece, path in zip(slices, paths):
         handle.async_pread(piece, path)
-        handle.wait()
-        read_ok = torch.equal(piece, expected)
-        page_offset = piece.data_ptr() % 4096
+    handle.wait()
+    bad = 0
+    for index, (piece, want, path) in enumerate(zip(slices, expected, paths)):
+        with open(path, "rb") as written:
+            file_ok = written.read() == want.numpy().tobytes()
+        read_ok = torch.equal(piece, want)
         print(f"{engine:9s} slice {index}: {piece.numel():7d} floats at page offset "
-              f"{page_offset:4d}: file {'ok' if file_ok else 'WRONG'}, "
+              f"{piece.data_ptr() % 4096:4d}: file {'ok' if file_ok else 'WRONG'}, "
               f"read back {'ok' if read_ok else 'WRONG'}")
         bad += not (file_ok and read_ok)
     handle.free_cpu_locked_tensor(buffer)
