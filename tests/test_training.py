@@ -503,3 +503,19 @@ def test_swapper_close_frees_its_locked_tensors_and_files(tmp_path):
     assert memfd_mappings() == mapped and os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="closed"):
         swapper.swap_in("k")
+
+
+def test_offload_adam_example_trains_the_same_with_less_memory(tmp_path):
+    import subprocess
+    import sys
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "offload_adam.py")
+    result = subprocess.run([sys.executable, example, "--folder", str(tmp_path),
+                             "--layers", "2", "--width", "256", "--steps", "3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    plain, offload = (line.split("losses ")[1] for line in lines if ": losses " in line)
+    assert plain == offload and len(plain.split()) == 3
+    assert "losses the same; offloading saved" in lines[-1]
+    assert os.listdir(tmp_path) == []
