@@ -247,6 +247,11 @@ class aio_handle:
             warnings.warn(f"unclosed {self!r}", ResourceWarning, source=self)
             self._finalizer()
 
+    def __reduce__(self):
+        raise TypeError(f"cannot pickle an nvmeswap {type(self).__name__}: it owns worker "
+                        "processes and shared memory of this process; make a new handle "
+                        "in the other process")
+
     def __repr__(self) -> str:
         state = "closed" if self._scheduler.closed else "open"
         return (f"<nvmeswap.{type(self).__name__} {state} block_size={self._block_size} "

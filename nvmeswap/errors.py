@@ -1,8 +1,10 @@
 """The exceptions and warnings nvmeswap raises, and the one place errno becomes an exception."""
 import os
+import sys
 import warnings
 
 _warned = set()
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class WorkerDied(RuntimeError):
@@ -78,15 +80,23 @@ class MemoryLockWarning(RuntimeWarning):
     """Page-locking was refused (RLIMIT_MEMLOCK); memory is shared but not locked."""
 
 
-def warn_once(key, message, category, stacklevel=1):
+def warn_once(key, message, category):
     """Warn the first time ``key`` comes up in this process: a refusal that repeats on every
-    call (O_DIRECT, page-locking, cuFile) is worth one warning, not thousands.
-
-    ``stacklevel`` counts from the caller of ``warn_once``, as ``warnings.warn``'s does.
+    call (O_DIRECT, page-locking, cuFile) is worth one warning, not thousands. The warning
+    points at the caller's line that called into nvmeswap.
     """
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, category, stacklevel=stacklevel + 1)
+        warnings.warn(message, category, stacklevel=caller_stacklevel())
+
+
+def caller_stacklevel():
+    """The ``stacklevel`` (for a ``warnings.warn`` made by our caller) of the first frame
+    outside this package: the user's code."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def os_error(err, filename, detail=""):

@@ -87,7 +87,7 @@ def register_for_device_copies(region):
     if status != cudart.cudaError.success:
         warn_once("cudaHostRegister", f"cudaHostRegister of {region.size} bytes of staging "
                   f"memory failed ({status}); GPU copies continue through unregistered memory, "
-                  "more slowly", RuntimeWarning, stacklevel=2)
+                  "more slowly", RuntimeWarning)
         return
 
     def unregister(address=region.address):

@@ -5,26 +5,38 @@ from .._memory import buffer_address
 
 
 class IoBuffer:
-    """The address and size of a caller's buffer, and the object that keeps it alive.
+    """The address and size of a caller's buffer, and what keeps that memory alive.
 
     ``device`` is None for host memory, else the torch device of a CUDA tensor (whose
-    address the host cannot touch).
+    address the host cannot touch). ``storage``: a tensor's storage, held so that the
+    memory outlives a ``set_()`` or ``del`` of the tensor before ``wait()``.
     """
 
-    __slots__ = ("owner", "address", "nbytes", "device")
+    __slots__ = ("owner", "address", "nbytes", "device", "storage")
 
-    def __init__(self, owner, address, nbytes, device=None):
+    def __init__(self, owner, address, nbytes, device=None, storage=None):
         self.owner = owner
         self.address = address
         self.nbytes = nbytes
         self.device = device
+        self.storage = storage
+
+    def check_alive(self):
+        """Raise if the memory was given up under us: a tensor's storage resized, say."""
+        storage = self.storage
+        if storage is None:
+            return      # buffer objects are held by a memoryview: they cannot resize
+        start = storage.data_ptr()
+        if not start <= self.address <= self.address + self.nbytes <= start + storage.nbytes():
+            raise RuntimeError("the tensor's storage was resized or freed before the "
+                               "operation completed; its bytes were not copied")
 
 
 def io_buffer(obj, *, writable):
     """Describe ``obj`` for I/O; ``writable`` when it is the target of a read."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
-        return _tensor_buffer(obj)
+        return _tensor_buffer(obj, writable)
     try:
         view = memoryview(obj)
     except TypeError:
@@ -39,12 +51,28 @@ def io_buffer(obj, *, writable):
     return IoBuffer(view, address, nbytes)
 
 
-def _tensor_buffer(tensor):
+def _tensor_buffer(tensor, writable):
     if tensor.device.type not in ("cpu", "cuda"):
         raise TypeError(f"nvmeswap takes CPU and CUDA tensors; got a tensor on {tensor.device}")
+    if tensor.layout is not _torch().strided or tensor.is_nested:
+        raise TypeError(f"nvmeswap takes dense tensors; got a {tensor.layout} tensor")
+    if tensor.is_quantized:
+        raise TypeError("nvmeswap does not move quantized tensors; pass tensor.int_repr() "
+                        "and keep the scale and zero point beside it")
+    if tensor.is_conj() or tensor.is_neg():
+        # Their memory holds other values than they show (conjugation is lazy).
+        if writable:
+            raise ValueError("cannot read into a conjugate or negative view; read into "
+                             "tensor.resolve_conj().resolve_neg() and copy it over")
+        tensor = tensor.resolve_conj().resolve_neg()
     if not tensor.is_contiguous():
         # DeepNVMe reads such tensors into a temporary copy and drops the data.
         raise ValueError("the tensor is not contiguous; pass tensor.contiguous() "
                          "(and copy it back after a read)")
     device = tensor.device if tensor.device.type == "cuda" else None
-    return IoBuffer(tensor, tensor.data_ptr(), tensor.numel() * tensor.element_size(), device)
+    return IoBuffer(tensor, tensor.data_ptr(), tensor.numel() * tensor.element_size(), device,
+                    tensor.untyped_storage())
+
+
+def _torch():
+    return sys.modules["torch"]

@@ -86,8 +86,9 @@ class CufilePlacement:
 
     def _export(self, buf):
         try:
-            return DeviceRegion(next(region_ids), buf.owner, buf.address, buf.nbytes,
-                                buf.device.index)    # a tensor's device has one
+            # The region holds the tensor and its storage while workers map it.
+            return DeviceRegion(next(region_ids), (buf.owner, buf.storage), buf.address,
+                                buf.nbytes, buf.device.index)    # a tensor's device has one
         except CudaError as error:
             warn_gds("export", f"CUDA memory the workers cannot map ({error}; torch's "
                      "expandable_segments allocates such memory) moves through locked host "
@@ -96,4 +97,4 @@ class CufilePlacement:
 
 
 def warn_gds(key, message):
-    warn_once(("gds", key), message, GdsFallbackWarning, stacklevel=4)
+    warn_once(("gds", key), message, GdsFallbackWarning)

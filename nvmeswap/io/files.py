@@ -22,15 +22,17 @@ ALIGNMENT = 4096
 class TargetFile:
     """The descriptors of one operation's file and what was true of it when opened."""
 
-    __slots__ = ("name", "path", "direct_fd", "buffered_fd", "alignment", "size_before")
+    __slots__ = ("name", "path", "direct_fd", "buffered_fd", "alignment", "size_before",
+                 "identity")
 
-    def __init__(self, name, path, direct_fd, buffered_fd, alignment, size_before):
+    def __init__(self, name, path, direct_fd, buffered_fd, alignment, size_before, identity):
         self.name = name
         self.path = path
         self.direct_fd = direct_fd
         self.buffered_fd = buffered_fd
         self.alignment = alignment
         self.size_before = size_before
+        self.identity = identity    # (device, inode): the same file under any name or fd
 
     def descriptors(self):
         if self.buffered_fd < 0:
@@ -72,6 +74,40 @@ class TargetFile:
         self.direct_fd = self.buffered_fd = -1
 
 
+class ConcurrentWrites:
+    """The writes in flight, by file.
+
+    Note [shared growth]: a failed write cuts its file back to the size it had before
+    (``TargetFile.undo_growth``), which must not cut away what another write put there.
+    So a write that overlapped another write of the same file in time leaves the file as
+    it is: its error says what failed.
+    """
+
+    def __init__(self):
+        self._by_file = {}      # file identity -> write operations in flight
+
+    def start(self, op):
+        if op.is_read:
+            return
+        writes = self._by_file.setdefault(op.file.identity, set())
+        if writes:
+            op.shares_file = True
+            for other in writes:
+                other.shares_file = True
+        writes.add(op)
+
+    def end(self, op):
+        """Forget ``op``; True if it is a write that no other write of its file overlapped."""
+        if op.is_read:
+            return False
+        writes = self._by_file.get(op.file.identity)
+        if writes is not None and op in writes:
+            writes.discard(op)
+            if not writes:
+                del self._by_file[op.file.identity]
+        return not op.shares_file
+
+
 def open_target(target, *, for_write, offset, nbytes, o_direct):
     """Open ``target`` (a path or an int fd) for one operation.
 
@@ -86,13 +122,15 @@ def open_target(target, *, for_write, offset, nbytes, o_direct):
         name, path = _reopen_path(target, for_write)
     else:
         name = path = os.fsdecode(target)
-    flags = (os.O_WRONLY | os.O_CREAT if for_write else os.O_RDONLY) | os.O_CLOEXEC
+    # O_NONBLOCK: opening a FIFO must not wait for a peer; _checked_size refuses it.
+    flags = (os.O_WRONLY | os.O_CREAT if for_write else os.O_RDONLY) | os.O_CLOEXEC \
+        | os.O_NONBLOCK
     if isinstance(target, int):
         flags &= ~os.O_CREAT
     direct_fd, alignment = _open_direct(path, name, flags, o_direct)
     buffered_fd = -1
     try:
-        size = _checked_size(direct_fd, name)
+        size, identity = _checked_size(direct_fd, name)
         if not for_write and offset + nbytes > size:
             raise short_file_error(
                 name, f"cannot read {nbytes} bytes at offset {offset}: "
@@ -102,7 +140,7 @@ def open_target(target, *, for_write, offset, nbytes, o_direct):
     except BaseException:
         os.close(direct_fd)
         raise
-    return TargetFile(name, path, direct_fd, buffered_fd, alignment, size)
+    return TargetFile(name, path, direct_fd, buffered_fd, alignment, size, identity)
 
 
 def _reopen_path(fd, for_write):
@@ -129,11 +167,10 @@ def _open_direct(path, name, flags, o_direct):
             raise
     fd = _open(path, name, flags)
     info = os.fstat(fd)
-    if stat.S_ISDIR(info.st_mode):
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISBLK(info.st_mode)):
         return fd, 1    # not a filesystem's refusal: _checked_size says what is wrong
     warn_once(("buffered", info.st_dev), f"{name}: the filesystem refuses O_DIRECT; using "
-              "buffered I/O (pass o_direct=True to make this an error)", BufferedIOWarning,
-              stacklevel=5)
+              "buffered I/O (pass o_direct=True to make this an error)", BufferedIOWarning)
     return fd, 1
 
 
@@ -141,15 +178,31 @@ def _open(path, name, flags):
     try:
         return os.open(path, flags, 0o644)
     except OSError as error:
+        if error.errno == errno.ENXIO:      # a FIFO without a reader, a socket
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                mode = 0
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+                raise _not_a_file(mode, name) from None
         raise os_error(error.errno, name) from None
 
 
 def _checked_size(fd, name):
+    """The file's size and identity; anything but a regular file or block device is refused."""
     info = os.fstat(fd)
+    identity = (info.st_dev, info.st_ino)
     if stat.S_ISREG(info.st_mode):
-        return info.st_size
+        return info.st_size, identity
     if stat.S_ISBLK(info.st_mode):
-        return os.lseek(fd, 0, os.SEEK_END)
+        return os.lseek(fd, 0, os.SEEK_END), identity
     if stat.S_ISDIR(info.st_mode):
         raise os_error(errno.EISDIR, name)
-    raise os_error(errno.EINVAL, name, "not a regular file or block device")
+    raise _not_a_file(info.st_mode, name)
+
+
+def _not_a_file(mode, name):
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) \
+        else "a character device" if stat.S_ISCHR(mode) else "not a regular file"
+    return os_error(errno.EINVAL, name, f"{kind}; nvmeswap reads and writes regular files "
+                                        "and block devices")

@@ -1,6 +1,7 @@
 """One operation: its arguments checked and its file opened, its chunks, and its outcome."""
 import errno
 import operator
+import resource
 
 from ..errors import os_error, short_file_error
 from ..workers.protocol import error_from_code
@@ -17,7 +18,7 @@ class Operation:
 
     __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
                  "staged", "owns_region", "copier", "ring", "chunks", "remaining", "error",
-                 "validate", "done")
+                 "validate", "done", "started", "shares_file")
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
         self.op_id = op_id
@@ -36,6 +37,8 @@ class Operation:
         self.remaining = 0
         self.error = None
         self.done = False
+        self.started = False    # the scheduler's books hold it: it completes from there
+        self.shares_file = False    # Note [shared growth] in files.py
 
     def is_done(self):
         return self.done
@@ -53,6 +56,10 @@ class Operation:
     def transfer_error(self, err, at_offset, requested, got):
         """The exception for a chunk that failed (``err``) or came back short."""
         where = f"{requested} bytes at offset {at_offset}"
+        if err == errno.EMFILE:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            where += (f"; a worker ran out of file descriptors under RLIMIT_NOFILE {soft}: "
+                      "raise it with `ulimit -n`")
         if err:
             return error_from_code(err, self.file.name,
                                    f"{'read' if self.is_read else 'write'} of {where}")

@@ -54,7 +54,7 @@ class HostPlacement:
             op.region = self.staging.acquire(buf.nbytes + alignment)
             op.region_offset = op.file_offset % alignment
             op.staged = True
-            op.copier = HostCopier(buf.address)
+            op.copier = HostCopier(buf.address, buf)
         op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.parallelism, alignment,
                                 op.staged)
         op.remaining = len(op.chunks)

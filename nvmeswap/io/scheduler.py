@@ -8,17 +8,32 @@ The road of one operation: ``open_operation`` (checks, file) -> ``placement.plac
 import functools
 import itertools
 import os
+import resource
 import threading
+import warnings
 
 from .._engine import transfer_in_caller
-from ..errors import ValidationError, WorkerDied
+from ..errors import ValidationError, WorkerDied, caller_stacklevel
 from ..workers import protocol
 from ..workers.pool import WorkerPool
+from .files import ConcurrentWrites
+from .interrupts import deferred_interrupts
 from .operation import open_operation
 from .validate import validate
 
 # Started operations wait while this many chunks are with the workers.
 MAX_CHUNKS_IN_FLIGHT = 128
+# Descriptors a process keeps for itself besides those of chunks in flight.
+_RESERVED_FDS = 32
+
+
+def chunks_in_flight_limit():
+    """Each chunk in flight holds up to two file descriptors in a worker, and a worker
+    inherits our RLIMIT_NOFILE: beyond it the kernel would drop descriptors sent to it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CHUNKS_IN_FLIGHT
+    return max(1, min(MAX_CHUNKS_IN_FLIGHT, (soft - _RESERVED_FDS) // 2))
 
 
 class Scheduler:
@@ -37,24 +52,25 @@ class Scheduler:
         self._engine_args = engine_args
         self._o_direct = o_direct
         self._cond = threading.Condition()
-        self._pumping = False
+        self._pumping_thread = None     # the thread reading responses, if any
         self._ops = {}
         self._async_ops = []
         self._op_ids = itertools.count(1)
         self._next_worker = 0
         self._driving = False
+        self._max_chunks = chunks_in_flight_limit()
+        self._writes = ConcurrentWrites()
         with self._cond:
             self._running_pool()
 
     # -- what the handles call ----------------------------------------------------------
     def run(self, buffer, target, file_offset, *, is_read, validate):
-        """A synchronous operation: returns 1, or raises its error."""
-        op = self._open(buffer, target, file_offset, is_read, validate)
-        if op.buffer.nbytes <= self.placement.inline_limit(op):
-            self._run_inline(op)
-        else:
-            self._start(op, is_async=False)
-            self._wait_until(op.is_done)
+        """A synchronous operation: returns 1, or raises its error.
+
+        Interrupted while it runs, the operation goes on, and its error is dropped.
+        """
+        op = self._begin(buffer, target, file_offset, is_read, validate, is_async=False)
+        self._wait_until(op.is_done)
         error = op.error
         if error is None:
             return 1
@@ -66,19 +82,25 @@ class Scheduler:
 
     def submit(self, buffer, target, file_offset, *, is_read, validate):
         """Start an operation that ``collect()`` completes."""
-        op = self._open(buffer, target, file_offset, is_read, validate)
-        self._start(op, is_async=True)
+        self._begin(buffer, target, file_offset, is_read, validate, is_async=True)
 
     def collect(self):
-        """Wait for every submitted operation; return how many, or raise the first failure."""
-        with self._cond:
-            ops = list(self._async_ops)
+        """Wait for every submitted operation; return how many, or raise the first failure.
+
+        Each operation is collected once: a thread takes the operations submitted so far
+        and waits for them; another thread's ``collect()`` takes only later ones. An
+        interrupted wait gives its operations back, for the next ``collect()`` to count.
+        """
+        with deferred_interrupts(), self._cond:
+            ops, self._async_ops = self._async_ops, []
         if not ops:
             return 0
-        self._wait_until(functools.partial(_all_done, ops))
-        with self._cond:
-            collected = set(map(id, ops))
-            self._async_ops = [op for op in self._async_ops if id(op) not in collected]
+        try:
+            self._wait_until(functools.partial(_all_done, ops))
+        except BaseException:
+            with self._cond:
+                self._async_ops[:0] = ops
+            raise
         failed = [op.error for op in ops if op.error is not None]
         if not failed:
             return len(ops)
@@ -95,9 +117,6 @@ class Scheduler:
         finally:
             del first
 
-    def drain(self):
-        """Wait until nothing is in flight (errors stay with their operations)."""
-        self._wait_until(lambda: not self._ops)
 
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""
@@ -119,72 +138,121 @@ class Scheduler:
                                "after fork() create a new handle in the child")
 
     def release(self):
-        """Stop the workers and close every region (never from a forked child)."""
+        """Finish what is in flight, stop the workers and close every region.
+
+        Called by ``close()``, or by a finalizer when a handle is dropped or the
+        interpreter exits: operations nobody waited for still complete, and a failed one
+        is named in a ResourceWarning (its file cut back, Note [preallocation]). If
+        interrupted, the workers are killed and unfinished writes undone. Never from a
+        forked child.
+        """
         self.closed = True
         if os.getpid() != self.creator_pid:
             return
-        pool, self.pool = self.pool, None
-        if pool is not None:
-            pool.stop()
-        for region in self.placement.release():
-            region.close()
+        try:
+            if self._ops and self._pumping_thread != threading.get_ident():
+                self._wait_until(lambda: not self._ops)
+        finally:
+            with self._cond:
+                pool, self.pool = self.pool, None
+                if self._ops:       # interrupted, or dropped from inside our own pump
+                    if pool is not None:
+                        pool.kill()     # first: then nothing of theirs touches our memory
+                    self._fail_all(WorkerDied("the handle was closed with operations in "
+                                              "flight"))
+            try:
+                if pool is not None:
+                    pool.stop()     # EOF, then TERM, then KILL; nothing if killed above
+            except BaseException:
+                pool.kill()
+                raise
+            finally:
+                for region in self.placement.release():
+                    region.close()
+                self._warn_uncollected()
+
+    def _warn_uncollected(self):
+        with self._cond:
+            ops, self._async_ops = self._async_ops, []
+        for op in ops:
+            if op.error is not None:
+                warnings.warn(f"an operation nobody waited for failed: {op.error}",
+                              ResourceWarning, stacklevel=caller_stacklevel())
 
     # -- the road of one operation -----------------------------------------------------
-    def _open(self, buffer, target, file_offset, is_read, validate):
-        return open_operation(next(self._op_ids), buffer, target, file_offset, is_read=is_read,
-                              validate=validate, o_direct=self._o_direct)
+    def _begin(self, buffer, target, file_offset, is_read, validate, is_async):
+        """Open, place and start one operation. If anything fails before it has started
+        (Ctrl-C included: Note [deferred interrupts]), nothing of it is left behind."""
+        # Back-pressure, before anything is opened: every chunk in flight holds
+        # descriptors in a worker.
+        self._wait_until(lambda: self.chunks_in_flight < self._max_chunks)
+        op = None
+        try:
+            with deferred_interrupts():
+                op = open_operation(next(self._op_ids), buffer, target, file_offset,
+                                    is_read=is_read, validate=validate, o_direct=self._o_direct)
+            if not is_async and op.buffer.nbytes <= self.placement.inline_limit(op):
+                self._run_inline(op)
+            else:
+                self._start(op, is_async)
+        except BaseException:
+            if op is not None and not op.started:
+                self._abandon(op)
+            raise
+        return op
 
     def _start(self, op, is_async):
         """Place the operation and hand its chunks to the workers."""
-        try:
-            # Back-pressure: every chunk in flight holds descriptors in a worker.
-            self._wait_until(lambda: self.chunks_in_flight < MAX_CHUNKS_IN_FLIGHT)
-            with self._cond:
-                self.check_usable()
-                pool = self._running_pool()     # before registering: it may fail what is out
-                self.placement.place(op)
-                self._ops[op.op_id] = op
-                if is_async:
-                    self._async_ops.append(op)
-                if op.ring is None:
-                    self._dispatch(op, pool)
-                    return
-                self._feed(op)
-                if is_async and not op.done and not self._driving:
-                    self._drive_in_background()
-        except BaseException:
-            if op.op_id not in self._ops:
-                self._abandon(op)
-            raise
+        with deferred_interrupts(), self._cond:
+            self.check_usable()
+            pool = self._running_pool()     # before registering: it may fail what is out
+            self.placement.place(op)
+            self._ops[op.op_id] = op
+            op.started = True
+            self._writes.start(op)
+            if is_async:
+                self._async_ops.append(op)
+            if op.ring is None:
+                self._dispatch(op, pool)
+                return
+            self._feed(op)
+            if is_async and not op.done and not self._driving:
+                self._drive_in_background()
 
     def _run_inline(self, op):
         """Note [small synchronous operations]: an operation of one request runs in the
         calling thread. A round trip to a worker costs two process wake-ups, more than
         the request itself on a fast device, and one request gains nothing from fan-out.
         """
-        try:
-            with self._cond:
-                self.check_usable()
-                self.placement.place(op)
-                if op.ring is not None:
-                    op.ring.start_next()
-            region_offset = op.region_offset_of(0)
-            if op.copier is not None and not op.is_read:
-                op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
-            result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
-                                        op.region.address + region_offset, op.buffer.nbytes,
-                                        op.file_offset, op.file.alignment)
-        except BaseException:
-            self._abandon(op)
-            raise
         with self._cond:
+            self.check_usable()
+            self.placement.place(op)
+            if op.ring is not None:
+                op.ring.start_next()
+        region_offset = op.region_offset_of(0)
+        if op.copier is not None and not op.is_read:
+            op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
+        with self._cond:
+            self._writes.start(op)
+        result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
+                                    op.region.address + region_offset, op.buffer.nbytes,
+                                    op.file_offset, op.file.alignment)
+        with deferred_interrupts(), self._cond:
+            op.started = True
             self._complete_chunk(op, 0, *result)
 
     def _dispatch(self, op, pool):
         """Hand every chunk out; a staged write copies each just before it goes."""
         for index, (start, length) in enumerate(op.chunks):
             if op.copier is not None and not op.is_read:
-                op.copier.to_region(start, length, op.region, op.region_offset_of(index))
+                try:
+                    op.copier.to_region(start, length, op.region, op.region_offset_of(index))
+                except Exception as error:
+                    op.error = op.copy_error(error)
+                    op.remaining -= len(op.chunks) - index     # never sent: never answered
+                    if op.remaining == 0:
+                        self._finish(op)
+                    break
             if not self._send(op, index, pool.workers):
                 break
         op.file.close()
@@ -260,7 +328,7 @@ class Scheduler:
     def _running_pool(self):
         """The current workers; a set with a member that died while idle is replaced."""
         pool = self.pool
-        if pool is not None and not self._ops and not self._pumping:
+        if pool is not None and not self._ops and self._pumping_thread is None:
             death = pool.first_death()      # with operations out, the pump sees a death
             if death is not None:
                 self._fail_pool(pool, WorkerDied(death))
@@ -275,26 +343,27 @@ class Scheduler:
             with self._cond:
                 if finished():
                     return
-                if self._pumping:
+                if self._pumping_thread is not None:
                     self._cond.wait()
                     continue
                 pool = self.pool
-                self._pumping = True
+                self._pumping_thread = threading.get_ident()
             try:
                 self._pump(pool)
             finally:
                 with self._cond:
-                    self._pumping = False
+                    self._pumping_thread = None
                     self._cond.notify_all()
 
     def _pump(self, pool):
-        try:
-            responses = pool.receive()
-        except WorkerDied as death:
-            with self._cond:
+        """Read the workers' responses and complete their chunks (Note [deferred interrupts])."""
+        events = pool.poll()
+        with deferred_interrupts(), self._cond:
+            try:
+                responses = pool.read(events)
+            except WorkerDied as death:
                 self._fail_pool(pool, death)
-            return
-        with self._cond:
+                return
             for response in responses:
                 op = self._ops.get(response.op_id)
                 if op is not None:
@@ -325,6 +394,10 @@ class Scheduler:
             return
         pool.kill()     # reaped: no kernel AIO of theirs touches our memory any more
         self.pool = None
+        self._fail_all(death)
+
+    def _fail_all(self, death):
+        """Fail every operation in flight; their workers are gone."""
         self.chunks_in_flight = 0
         for op in list(self._ops.values()):
             if op.error is None:
@@ -338,7 +411,7 @@ class Scheduler:
                 validate(op, self.placement.bytes_reader(op))
             except (ValidationError, OSError) as error:
                 op.error = error
-        if op.error is not None and not op.is_read:
+        if self._writes.end(op) and op.error is not None:
             op.file.undo_growth(op.file_offset + op.buffer.nbytes)
         self._release_memory(op)
         op.buffer = op.region = op.copier = None
@@ -346,6 +419,10 @@ class Scheduler:
 
     def _abandon(self, op):
         """Give back what an operation that never started holds."""
+        with self._cond:
+            if self._writes.end(op):
+                op.file.undo_growth(op.file_offset + op.buffer.nbytes)  # preallocated
+            op.done = True
         self._release_memory(op)
 
     def _release_memory(self, op):

@@ -102,17 +102,26 @@ class StagingRing:
 
 
 class HostCopier:
-    """memcpy between host memory at ``address`` and staging regions."""
+    """memcpy between host memory at ``address`` and staging regions.
 
-    __slots__ = ("address",)
+    ``buffer``: the caller's IoBuffer, checked before each copy (a tensor's storage can
+    be resized between a call and its ``wait()``).
+    """
 
-    def __init__(self, address):
+    __slots__ = ("address", "buffer")
+
+    def __init__(self, address, buffer=None):
         self.address = address
+        self.buffer = buffer
 
     def to_region(self, start, length, region, region_offset):
+        if self.buffer is not None:
+            self.buffer.check_alive()
         copy_memory(region.address + region_offset, self.address + start, length)
 
     def from_region(self, start, length, region, region_offset):
+        if self.buffer is not None:
+            self.buffer.check_alive()
         copy_memory(self.address + start, region.address + region_offset, length)
 
     def host_bytes(self, start, length):

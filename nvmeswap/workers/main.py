@@ -5,7 +5,9 @@ but one socket). It imports nothing but the standard library and nvmeswap's engi
 CUDA and cuFile only once a gds_handle asks for them (workers/cufile_io.py).
 """
 import collections
+import errno
 import os
+import resource
 import select
 import signal
 import socket
@@ -18,6 +20,7 @@ from . import protocol
 
 def main(sock_fd, parent_pid, block_size, queue_depth, single_submit, overlap_events):
     _exit_with_parent(parent_pid)
+    _raise_descriptor_limit()
     # Ctrl-C goes to the whole process group; the parent decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)
@@ -28,6 +31,13 @@ def main(sock_fd, parent_pid, block_size, queue_depth, single_submit, overlap_ev
         return
     sock.send(protocol.ready_response())
     _serve(sock, Executor(engine))
+
+
+def _raise_descriptor_limit():
+    """Descriptors of queued requests wait here; take all the room the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _exit_with_parent(parent_pid):
@@ -81,15 +91,17 @@ def _receive(sock, requests):
     """Queue every request waiting on the socket; False once the parent has gone."""
     while True:
         try:
-            data, fds = protocol.receive_with_fds(sock, protocol.MAX_MESSAGE,
-                                                  socket.MSG_DONTWAIT)
+            data, fds, fds_lost = protocol.receive_with_fds(sock, protocol.MAX_MESSAGE,
+                                                            socket.MSG_DONTWAIT)
         except BlockingIOError:
             return True
         except ConnectionResetError:
             return False
         if not data:
             return False
-        requests.append(protocol.unpack_request(data, fds))
+        if fds_lost:
+            _close_all(fds)
+        requests.append(protocol.unpack_request(data, fds, fds_lost))
 
 
 class Executor:
@@ -102,6 +114,11 @@ class Executor:
 
     def run(self, request):
         """Carry out ``request``; return the response to send, or None."""
+        if request.fds is None:     # its descriptors did not fit under RLIMIT_NOFILE
+            if request.kind == protocol.MAP:
+                self._regions[request.region_id] = None     # its transfers fail alike
+                return None
+            return _failure(request, errno.EMFILE)
         if request.kind >= protocol.CUFILE_SETUP:
             return self._run_cufile(request)
         try:
@@ -113,7 +130,10 @@ class Executor:
                 if self._cufile is not None:
                     self._cufile.unmap(request.region_id)
                 return None
-            address = self._regions[request.region_id].address + request.region_offset
+            mapping = self._regions[request.region_id]
+            if mapping is None:
+                return _failure(request, errno.EMFILE)
+            address = mapping.address + request.region_offset
             buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
             result = self._engine.transfer(request.kind == protocol.READ, request.fds[0],
                                            buffered_fd, address, request.nbytes,
@@ -146,6 +166,11 @@ class Executor:
     def close(self):
         if self._cufile is not None:
             self._cufile.close()
+
+
+def _failure(request, err):
+    return protocol.response(request.op_id, request.chunk, err, request.file_offset,
+                             request.nbytes)
 
 
 def _close_all(fds):

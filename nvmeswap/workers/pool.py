@@ -98,9 +98,16 @@ class WorkerPool:
                 return _death_message(worker.process)
         return None
 
-    def receive(self):
-        """Wait for responses; return them, or raise WorkerDied if a worker has gone."""
-        events = self._poller.poll()
+    def poll(self):
+        """Block until a worker has something to say (or has died); take nothing yet.
+
+        The one place the parent blocks on its workers: an interrupt here loses nothing
+        (Note [deferred interrupts] in io/interrupts.py).
+        """
+        return self._poller.poll()
+
+    def read(self, events):
+        """The responses ready after ``poll()``; WorkerDied if a worker has gone."""
         responses = []
         for fd, _ in events:
             worker = self._by_fd[fd]

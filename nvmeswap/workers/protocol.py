@@ -84,8 +84,9 @@ def device_map_request(region_id, size, ipc_handle, ordinal, offset):
             + _DEVICE_REGION.pack(ipc_handle, ordinal, offset))
 
 
-def unpack_request(data, fds):
-    return Request(*_REQUEST.unpack_from(data), fds, data[_REQUEST.size:])
+def unpack_request(data, fds, fds_lost=False):
+    """A request; if descriptors sent with it were lost, ``fds`` is None."""
+    return Request(*_REQUEST.unpack_from(data), None if fds_lost else fds, data[_REQUEST.size:])
 
 
 def unpack_cufile_setup(payload):
@@ -114,16 +115,17 @@ def unpack_response(data):
 
 
 def receive_with_fds(sock, size, flags=0):
-    """One datagram and the descriptors sent with it.
+    """One datagram, the descriptors sent with it, and whether some of those were lost
+    (the kernel drops what would exceed the receiver's RLIMIT_NOFILE).
 
     (``socket.recv_fds`` ignores its ``flags`` argument, so MSG_DONTWAIT needs this.)
     """
-    data, ancillary, _, _ = sock.recvmsg(size, _FD_SPACE, flags)
+    data, ancillary, message_flags, _ = sock.recvmsg(size, _FD_SPACE, flags)
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds)
+    return data, list(fds), bool(message_flags & socket.MSG_CTRUNC)
 
 
 # -- error codes ----------------------------------------------------------------------------

@@ -1,0 +1,297 @@
+"""A handle under abuse of its lifecycle: Ctrl-C at any moment, dropped handles, exits,
+close() with failures pending, wait() from two threads, signals and forks of the app.
+
+Anything that could hang or crash runs in a child process with a deadline.
+"""
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from conftest import random_bytes
+
+import nvmeswap
+
+MiB = 1 << 20
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
+
+
+def run_child(script, *args, timeout=120):
+    """Run ``script`` in a fresh interpreter; return its stdout lines (it must exit 0)."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script), PACKAGE_ROOT,
+                             *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.split("\n")
+
+
+INTERRUPTS = """
+    import os, random, signal, sys, threading
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np, psutil
+    import nvmeswap
+    folder, rounds, seed = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    rng = random.Random(seed)
+
+    def interrupt_soon():
+        global interrupts
+        timer = threading.Timer(rng.uniform(0, 0.02), os.kill, (os.getpid(), signal.SIGINT))
+        try:
+            timer.start()
+        except KeyboardInterrupt:       # it fired before start() returned
+            interrupts += 1
+        return timer
+
+    def settle(timer):
+        # The interrupt may land late; wait for it where it can only land here.
+        global interrupts
+        while timer.is_alive():
+            try:
+                timer.join()
+            except KeyboardInterrupt:
+                interrupts += 1
+
+    def until_done(call):
+        global interrupts
+        while True:
+            try:
+                return call()
+            except KeyboardInterrupt:
+                interrupts += 1
+
+    interrupts = submitted = counted = started = 0
+    h = nvmeswap.aio_handle(block_size=65536, queue_depth=4, intra_op_parallelism=2)
+    for r in range(rounds):
+        data = [np.random.default_rng(seed * 1000 + r * 10 + i).integers(
+                    0, 256, rng.randint(1, 3 << 20), dtype=np.uint8) for i in range(4)]
+        paths = [os.path.join(folder, f"f{r}_{i}") for i in range(4)]
+        timer = interrupt_soon()
+        try:
+            for d, p in zip(data, paths):
+                h.async_pwrite(d, p)
+                submitted += 1
+            counted += h.wait()
+        except KeyboardInterrupt:
+            interrupts += 1
+        settle(timer)
+        counted += until_done(h.wait)
+        # A synchronous read interrupted: the next ones still work.
+        back = np.zeros_like(data[0])
+        timer = interrupt_soon()
+        try:
+            h.sync_pread(back, paths[0])
+        except KeyboardInterrupt:
+            interrupts += 1
+        except (FileNotFoundError, nvmeswap.ShortFileError):
+            pass        # its write was interrupted before it started
+        settle(timer)
+        if os.path.exists(paths[0]) and os.path.getsize(paths[0]):
+            back = np.zeros_like(data[0])
+            until_done(lambda: h.sync_pread(back, paths[0]))
+            assert np.array_equal(back, data[0]), "read back other bytes"
+        for d, p in zip(data, paths):
+            # An async call interrupted may or may not have started its write; one that
+            # started is complete and counted once, one that did not left nothing.
+            if os.path.exists(p) and os.path.getsize(p):
+                assert np.array_equal(np.fromfile(p, dtype=np.uint8), d), p
+                started += 1
+    assert counted == started and started >= submitted, (counted, started, submitted)
+    # Ctrl-C during close(): closed all the same, nothing left behind.
+    data = np.random.default_rng(seed).integers(0, 256, 8 << 20, dtype=np.uint8)
+    path = os.path.join(folder, "at_close")
+    h.async_pwrite(data, path)
+    timer = interrupt_soon()
+    try:
+        h.close()
+    except KeyboardInterrupt:
+        interrupts += 1
+    settle(timer)
+    until_done(h.close)
+    size = os.path.getsize(path)
+    assert size == 0 or (size == len(data) and np.array_equal(np.fromfile(path, np.uint8), data))
+    assert not psutil.Process().children(), psutil.Process().children()
+    try:
+        h.wait()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a closed handle answered wait()")
+    print("interrupts", interrupts, "operations", submitted)
+"""
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_ctrl_c_at_any_moment_loses_and_double_counts_nothing(tmp_path, seed):
+    lines = run_child(INTERRUPTS, tmp_path, 12, seed)
+    interrupts = int(lines[0].split()[1])
+    assert interrupts >= 12     # one a round at least: each landed somewhere
+
+
+DROPPED = """
+    import gc, os, sys, warnings
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    import nvmeswap
+    folder, how = sys.argv[2], sys.argv[3]
+    warnings.simplefilter("always")
+    data = [np.random.default_rng(i).integers(0, 256, (4 << 20) + 4097 * i, dtype=np.uint8)
+            for i in range(6)]
+    h = nvmeswap.aio_handle(intra_op_parallelism=2)
+    for i, d in enumerate(data):
+        h.async_pwrite(d, os.path.join(folder, f"f{i}"), 4096 * i)
+    if how == "dropped":
+        with warnings.catch_warnings(record=True) as caught:
+            del h
+            gc.collect()
+        assert any(issubclass(w.category, ResourceWarning) for w in caught), caught
+        for i, d in enumerate(data):
+            assert np.array_equal(np.fromfile(os.path.join(folder, f"f{i}"), np.uint8)[4096 * i:],
+                                  d), i
+        print("checked")
+    # how == "exit": the interpreter exits with the writes in flight
+"""
+
+
+@pytest.mark.parametrize("how", ["dropped", "exit"])
+def test_pending_writes_finish_when_the_handle_is_dropped_or_the_program_exits(tmp_path, how):
+    lines = run_child(DROPPED, tmp_path, how)
+    if how == "dropped":
+        assert lines[0] == "checked"
+    for i in range(6):
+        expected = np.random.default_rng(i).integers(0, 256, (4 << 20) + 4097 * i, dtype=np.uint8)
+        written = np.fromfile(tmp_path / f"f{i}", np.uint8)
+        assert len(written) == 4096 * i + len(expected)
+        assert np.array_equal(written[4096 * i:], expected)
+
+
+def _slow_reader(handle_factory):
+    # 4 KiB requests, one in flight: a 64 MiB read takes long enough to act during it.
+    return handle_factory(block_size=4096, queue_depth=1)
+
+
+def test_close_waits_and_raises_the_first_failure(handle_factory, tmp_path):
+    h = _slow_reader(handle_factory)
+    (tmp_path / "shrinks").write_bytes(random_bytes(64 * MiB))
+    good = bytearray(random_bytes(MiB))
+    target = h.new_cpu_locked_tensor(64 * MiB, torch.empty(0, dtype=torch.uint8))
+    h.async_pwrite(good, tmp_path / "good")
+    h.async_pread(target, tmp_path / "shrinks")
+    time.sleep(0.1)
+    os.truncate(tmp_path / "shrinks", 4096)
+    with pytest.raises(nvmeswap.ShortFileError) as info:
+        h.close()
+    assert info.value.filename == str(tmp_path / "shrinks")
+    assert (tmp_path / "good").read_bytes() == good
+    h.close()       # closed: a second close() is quiet
+    with pytest.raises(ValueError, match="closed"):
+        h.wait()
+
+
+def test_wait_from_two_threads_counts_each_operation_once(handle_factory, tmp_path):
+    h = handle_factory(intra_op_parallelism=2)
+    counts, errors = [], []
+    submitted = 0
+    stop = threading.Event()
+
+    def waiter():
+        try:
+            while not stop.is_set():
+                counts.append(h.wait())
+        except Exception as error:      # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    data = bytearray(random_bytes(300_000))
+    for i in range(200):
+        h.async_pwrite(data, tmp_path / f"f{i % 7}", (i // 7) * len(data))
+        submitted += 1
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    counts.append(h.wait())
+    assert not errors and sum(counts) == submitted
+
+
+def test_a_storage_given_up_before_wait_is_never_written(handle_factory, tmp_path):
+    h = handle_factory()
+    data = random_bytes(8 * MiB)
+    (tmp_path / "f").write_bytes(data)
+    # set_(): the tensor lets go of its storage; the handle holds it until the read is done.
+    t = torch.zeros(8 * MiB, dtype=torch.uint8)
+    storage = t.untyped_storage()
+    h.async_pread(t, tmp_path / "f")
+    t.set_()
+    del t
+    assert h.wait() == 1
+    assert bytes(storage) == data
+    # resize_ of the storage: the read fails clearly instead of writing into freed memory.
+    t = torch.zeros(8 * MiB, dtype=torch.uint8)
+    h.async_pread(t, tmp_path / "f")
+    t.untyped_storage().resize_(16)
+    with pytest.raises(RuntimeError, match="storage was resized or freed"):
+        h.wait()
+    # Plain buffers cannot be resized while the handle holds them.
+    b = bytearray(8 * MiB)
+    h.async_pread(b, tmp_path / "f")
+    with pytest.raises(BufferError):
+        b.extend(b"x")
+    assert h.wait() == 1 and b == data
+
+
+APP_SIGNALS = """
+    import os, signal, subprocess, sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np, psutil
+    import nvmeswap
+    folder = sys.argv[2]
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    h = nvmeswap.aio_handle(intra_op_parallelism=2)
+    data = np.random.default_rng(0).integers(0, 256, 5 << 20, dtype=np.uint8)
+    path = os.path.join(folder, "f")
+    for round in range(3):
+        pid = os.fork()
+        if pid == 0:        # a child that exits normally, with the handle in its memory
+            os._exit(0)
+        subprocess.run(["true"], check=False)           # a child that execs and exits
+        sleeper = subprocess.Popen(["sleep", "10"])     # one that is terminated
+        sleeper.terminate()
+        h.async_pwrite(data, path)
+        assert h.wait() == 1
+        back = np.zeros_like(data)
+        h.sync_pread(back, path)
+        assert np.array_equal(back, data)
+    h.close()
+    assert not [p for p in psutil.Process().children() if "nvmeswap" in " ".join(p.cmdline())]
+    print("ok")
+"""
+
+
+def test_sigchld_ignored_forks_and_execs_do_not_touch_the_handle(tmp_path):
+    assert run_child(APP_SIGNALS, tmp_path)[0] == "ok"
+
+
+def test_pickling_a_handle_is_refused(handle):
+    with pytest.raises(TypeError, match="aio_handle"):
+        pickle.dumps(handle)
+
+
+def test_fifty_handles_at_once(tmp_path):
+    handles = [nvmeswap.aio_handle() for _ in range(50)]
+    try:
+        for i, h in enumerate(handles):
+            h.async_pwrite(bytearray(random_bytes(300_000, seed=i)), tmp_path / f"f{i}")
+        assert [h.wait() for h in handles] == [1] * 50
+        for i in range(50):
+            assert (tmp_path / f"f{i}").read_bytes() == random_bytes(300_000, seed=i)
+    finally:
+        for h in handles:
+            h.close()
