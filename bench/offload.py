@@ -11,6 +11,14 @@
    overwriting their files), for 1 and 2 ranks, against ``nvmeswap bench --ranks N``
    (locked buffers) on the same folder.
 3. Memory: peak resident memory of a training run with and without offload.
+4. Step overhead at scale: the Adam step of a ``--params``-parameter model (default 100M,
+   eight layers, one group each) offloaded / in memory, and the disk bandwidth the
+   offloaded step reaches (its state read and written once per step) as a ratio to
+   ``nvmeswap bench`` on the same folder with one group's state per operation:
+   (bytes read / bench read GB/s + bytes written / bench write GB/s) / step time, the
+   share of the step the device would need at the bench's speed.
+
+``--parts`` picks some of them (``--parts step`` runs only 4).
 """
 import argparse
 import json
@@ -186,13 +194,57 @@ def sampled_peak_rss(work):
     return peak[0] / (1 << 20)
 
 
+def step_overhead(folder, params, steps):
+    """Part 4: offloaded / in-memory Adam step time and the bandwidth the step reaches."""
+    state_mib = 2 * params * 4 / (1 << 20)
+    results = overlap_steps(folder, state_mib, steps)
+    state_bytes = 2 * results["parameters"] * 4
+    group_bytes = state_bytes // LAYERS
+    bench = bench_command(folder, 1, group_bytes)
+    seconds = results["offloaded"]
+    device_seconds = state_bytes / (bench["read"] * 1e9) + state_bytes / (bench["write"] * 1e9)
+    return {"parameters": results["parameters"], "state_bytes": state_bytes,
+            "in memory": results["in memory"], "offloaded": seconds,
+            "reached_gb_per_s": 2 * state_bytes / seconds / 1e9,
+            "bench": bench, "device_share": device_seconds / seconds,
+            "threads": torch.get_num_threads()}
+
+
+def overlap_steps(folder, state_mib, steps):
+    results = {}
+    model = make_model(state_mib)
+    results["parameters"] = sum(p.numel() for p in model.parameters())
+    results["in memory"] = step_seconds(model, make_optimizer(model), steps)
+    del model
+    model = make_model(state_mib)
+    with OffloadedOptimizer(make_optimizer(model), os.path.join(folder, "step")) as offloaded:
+        results["offloaded"] = step_seconds(model, offloaded, steps)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default="nvmeswap-bench-data")
     parser.add_argument("--state-mib", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--params", type=float, default=100e6,
+                        help="parameters of part 4's model (default 100M)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in part 4")
+    parser.add_argument("--parts", nargs="+", default=["overlap", "bandwidth", "memory", "step"],
+                        choices=["overlap", "bandwidth", "memory", "step"])
     arguments = parser.parse_args()
     os.makedirs(arguments.folder, exist_ok=True)
+    if "overlap" in arguments.parts:
+        part_overlap(arguments)
+    if "bandwidth" in arguments.parts:
+        part_bandwidth(arguments)
+    if "memory" in arguments.parts:
+        part_memory(arguments)
+    if "step" in arguments.parts:
+        part_step(arguments)
+
+
+def part_overlap(arguments):
     print(f"1. Adam step, {arguments.state_mib} MiB of state in {LAYERS} groups (median of "
           f"{arguments.steps} steps)")
     times = overlap(arguments.folder, arguments.state_mib, arguments.steps)
@@ -200,6 +252,9 @@ def main():
         print(f"   {name:<32} {seconds:7.3f} s  ({seconds / times['in memory']:.2f}x in memory)")
     sync = times["offloaded (synchronous swaps)"]
     print(f"   overlapped / synchronous: {times['offloaded (overlapped)'] / sync:.2f}")
+
+
+def part_bandwidth(arguments):
     print("2. swap bandwidth, 1 GiB per rank, GB/s (ratio to nvmeswap bench --ranks N)")
     for ranks in (1, 2):
         swapped = swap_bandwidth(arguments.folder, ranks, 1 << 30)
@@ -207,11 +262,32 @@ def main():
         print(f"   {ranks} rank(s): " + "  ".join(
             f"{job} {swapped[job]:.2f} ({swapped[job] / bench[job]:.2f}x of {bench[job]:.2f})"
             for job in ("write", "read")))
+
+
+def part_memory(arguments):
     print(f"3. peak resident memory over training steps 3-4 ({arguments.state_mib} MiB of "
           "Adam state, as much again in parameters and gradients)")
     for offload in (False, True):
         rss = peak_rss_mib(os.path.join(arguments.folder, "rss"), arguments.state_mib, offload)
         print(f"   {'with' if offload else 'without'} offload: {rss:7.0f} MiB")
+
+
+def part_step(arguments):
+    # One torch thread: on a machine whose cores the I/O workers share, more threads make
+    # the in-memory step itself several times slower and noisier.
+    torch.set_num_threads(arguments.threads)
+    r = step_overhead(arguments.folder, int(arguments.params), arguments.steps)
+    print(f"4. Adam step, {r['parameters'] / 1e6:.1f}M parameters in {LAYERS} groups, "
+          f"{r['state_bytes'] / 2**20:.0f} MiB of state (median of {arguments.steps} steps, "
+          f"{r['threads']} torch threads)")
+    print(f"   in memory {r['in memory']:.3f} s, offloaded {r['offloaded']:.3f} s: "
+          f"{r['offloaded'] / r['in memory']:.2f}x")
+    print(f"   disk traffic during the offloaded step: {r['reached_gb_per_s']:.2f} GB/s "
+          f"(read + written); nvmeswap bench, {r['state_bytes'] // LAYERS / 2**20:.0f} MiB "
+          f"per operation: write {r['bench']['write']:.2f} GB/s, read "
+          f"{r['bench']['read']:.2f} GB/s")
+    print(f"   the step moves what the device moves at bench speed in "
+          f"{r['device_share']:.2f} of its time (1.00: the step is as fast as the disk)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from nvmeswap.training import OffloadedOptimizer, SwapError, SwapState, TensorSw
 
 OPTIMIZERS = {
     "Adam": lambda groups: torch.optim.Adam(groups, lr=1e-3, amsgrad=True),
+    "Adam fused": lambda groups: torch.optim.Adam(groups, lr=1e-3, fused=True),
+    "Adam foreach": lambda groups: torch.optim.Adam(groups, lr=1e-3, foreach=True),
     "AdamW": lambda groups: torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1),
     "SGD": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True),
     "Adagrad": lambda groups: torch.optim.Adagrad(groups, lr=1e-2),
@@ -270,6 +272,30 @@ def test_add_param_group_mid_training(tmp_path):
         assert_same(params, plain_params)
         assert optimizer.state.offloaded(optimizer.param_groups[1]["params"][0]) == \
             ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+        assert_same_state_dict(optimizer.state_dict(), plain.state_dict())
+
+
+def test_a_parameter_that_starts_training_late_is_offloaded_too(tmp_path):
+    """Layer 1's bias has no gradient for 2 steps (Adam gives it no state); then it has."""
+    def run(make):
+        layers = make_layers()
+        optimizer = make(groups_of(layers))
+        loop = Run(layers, optimizer)
+        for step in range(5):
+            optimizer.zero_grad()
+            loop.gradients()
+            if step < 2:
+                layers[1].grad = None
+            optimizer.step()
+        return loop.params(), optimizer
+
+    plain_params, plain = run(OPTIMIZERS["Adam"])
+    params, optimizer = run(offloaded(tmp_path))
+    with optimizer:
+        assert_same(params, plain_params)
+        late = optimizer.param_groups[0]["params"][1]
+        assert optimizer.state.offloaded(late) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+        assert not [v for v in optimizer.optimizer.state[late].values() if v.numel() > 1]
         assert_same_state_dict(optimizer.state_dict(), plain.state_dict())
 
 
