@@ -1,5 +1,6 @@
 import gc
 import os
+import subprocess
 
 import psutil
 import pytest
@@ -85,3 +86,18 @@ def device_round_trips(h, tmp_path, sizes, offsets, make_tensor, tensor_bytes, p
             assert written.read()[offset:] == data
         if pin:
             assert h.unpin_device_tensor(source) and h.unpin_device_tensor(target)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 4 MiB tmpfs of the test's own (needs root and mount(2))."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                            capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)

@@ -19,21 +19,6 @@ MiB = 1 << 20
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 
 
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A 4 MiB tmpfs of the test's own (needs root and mount(2))."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                            capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
 def test_disk_full_is_enospc_and_leaves_no_complete_looking_file(handle_factory,
                                                                  small_filesystem):
     h = handle_factory(intra_op_parallelism=2)

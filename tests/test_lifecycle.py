@@ -5,15 +5,14 @@ Anything that could hang or crash runs in a child process with a deadline.
 """
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from conftest import random_bytes
@@ -295,3 +294,66 @@ def test_fifty_handles_at_once(tmp_path):
     finally:
         for h in handles:
             h.close()
+
+
+STOPPED_WORKER = """
+    import os, signal, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np, psutil
+    import nvmeswap
+    path = sys.argv[2]
+    data = np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8)
+    data.tofile(path)
+    h = nvmeswap.aio_handle()
+    worker = psutil.Process().children()[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    back = np.zeros_like(data)
+    h.async_pread(back, path)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        h.wait()
+    except KeyboardInterrupt:
+        print("interrupted after", time.monotonic() - start)
+    os.kill(worker.pid, signal.SIGCONT)
+    print("then", h.wait(), np.array_equal(back, data))
+    h.close()
+"""
+
+
+def test_ctrl_c_while_a_worker_is_stopped_then_continued(tmp_path):
+    lines = run_child(STOPPED_WORKER, tmp_path / "f")
+    assert lines[0].startswith("interrupted after") and float(lines[0].split()[2]) < 2.0
+    assert lines[1] == "then 1 True"
+
+
+def test_out_of_space_in_a_batch_names_the_file_and_keeps_what_others_wrote(
+        handle_factory, small_filesystem):
+    warnings.simplefilter("ignore", nvmeswap.BufferedIOWarning)   # tmpfs before Linux 6.6
+    h = handle_factory(intra_op_parallelism=2)
+    pieces = {f"p{i}": bytearray(random_bytes(700_000 + i, seed=i)) for i in range(8)}
+    for name, data in pieces.items():       # 5.6 MB into 4 MiB: some must fail
+        h.async_pwrite(data, small_filesystem / name)
+    with pytest.raises(OSError) as info:
+        h.wait()
+    failed = info.value.failed_operations
+    assert info.value.errno == 28 and 1 <= failed < 8
+    assert os.path.basename(info.value.filename) in pieces
+    complete = [name for name, data in pieces.items()
+                if (small_filesystem / name).read_bytes() == data]
+    empty = [name for name in pieces if os.path.getsize(small_filesystem / name) == 0]
+    assert len(complete) + len(empty) == 8 and len(empty) == failed
+    assert os.path.basename(info.value.filename) in empty
+    # Two writes of one file, one of them failing: the other's bytes stay.
+    for name in pieces:
+        os.unlink(small_filesystem / name)
+    filler = small_filesystem / "filler"
+    h.sync_pwrite(bytearray(random_bytes(3 * MiB + 500_000)), filler)
+    shared = small_filesystem / "shared"
+    small = bytearray(random_bytes(4096, seed=9))
+    h.async_pwrite(bytearray(random_bytes(900_000, seed=8)), shared, 8192)   # does not fit
+    h.async_pwrite(small, shared)                                           # fits
+    with pytest.raises(OSError) as info:
+        h.wait()
+    assert info.value.errno == 28 and info.value.filename == str(shared)
+    assert shared.read_bytes()[:4096] == small

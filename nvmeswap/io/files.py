@@ -145,6 +145,8 @@ def open_target(target, *, for_write, offset, nbytes, o_direct):
 
 def _reopen_path(fd, for_write):
     """A caller's fd is reopened through /proc so that it keeps its flags and stays open."""
+    if fd < 0:
+        raise os_error(errno.EBADF, f"<fd {fd}>", "not an open file descriptor")
     try:
         access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
         name = os.readlink(f"/proc/self/fd/{fd}")
