@@ -185,6 +185,12 @@ class aio_handle:
 
         If any failed, the first failure is raised once all have completed; its
         ``failed_operations`` attribute (and, on Python 3.11+, its note) says how many.
+
+        Threads: a handle may be used from several threads at once. Each asynchronous
+        operation is counted by exactly one ``wait()``: the one that takes it (a call
+        takes the operations started before it, and another thread's concurrent call
+        returns only later ones, or 0). A ``wait()`` interrupted by Ctrl-C counts
+        nothing; the next one counts what it had taken.
         """
         self._scheduler.check_usable()
         return self._scheduler.collect()
