@@ -69,7 +69,7 @@ def test_e2e_speed_is_not_diluted_by_set_up(tmp_path):
     out = tmp_path / "b.json"
     started = time.perf_counter()
     result = run_cli("bench", "--folder", tmp_path, "--io-size", "4M", "--loops", 2,
-                     "--write", "--json", out)
+                     "--write", "--buffer", "numpy", "--json", out)
     wall = time.perf_counter() - started
     assert result.returncode == 0, result.stderr
     rank = json.loads(out.read_text())["ranks"][0]["jobs"]["write"]
@@ -80,13 +80,15 @@ def test_e2e_speed_is_not_diluted_by_set_up(tmp_path):
 
 
 def test_progress_bar_on_a_terminal_quiet_when_piped(tmp_path):
-    piped = run_cli("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 2, "--write")
+    piped = run_cli("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 2, "--write",
+                    "--buffer", "numpy")
     assert piped.returncode == 0 and piped.stderr == ""
     primary, secondary = pty.openpty()
     # A terminal 100 columns wide (a new one has none, and tqdm draws nothing in 0 columns).
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     process = subprocess.Popen([sys.executable, "-m", "nvmeswap", "bench", "--folder",
-                                str(tmp_path), "--io-size", "1M", "--loops", "2", "--write"],
+                                str(tmp_path), "--io-size", "1M", "--loops", "2", "--write",
+                                "--buffer", "numpy"],
                                stdout=subprocess.PIPE, stderr=secondary)
     # The terminal stays open here until the command ends: Linux drops what is left unread
     # in a terminal once its last holder closes it.
@@ -112,7 +114,8 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_loops(tmp_path):
     out = tmp_path / "b.json"
     process = subprocess.Popen([sys.executable, "-m", "nvmeswap", "bench", "--folder",
                                 str(folder), "--io-size", "1M", "--loops", "10000000",
-                                "--write", "--json", str(out)], stdout=subprocess.PIPE,
+                                "--write", "--buffer", "numpy", "--json", str(out)],
+                               stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     while not os.listdir(folder) and time.monotonic() < deadline:
@@ -180,7 +183,7 @@ def test_output_path_checked_before_the_run(tmp_path):
 
 def test_json_to_stdout_keeps_the_table_on_stderr(tmp_path):
     result = run_cli("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
-                     "--read", "--json", "-")
+                     "--read", "--buffer", "numpy", "--json", "-")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert list(summary["jobs"]) == ["read"] and "Task Read Speed" in result.stderr

@@ -140,7 +140,8 @@ def _plan(args):
     for name in SETTINGS:
         if getattr(args, name) is not None:
             handle_args[name] = getattr(args, name)
-    gpus = gpu_count()
+    # Only what was asked for: importing torch to count GPUs takes seconds.
+    gpus = gpu_count() if (args.gpu or args.gds or args.buffer == "pinned") else 0
     if args.gpu or args.gds:
         if not gpus:
             raise UsageError("--gpu and --gds need a CUDA GPU, and torch sees none here")
@@ -242,7 +243,9 @@ class _StopOnInterrupt:
         signal.signal(signal.SIGINT, self._previous)
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # A process started with SIGINT ignored (`nvmeswap bench &` in a script) keeps it so.
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
 
@@ -262,8 +265,14 @@ def _run_ranks(plan, stop):
                              args=(rank, {**plan, "progress": plan["progress"] and rank == 0},
                                    barrier, rank_stop, results))
              for rank in range(plan["ranks"])]
-    for process in ranks:
-        process.start()
+    # Started with SIGINT blocked (the mask is inherited): a Ctrl-C while a rank is still
+    # starting must not kill it before it ignores SIGINT; the parent decides, below.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for process in ranks:
+            process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     collected = []
     try:
         while len(collected) < len(ranks):
@@ -289,6 +298,7 @@ def _run_ranks(plan, stop):
 
 def _rank_main(rank, plan, barrier, stop, results):
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides; see _run_ranks
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         results.put(_rank_job(rank, plan, barrier, stop))
     except BaseException as error:
@@ -346,9 +356,24 @@ def _timed_loops(handle, job, buffer, path, plan, barrier, stop):
             raise
         return True
 
+    def barrier_wait():
+        """False when Ctrl-C broke the barrier (the loop in hand is not whole)."""
+        if barrier is None:
+            return True
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            if stop.is_set():
+                return False
+            raise
+        return True
+
     for _ in range(plan["warmup_loops"]):
         if stop.is_set() or not call():
             break
+    # Ranks start the timed loops together, whatever their set-up and warm-up took.
+    if stop.is_set() or not barrier_wait():
+        return {"task_seconds": [], "e2e_seconds": [], "cpu_seconds": 0.0}
     progress = _progress_bar(job, plan)
     task, e2e = [], []
     cpu_before = _cpu_seconds(psutil.Process())
@@ -360,13 +385,8 @@ def _timed_loops(handle, job, buffer, path, plan, barrier, stop):
             if not call():
                 break
             done = time.perf_counter()
-            if barrier is not None:
-                try:
-                    barrier.wait()
-                except threading.BrokenBarrierError:
-                    if stop.is_set():
-                        break            # stopped by Ctrl-C: this loop is not whole
-                    raise
+            if not barrier_wait():
+                break
             task.append(done - started)
             e2e.append(time.perf_counter() - started)
             if progress is not None:

@@ -89,11 +89,14 @@ def write_json(path, data):
 
 
 def torch_available():
+    """Whether torch can be imported, found without importing it (that takes seconds)."""
+    import importlib.util
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None
     try:
-        import torch  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def gpu_count():

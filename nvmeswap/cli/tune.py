@@ -138,7 +138,9 @@ class _StopOnInterrupt:
         signal.signal(signal.SIGINT, self._previous)
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # A process started with SIGINT ignored (`nvmeswap bench &` in a script) keeps it so.
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
 
