@@ -323,8 +323,9 @@ def test_continues_after_an_exception_inside_step(tmp_path):
 
 
 def test_continues_after_a_failed_write_back(tmp_path, monkeypatch):
-    """The write-back of step 2 fails: step() raises, nothing is lost (the state is kept
-    in memory) and step 3 goes on as if nothing had happened."""
+    """The write-back of step 2's first group fails, found when the second group has
+    stepped: step() raises, nothing is lost (the state is kept in memory) and step 3
+    goes on as if nothing had happened."""
     layers = make_layers()
     plain = torch.optim.Adam(groups_of(layers), lr=1e-3)
     Run(layers, plain).step(4)

@@ -235,6 +235,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     self._prefetch(plans[index + 1])
                 if action is not None:
                     action(group)
+                # Note [one write-back in flight]: the previous group's writes had this
+                # group's step to finish. Waiting for them here, before this group's
+                # writes start, keeps the wait from covering writes just started (a
+                # handle's wait() takes all), and frees a buffer for the next prefetch.
+                self._settle_writes()
                 self._leave(group, plans[index], buffer)
             self._settle_writes()
             self._trim_buffers()
@@ -343,6 +348,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 del state[name]                 # the state leaves memory
 
     def _settle_writes(self):
+        if not self._leaving:
+            return
         self.swapper.synchronize_writes()
         self._free.extend(buffer for buffer, _ in self._leaving)
         self._leaving = []
