@@ -245,3 +245,21 @@ def test_table_does_not_say_locked_when_locking_is_refused(tmp_path):
     assert normal.returncode == 0
     if json.loads(out.read_text())["page_locked"]:
         assert "buffer locked," in normal.stdout.splitlines()[0]
+
+
+def test_closed_pipe_keeps_the_json(tmp_path):
+    """`nvmeswap bench --json F | head -0`: the reader is gone before the table; the JSON
+    was written first, and the command ends quietly."""
+    out = tmp_path / "b.json"
+    read_end, write_end = os.pipe()
+    os.close(read_end)                       # nobody will ever read the table
+    process = subprocess.Popen([sys.executable, "-m", "nvmeswap", "bench", "--folder",
+                                str(tmp_path), "--io-size", "1M", "--loops", "2",
+                                "--buffer", "numpy", "--json", str(out)],
+                               stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 1 and stderr == ""
+    summary = json.loads(out.read_text())
+    assert [summary["jobs"][job]["loops"] for job in ("write", "read")] == [2, 2]
+    assert sorted(os.listdir(tmp_path)) == ["b.json"]
