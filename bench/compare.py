@@ -13,7 +13,8 @@ per-round ratio of nvmeswap bench to each.
     python bench/compare.py --folder /nvme/scratch --size 400M --rounds 3 --ds-io
 
 runs instead DeepSpeed's ``ds_io`` and ``nvmeswap bench`` with the same settings (I/O size,
-loops, warm-up loops, block size, queue depth, parallelism), interleaved, and compares the
+loops, warm-up loops, block size, queue depth, parallelism, overlapped submission as ds_io
+does by default), interleaved, and compares the
 ``E2E Write/Read Speed`` lines that both print (ds_io's meanings and its GB of 2^30 bytes):
 nvmeswap's E2E speed should be within 15 % of ds_io's (a ratio of 0.85 or more). Without
 DeepSpeed it says so and exits 0.
@@ -182,7 +183,8 @@ def run_nvmeswap(folder, size, job):
                "--warmup-loops", SAME_SETTINGS["warmup_loops"],
                "--block-size", SAME_SETTINGS["block_size"],
                "--queue-depth", SAME_SETTINGS["queue_depth"],
-               "--intra-op-parallelism", SAME_SETTINGS["io_parallel"]]
+               "--intra-op-parallelism", SAME_SETTINGS["io_parallel"],
+               "--overlap-events"]       # ds_io overlaps unless told --sequential_requests
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return e2e_speeds(done.stdout)[job]
 

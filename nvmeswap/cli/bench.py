@@ -320,6 +320,11 @@ def _rank_job(rank, plan, barrier, stop):
         warnings.simplefilter("always", MemoryLockWarning)
         handle = make_handle(**plan["handle"])
         with handle:
+            result["settings"] = {"block_size": handle.get_block_size(),
+                                  "queue_depth": handle.get_queue_depth(),
+                                  "single_submit": handle.get_single_submit(),
+                                  "overlap_events": handle.get_overlap_events(),
+                                  "intra_op_parallelism": handle.get_intra_op_parallelism()}
             buffer = _make_buffer(handle, plan["buffer"], plan["io_size"], rank)
             _fill(buffer)
             try:
@@ -511,8 +516,9 @@ def print_report(summary, out=None):
     out = out or sys.stdout
     config = summary["config"]
     print(f"nvmeswap bench: {format_size(config['io_size'])} per operation and rank, "
-          f"{config['ranks']} rank(s), buffer {_buffer_words(summary)}, "
-          f"handle {config['handle'] or 'defaults'}", file=out)
+          f"{config['ranks']} rank(s), buffer {_buffer_words(summary)}", file=out)
+    settings = summary["ranks"][0].get("settings") or config["handle"]
+    print("handle: " + ", ".join(f"{k}={v}" for k, v in settings.items()), file=out)
     print(f"{'job':<7}{'rank':>6}{'loops':>7}{'GB/s':>9}{'p50 ms':>10}{'p99 ms':>10}"
           f"{'CPU s/GB':>10}{'bytes':>15}   (GB = 10^9 bytes; GB/s over the operations)",
           file=out)
