@@ -145,8 +145,7 @@ class LockedMemory:
         the caller to close (nobody can do I/O on them any more)."""
         with self._lock:
             self._users.discard(user)
-            last = not self._users
-        return self.table.drain() if last else []
+            return [] if self._users else self.table.drain()
 
     def free(self, region):
         """Unmap ``region`` in the workers of every user, then close our descriptor."""
