@@ -1,7 +1,7 @@
-"""The staging ring that CUDA tensors take through aio_handle, driven by a stand-in device.
+"""The staging space that CUDA tensors take through aio_handle, driven by a stand-in device.
 
 No GPU is needed: the stand-in device (stand_in_device.py) copies between the tensor
-and the handle's staging slots as the CUDA copier does, so the ring, the workers and
+and the handle's staging space as the CUDA copier does, so the pieces, the workers and
 the files all run for real. The CUDA copier itself is tested in test_gpu.py, on a GPU.
 """
 import threading
@@ -13,7 +13,7 @@ from conftest import random_bytes
 from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
-from nvmeswap.io.staging import StagingRing
+import nvmeswap.io.placement as placement
 
 KiB, MiB = 1 << 10, 1 << 20
 PIECE = 64 * KiB
@@ -21,7 +21,8 @@ PIECE = 64 * KiB
 
 @pytest.fixture
 def device(monkeypatch):
-    monkeypatch.setattr(StagingRing, "PIECE", PIECE)
+    # Four pieces of PIECE bytes (two pages of each piece's extent are for alignment).
+    monkeypatch.setattr(placement, "STAGING_BYTES", 4 * (PIECE + 8 * KiB))
     return use_stand_in_device(monkeypatch)
 
 

@@ -92,8 +92,8 @@ def test_wrong_types_and_empty_buffers(handle, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,exc", [
-    (dict(block_size=0), ValueError), (dict(block_size=1000), ValueError),
-    (dict(block_size=4097), ValueError), (dict(queue_depth=0), ValueError),
+    (dict(block_size=0), ValueError), (dict(block_size=-4096), ValueError),
+    (dict(block_size=(1 << 30) + 1), ValueError), (dict(queue_depth=0), ValueError),
     (dict(queue_depth=1 << 20), ValueError), (dict(intra_op_parallelism=0), ValueError),
     (dict(intra_op_parallelism=10_000), ValueError), (dict(block_size="1M"), TypeError),
     (dict(single_submit="yes"), TypeError), (dict(o_direct="auto"), TypeError),

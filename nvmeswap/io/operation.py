@@ -17,7 +17,7 @@ class Operation:
     """One call in flight: where its bytes go, its chunks still out, and its first error."""
 
     __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
-                 "staged", "owns_region", "copier", "ring", "chunks", "remaining", "error",
+                 "staged", "owns_region", "copier", "chunks", "remaining", "error",
                  "validate", "done", "started", "shares_file")
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
@@ -29,10 +29,9 @@ class Operation:
         self.validate = validate
         self.region = None
         self.region_offset = 0
-        self.staged = False     # the region is staging memory, given back at the end
+        self.staged = None      # its StagedPieces when it goes through staging memory
         self.owns_region = False    # the region was made for this operation alone
         self.copier = None      # moves bytes between the buffer and a staging region
-        self.ring = None        # a CUDA tensor's staging slots (Note [device pipeline])
         self.chunks = []        # (start, length) in the buffer, set by the placement
         self.remaining = 0
         self.error = None
@@ -45,8 +44,8 @@ class Operation:
 
     def region_offset_of(self, index):
         """Where chunk ``index`` sits in the region the workers use."""
-        if self.ring is not None:
-            return self.ring.region_offset(index)
+        if self.staged is not None:
+            return self.staged.region_offset(index)
         return self.region_offset + self.chunks[index][0]
 
     def describe(self):

@@ -1,62 +1,57 @@
 """Where the workers find an operation's bytes, and the chunks they take them in.
 
-A buffer inside a locked region goes as is (zero-copy); any other host buffer is
-copied through a staging region; a CUDA tensor takes the staging ring, piece by piece.
-``gds_handle`` puts its own placement in front of this one (io/cufile_placement.py).
+A buffer inside a locked region goes as is (zero-copy); any other buffer (plain host
+memory, a CUDA tensor) is copied through the handle's staging space, piece by piece
+(Note [staging ring] in io/staging.py). ``gds_handle`` puts its own placement in front
+of this one (io/cufile_placement.py).
 """
 from ..gpu.copies import CudaCopier, copy_stream, register_for_device_copies
 from .chunks import plan_chunks
+from .files import ALIGNMENT
 from .regions import RegionTable
-from .staging import HostCopier, StagingPool, StagingRing
+from .staging import HostCopier, StagedPieces, StagingSpace
 
 # Synchronous operations up to this size (and one block) run in the calling thread.
 INLINE_LIMIT = 256 << 10
+# The default size of a handle's staging space.
+STAGING_BYTES = 64 << 20
 
 
 class HostPlacement:
     """Places operations in host memory the workers share: locked regions or staging."""
 
-    def __init__(self, parallelism, block_size, locked=None):
+    def __init__(self, parallelism, block_size, locked=None, staging_bytes=None):
         self.parallelism = parallelism
         self.block_size = block_size
         self.locked = locked if locked is not None else RegionTable()
-        self.staging = StagingPool()
+        self.staging = StagingSpace(staging_bytes or STAGING_BYTES, parallelism, ALIGNMENT)
         self._copy_streams = {}
 
     def inline_limit(self, op):
         """Synchronous operations up to this size run in the calling thread
         (Note [small synchronous operations] in io/scheduler.py)."""
-        limit = min(INLINE_LIMIT, self.block_size)
-        if op.buffer.device is not None:
-            limit = min(limit, StagingRing.PIECE)    # one piece: one slot
-        return limit
+        return min(INLINE_LIMIT, self.block_size, self.staging.piece)
 
     def place(self, op):
         """Choose the memory the workers use, and cut the operation into chunks."""
         buf, alignment = op.buffer, op.file.alignment
-        if buf.device is not None:
-            op.ring = StagingRing(op.file_offset, buf.nbytes, alignment,
-                                  max(4, 2 * self.parallelism))
-            op.region = self.staging.acquire(op.ring.region_size())
-            op.staged = True
+        if buf.device is None:
+            region = self.locked.containing(buf.address, buf.nbytes)
+            if region is not None and (buf.address - op.file_offset) % alignment == 0:
+                op.region, op.region_offset = region, buf.address - region.address
+                op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.parallelism,
+                                        alignment)
+                op.remaining = len(op.chunks)
+                return
+        op.staged = StagedPieces(self.staging, op.file_offset, buf.nbytes, alignment)
+        op.region = self.staging.shared_region()
+        if buf.device is None:
+            op.copier = HostCopier(buf.address, buf)
+        else:
             register_for_device_copies(op.region)
             # Made in the caller's call: it orders the copies after the work queued so far.
             op.copier = CudaCopier(buf.owner, copy_stream(buf.device, self._copy_streams))
-            op.chunks = op.ring.pieces
-            op.remaining = len(op.chunks)
-            return
-        region = self.locked.containing(buf.address, buf.nbytes)
-        if region is not None and (buf.address - op.file_offset) % alignment == 0:
-            op.region, op.region_offset = region, buf.address - region.address
-        else:
-            # The staged copy sits at the file offset's alignment phase so that its
-            # aligned middle can go through O_DIRECT.
-            op.region = self.staging.acquire(buf.nbytes + alignment)
-            op.region_offset = op.file_offset % alignment
-            op.staged = True
-            op.copier = HostCopier(buf.address, buf)
-        op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.parallelism, alignment,
-                                op.staged)
+        op.chunks = op.staged.pieces
         op.remaining = len(op.chunks)
 
     def map_requests(self, worker, region):
@@ -65,8 +60,9 @@ class HostPlacement:
 
     def give_back(self, op):
         """Take back the memory of a finished operation; return regions to unshare."""
-        if op.staged:
-            return self.staging.release(op.region)
+        if op.staged is not None:
+            op.staged.release()
+            return []
         return [op.region] if op.owns_region else []
 
     def bytes_reader(self, op):
@@ -79,4 +75,5 @@ class HostPlacement:
 
     def release(self):
         """Every region this placement holds, for the caller to close."""
-        return [*self.locked.drain(), *self.staging.drain()]
+        staging = self.staging.close()
+        return [*self.locked.drain(), *([staging] if staging is not None else [])]

@@ -58,6 +58,7 @@ class Scheduler:
         self._op_ids = itertools.count(1)
         self._next_worker = 0
         self._driving = False
+        self._staged_ops = []   # staged operations in flight, oldest first
         self._max_chunks = chunks_in_flight_limit()
         self._writes = ConcurrentWrites()
         with self._cond:
@@ -184,8 +185,9 @@ class Scheduler:
         """Open, place and start one operation. If anything fails before it has started
         (Ctrl-C included: Note [deferred interrupts]), nothing of it is left behind."""
         # Back-pressure, before anything is opened: every chunk in flight holds
-        # descriptors in a worker.
-        self._wait_until(lambda: self.chunks_in_flight < self._max_chunks)
+        # descriptors in a worker, every staged operation waiting for room holds its own.
+        self._wait_until(lambda: self.chunks_in_flight + len(self._staged_ops)
+                         < self._max_chunks)
         op = None
         try:
             with deferred_interrupts():
@@ -205,30 +207,38 @@ class Scheduler:
         """Place the operation and hand its chunks to the workers."""
         with deferred_interrupts(), self._cond:
             self.check_usable()
-            pool = self._running_pool()     # before registering: it may fail what is out
+            self._running_pool()    # before registering: it may fail what is out
             self.placement.place(op)
-            self._ops[op.op_id] = op
-            op.started = True
-            self._writes.start(op)
-            if is_async:
-                self._async_ops.append(op)
-            if op.ring is None:
-                self._dispatch(op, pool)
-                return
-            self._feed(op)
-            if is_async and not op.done and not self._driving:
-                self._drive_in_background()
+            self._launch(op, is_async)
+
+    def _launch(self, op, is_async):
+        """Register a placed operation and send what can go now (under the lock)."""
+        self._ops[op.op_id] = op
+        op.started = True
+        self._writes.start(op)
+        if is_async:
+            self._async_ops.append(op)
+        if op.staged is None:
+            self._dispatch(op, self._running_pool())
+            return
+        self._staged_ops.append(op)
+        self._feed(op)
+        if is_async and not op.done and not self._driving:
+            self._drive_in_background()
 
     def _run_inline(self, op):
         """Note [small synchronous operations]: an operation of one request runs in the
         calling thread. A round trip to a worker costs two process wake-ups, more than
         the request itself on a fast device, and one request gains nothing from fan-out.
         """
-        with self._cond:
+        with deferred_interrupts(), self._cond:
             self.check_usable()
             self.placement.place(op)
-            if op.ring is not None:
-                op.ring.start_next()
+            if op.staged is not None and op.staged.start_next() is None:
+                # The staging space is lent out: wait for it like any operation.
+                self._running_pool()
+                self._launch(op, is_async=False)
+                return
         region_offset = op.region_offset_of(0)
         if op.copier is not None and not op.is_read:
             op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
@@ -258,26 +268,33 @@ class Scheduler:
         op.file.close()
 
     def _feed(self, op):
-        """Start the ring's next pieces while it has free slots (Note [device pipeline])."""
+        """Start a staged operation's next pieces while the staging space has room
+        (Note [staging ring])."""
         while not op.done and op.error is None:
-            index = op.ring.start_next()
+            index = op.staged.start_next()
             if index is None:
                 return
             if not op.is_read:
                 start, length = op.chunks[index]
                 try:
-                    op.copier.to_region(start, length, op.region, op.ring.region_offset(index))
+                    op.copier.to_region(start, length, op.region,
+                                        op.staged.region_offset(index))
                 except Exception as error:
                     op.error = op.copy_error(error)
-                    op.ring.finish(index)
+                    op.staged.finish(index)
                     op.remaining -= 1
                     break
             if not self._send(op, index, self.pool.workers):
                 return
         if op.error is not None and not op.done:
-            op.remaining -= op.ring.cancel_rest()
+            op.remaining -= op.staged.cancel_rest()
             if op.remaining == 0:
                 self._finish(op)
+
+    def _feed_staged(self):
+        """Room in the staging space: the oldest staged operations take it first."""
+        for op in list(self._staged_ops):
+            self._feed(op)
 
     def _send(self, op, index, workers):
         """Send chunk ``index`` to the next worker; False if that worker is gone."""
@@ -302,25 +319,25 @@ class Scheduler:
         return True
 
     def _drive_in_background(self):
-        """Note [device pipeline]: an async CUDA operation has more pieces than slots, and
-        only a thread reading responses frees slots; without one it would stall until
-        ``wait()``. The thread ends when no such operation is left.
+        """Note [staging ring]: an async staged operation can have more pieces than the
+        staging space holds, and only a thread reading responses frees room; without one
+        it would stall until ``wait()``. The thread ends when no such operation is left.
         """
         self._driving = True
 
         def drive():
             try:
-                self._wait_until(self._ring_work_done)
+                self._wait_until(self._staged_work_done)
             except BaseException:
                 with self._cond:
                     self._driving = False
                 raise
 
-        threading.Thread(target=drive, name="nvmeswap-device-pipeline", daemon=True).start()
+        threading.Thread(target=drive, name="nvmeswap-staging", daemon=True).start()
 
-    def _ring_work_done(self):
+    def _staged_work_done(self):
         # Decided under the lock that _start holds, so no operation is left undriven.
-        done = all(op.ring is None for op in self._ops.values())
+        done = not self._staged_ops
         if done:
             self._driving = False
         return done
@@ -382,9 +399,9 @@ class Scheduler:
             except Exception as error:
                 op.error = op.copy_error(error)
         op.remaining -= 1
-        if op.ring is not None:
-            op.ring.finish(chunk)
-            self._feed(op)
+        if op.staged is not None:
+            op.staged.finish(chunk)
+            self._feed_staged()
         if op.remaining == 0 and not op.done:
             self._finish(op)
 
@@ -406,6 +423,8 @@ class Scheduler:
 
     def _finish(self, op):
         self._ops.pop(op.op_id, None)
+        if op.staged is not None and op in self._staged_ops:
+            self._staged_ops.remove(op)
         if op.error is None and op.validate:
             try:
                 validate(op, self.placement.bytes_reader(op))

@@ -1,104 +1,116 @@
-"""Staging memory for buffers the workers cannot reach: a reusable pool of locked regions,
-the ring a CUDA tensor's pieces take turns in, and the host copier that fills them.
+"""Staging memory for buffers the workers cannot reach: the handle's one staging region,
+lent out piece by piece, and the host copier that fills and empties it.
 """
-import threading
+import bisect
 
 from .._memory import copy_memory
 from .chunks import chunk_bounds
 from .regions import SharedRegion, round_up
 
 
-class StagingPool:
-    """Reusable locked regions that ordinary buffers are copied through.
+class StagingSpace:
+    """Note [staging ring]: the one staging region of a handle, lent out piece by piece.
 
-    Regions are kept after use, so an operation costs no allocation, page fault or
-    mlock once the pool has grown to the sizes in use. Idle regions beyond
-    ``idle_limit`` bytes are handed back for freeing, smallest first, but the largest
-    is always kept: a program that moves one big plain tensor over and over keeps its
-    staging, one that once had many in flight does not keep them all.
+    Workers reach only shared memory, so the bytes of any other buffer (a plain tensor, a
+    numpy array, a CUDA tensor) pass through this region: a staged operation is cut into
+    pieces of at most ``piece`` bytes, and each piece borrows an extent of the region
+    while it is with a worker. A write copies a piece into its extent and hands it out,
+    and copies the next while the workers write; a read copies each piece out as it
+    lands, freeing its extent for the next. So staging is ``nbytes`` whatever the sizes
+    and the number of operations (DeepNVMe locks a bounce buffer as large as the tensor,
+    per operation, and copies all of it before a write starts or after a read ends).
+    Extents are taken first-fit and given back in any order; the region is made at the
+    first staged operation and freed with the handle.
     """
 
-    GRANULE = 1 << 21
+    def __init__(self, nbytes, parallelism, alignment):
+        self.nbytes = round_up(max(nbytes, 8 * alignment), alignment)
+        # Enough pieces in flight for every worker and one being copied, at least four.
+        self.piece = max(alignment, (self.nbytes // max(4, 2 * parallelism)) // alignment
+                         * alignment - 2 * alignment)
+        self.alignment = alignment
+        self.region = None
+        self._free = [(0, self.nbytes)]     # (start, length), sorted, never adjacent
 
-    def __init__(self, idle_limit=256 << 20):
-        self._idle = []
-        self._idle_limit = idle_limit
-        self._lock = threading.Lock()
+    def shared_region(self):
+        if self.region is None:
+            self.region = SharedRegion(self.nbytes)
+        return self.region
 
-    def acquire(self, nbytes):
-        with self._lock:
-            fitting = [r for r in self._idle if r.size >= nbytes]
-            if fitting:
-                region = min(fitting, key=lambda r: r.size)
-                self._idle.remove(region)
-                return region
-        return SharedRegion(round_up(nbytes, self.GRANULE))
+    def take(self, nbytes):
+        """The start of a free extent of at least ``nbytes`` (aligned), or None."""
+        nbytes = round_up(nbytes, self.alignment)
+        for k, (start, length) in enumerate(self._free):
+            if length >= nbytes:
+                if length == nbytes:
+                    del self._free[k]
+                else:
+                    self._free[k] = (start + nbytes, length - nbytes)
+                return start
+        return None
 
-    def release(self, region):
-        """Take ``region`` back; return the idle regions the caller should free."""
-        with self._lock:
-            self._idle.append(region)
-            self._idle.sort(key=lambda r: r.size)
-            surplus = []
-            while len(self._idle) > 1 and sum(r.size for r in self._idle) > self._idle_limit:
-                surplus.append(self._idle.pop(0))
-            return surplus
+    def give(self, start, nbytes):
+        """Take back the extent at ``start`` (as long as it was taken)."""
+        nbytes = round_up(nbytes, self.alignment)
+        k = bisect.bisect(self._free, (start, 0))
+        end = start + nbytes
+        if k < len(self._free) and self._free[k][0] == end:     # join the next
+            end += self._free.pop(k)[1]
+        if k > 0 and sum(self._free[k - 1]) == start:            # and the previous
+            start = self._free.pop(k - 1)[0]
+            k -= 1
+        self._free.insert(k, (start, end - start))
 
-    def drain(self):
-        """Hand back every idle region (for the caller to unmap and close)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        return idle
+    def close(self):
+        """The region, for the caller to unshare (None if none was made)."""
+        region, self.region = self.region, None
+        return region
 
 
-class StagingRing:
-    """Note [device pipeline]: a CUDA tensor's bytes pass through a ring of host slots.
+class StagedPieces:
+    """One staged operation's pieces and the extents of the staging space they hold.
 
-    A worker cannot reach device memory on the aio road, so the operation is cut into
-    pieces of about ``PIECE`` bytes that take turns in ``slots`` slots of one locked
-    region: a write copies a piece into a free slot and hands it to a worker, and the
-    next copy runs while the workers write; a read lets the workers fill slots and
-    copies each piece to the device as it lands, freeing its slot for the next piece.
-    Staging stays at ``slots`` pieces whatever the size of the tensor (DeepNVMe locks a
-    bounce buffer as large as the tensor per operation, and copies all of it before a
-    write starts or after a read ends).
+    Every piece but the first starts at an aligned file offset (``chunk_bounds``); the
+    first sits in its extent at its file offset's phase, so that the aligned middle can
+    go through O_DIRECT.
     """
 
-    PIECE = 16 << 20
-
-    def __init__(self, file_offset, nbytes, alignment, slots):
-        self.pieces = chunk_bounds(file_offset, nbytes, -(-nbytes // self.PIECE), alignment)
+    def __init__(self, space, file_offset, nbytes, alignment):
+        self.space = space
+        self.pieces = chunk_bounds(file_offset, nbytes, -(-nbytes // space.piece), alignment)
         self._phase = file_offset % alignment
-        # A piece is at most PIECE + alignment long and sits at its file offset's phase.
-        self._stride = self.PIECE + 2 * alignment
-        self._free = list(range(min(slots, len(self.pieces))))
-        self._slot_of = {}
+        self._extent_of = {}    # piece index -> (start, length) in the space
         self.started = 0
 
-    def region_size(self):
-        return len(self._free) * self._stride
-
     def start_next(self):
-        """Take a free slot for the next piece; return the piece's index, or None."""
-        if self.started == len(self.pieces) or not self._free:
+        """Take an extent for the next piece; return the piece's index, or None."""
+        if self.started == len(self.pieces):
             return None
         index = self.started
+        length = self.pieces[index][1] + (self._phase if index == 0 else 0)
+        start = self.space.take(length)
+        if start is None:
+            return None
+        self._extent_of[index] = (start, length)
         self.started += 1
-        self._slot_of[index] = self._free.pop()
         return index
 
     def region_offset(self, index):
-        # Only the first piece can start off an aligned file offset (chunk_bounds).
-        return self._slot_of[index] * self._stride + (self._phase if index == 0 else 0)
+        return self._extent_of[index][0] + (self._phase if index == 0 else 0)
 
     def finish(self, index):
-        self._free.append(self._slot_of.pop(index))
+        self.space.give(*self._extent_of.pop(index))
 
     def cancel_rest(self):
         """Give up the pieces not started; return how many there were."""
         left = len(self.pieces) - self.started
         self.started = len(self.pieces)
         return left
+
+    def release(self):
+        """Give back every extent still held (the workers that had them are gone)."""
+        for index in list(self._extent_of):
+            self.finish(index)
 
 
 class HostCopier:
