@@ -64,6 +64,10 @@ def train(offload: str, folder: str, engine: str = "nvmeswap") -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)            # the same arithmetic in both runs
+    import deepspeed.ops
+    # One rank: DeepSpeed's shared-memory all-reduce has nothing to do, so do not let it
+    # JIT-compile that op (a minute or two on a fresh machine).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     cfg = config(offload, folder)
     with deepspeed.zero.Init(config_dict_or_path=cfg):

@@ -40,6 +40,9 @@ def ds_dist():
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        import deepspeed.ops
+        # One rank: no shared-memory all-reduce op to JIT-compile (minutes when cold).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     yield dist
 
