@@ -23,8 +23,9 @@ import warnings
 
 from ..errors import MemoryLockWarning, ValidationError
 from ..units import DS_IO_GB, GB, SIZE_HELP, format_size, human_size, size_argument
-from .options import (UsageError, check_folder, check_output_path, gpu_count, in_cli_words,
-                      non_negative_int, positive_int, torch_available, write_json)
+from .options import (StopOnInterrupt, UsageError, check_folder, check_output_path,
+                      gpu_count, in_cli_words, non_negative_int, positive_int, torch_available,
+                      write_json)
 
 BUFFERS = ("locked", "pinned", "plain", "numpy")
 SETTINGS = ("block_size", "queue_depth", "single_submit", "overlap_events",
@@ -102,7 +103,7 @@ def run(args):
         plan["folders"] = [made_folder]
     try:
         _check_resources(plan)
-        stop = _StopOnInterrupt()
+        stop = StopOnInterrupt()
         with stop:
             results = _run_ranks(plan, stop)
     except (ValueError, OSError, RuntimeError, ValidationError) as error:
@@ -227,31 +228,6 @@ def _check_resources(plan):
             raise UsageError(f"the run needs {human_size(need)} of memory (--ranks x "
                              f"--io-size) and {human_size(max(free, 0))} is available: "
                              "lower --io-size or --ranks")
-
-
-class _StopOnInterrupt:
-    """The first Ctrl-C asks the loops to stop after the current one; a second one raises."""
-
-    def __init__(self):
-        self.event = threading.Event()
-        self.interrupted = False
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        self.interrupted = True
-        self.event.set()
-        signal.signal(signal.SIGINT, self._previous)
-
-    def __enter__(self):
-        # A process started with SIGINT ignored (`nvmeswap bench &` in a script) keeps it so.
-        if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc_info):
-        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._handler:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 def _run_ranks(plan, stop):

@@ -2,7 +2,9 @@
 up-front check of output paths, and the one-line errors the commands end with."""
 import argparse
 import os
+import signal
 import sys
+import threading
 
 
 class UsageError(Exception):
@@ -117,3 +119,29 @@ def in_cli_words(message):
     for name, option in _CLI_WORDS.items():
         message = message.replace(name, option)
     return message
+
+
+class StopOnInterrupt:
+    """While active, the first Ctrl-C sets ``event`` (the command stops at its next safe point
+    and keeps what it measured) and the second interrupts at once."""
+
+    def __init__(self, event=None):
+        self.event = event if event is not None else threading.Event()
+        self.interrupted = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        self.interrupted = True
+        self.event.set()
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __enter__(self):
+        # A process started with SIGINT ignored (`nvmeswap bench &` in a script) keeps it so.
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._handler:
+            signal.signal(signal.SIGINT, self._previous)

@@ -9,7 +9,6 @@ standard error. Ctrl-C stops after the current configuration and keeps the best 
 """
 import itertools
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -17,8 +16,8 @@ import threading
 import time
 
 from ..units import GB, SIZE_HELP, format_size, size_argument
-from .options import (UsageError, check_folder, check_output_path, positive_float,
-                      positive_int, torch_available, write_json)
+from .options import (StopOnInterrupt, UsageError, check_folder, check_output_path,
+                      positive_float, positive_int, torch_available, write_json)
 
 K, M = 1 << 10, 1 << 20
 BLOCK_SIZES = [128 * K, 256 * K, 1 * M, 4 * M, 8 * M]
@@ -68,7 +67,7 @@ def run(args):
     planned = len(full_grid()) if args.exhaustive else tuner.planned_search()
     tuner.progress = _progress_bar(planned)
     try:
-        with _StopOnInterrupt(tuner.stop):
+        with StopOnInterrupt(tuner.stop):
             if args.exhaustive:
                 tuner.measure_all(full_grid())
             else:
@@ -123,30 +122,6 @@ def _progress_bar(total):
     from tqdm import tqdm
     return tqdm(total=total, desc="tune", unit="config", file=sys.stderr, leave=False,
                 dynamic_ncols=True)
-
-
-class _StopOnInterrupt:
-    """The first Ctrl-C sets ``event`` (the tuner stops after the current configuration and
-    keeps what it measured); a second one interrupts at once."""
-
-    def __init__(self, event):
-        self.event = event
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        self.event.set()
-        signal.signal(signal.SIGINT, self._previous)
-
-    def __enter__(self):
-        # A process started with SIGINT ignored (`nvmeswap bench &` in a script) keeps it so.
-        if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc_info):
-        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._handler:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 def full_grid():
