@@ -381,3 +381,40 @@ def test_ds_io_engines_write_and_read_their_buffers(routed, monkeypatch, tmp_pat
         handle.close()
     if engine == "aio_handle":
         writer.ctxt[HANDLE].close()
+
+
+def test_fast_checkpoint_engine_round_trip(ds_dist, routed, utils_op, monkeypatch, tmp_path):
+    """DeepSpeed's FastCheckpointEngine as its config builds it: the writer's I/O buffer
+    from DeepSpeed's native pinned manager (DS_PIN_MEMORY_BACKEND=native, routed to
+    nvmeswap's pin_handle), an io_buffer_size DeepSpeed accepts that is not a 4 KiB
+    multiple, DeepSpeed's op-test aio geometry; the checkpoint loads back bit for bit."""
+    import deepspeed.utils.pin_memory as pin_memory
+    from deepspeed.runtime.checkpoint_engine.fast_checkpoint_engine import FastCheckpointEngine
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.model_checkpointing.data_parallel_writer_factory import \
+        DataParallelWriterConfig
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
+    monkeypatch.setenv("DS_PIN_MEMORY_REGISTER_DEVICE", "0")
+    monkeypatch.setattr(pin_memory, "_shared_native_pins", None)
+    config = DeepSpeedConfig({
+        "train_batch_size": 1,
+        "checkpoint": {"writer": {"type": "fast", "io_buffer_size": 1_001_472,
+                                  "io_buffer_double": True}},
+        "aio": {"block_size": 1024, "queue_depth": 2, "intra_op_parallelism": 2,
+                "single_submit": False, "overlap_events": True}})
+    dp_writer = DataParallelWriterConfig(world_size=1, rank=0, global_rank=0, local_rank=0,
+                                         pure_dp=True)
+    engine = FastCheckpointEngine(config, dp_writer, optimize_dp_state=False)
+    handle = engine._writer._dnvme_handle
+    assert isinstance(handle, nvmeswap.aio_handle) and handle.is_pinned(engine._writer._io_buffer)
+    state = {"w": torch.randn(513, 77, generator=torch.Generator().manual_seed(5)),
+             "step": torch.tensor(12), "names": ["a", "b"]}
+    path = str(tmp_path / "model_states.pt")
+    engine.save(state, path)
+    loaded = engine.load(path)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 12
+    assert loaded["names"] == ["a", "b"]
+    handle.close()
+    buffer = engine._writer._io_buffer
+    del engine
+    assert pin_memory._shared_native_pins.unpin(buffer)
