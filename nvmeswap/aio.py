@@ -82,11 +82,17 @@ class aio_handle:
             raise TypeError("share_locked_memory_with must be an aio_handle, got "
                             f"{type(share_locked_memory_with).__name__}")
         locked = locked_memory().join()
-        self._placement = self._make_placement(
-            HostPlacement(self._parallelism, engine_block, locked))
-        engine_args = (engine_block, self._queue_depth, int(self._single_submit),
-                       int(self._overlap_events))
-        self._scheduler = Scheduler(self._placement, self._parallelism, engine_args, o_direct)
+        try:
+            self._placement = self._make_placement(
+                HostPlacement(self._parallelism, engine_block, locked))
+            engine_args = (engine_block, self._queue_depth, int(self._single_submit),
+                           int(self._overlap_events))
+            self._scheduler = Scheduler(self._placement, self._parallelism, engine_args,
+                                        o_direct)
+        except BaseException:
+            for region in locked.drain():   # a handle that never was leaves the set
+                region.close()
+            raise
         locked.attach(self._scheduler)
         self._finalizer = weakref.finalize(self, self._scheduler.release)
 
