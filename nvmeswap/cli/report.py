@@ -12,6 +12,7 @@ import platform
 import resource
 import shutil
 
+from ..deepspeed import deepspeed_status
 from ..units import human_size
 from .options import check_output_path
 
@@ -31,6 +32,7 @@ def run(args):
     check_output_path(args.json, "--json")
     found = versions()
     print("versions: " + ", ".join(f"{name} {value}" for name, value in found.items()))
+    print(deepspeed_status())
     checks = machine_checks() + [c for folder in (args.folders or ["."])
                                  for c in folder_checks(folder)]
     for check in checks:
@@ -42,7 +44,8 @@ def run(args):
     print("nvmeswap can work here" if usable else "nvmeswap cannot work here: see [FAIL] above")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"usable": usable, "versions": found, "checks": checks}, f, indent=2)
+            json.dump({"usable": usable, "versions": found, "checks": checks,
+                       "deepspeed": deepspeed_status()}, f, indent=2)
     return 0 if usable else 1
 
 

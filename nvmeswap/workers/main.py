@@ -21,8 +21,10 @@ from . import protocol
 def main(sock_fd, parent_pid, block_size, queue_depth, single_submit, overlap_events):
     _exit_with_parent(parent_pid)
     _raise_descriptor_limit()
-    # Ctrl-C goes to the whole process group; the parent decides what it means.
+    # Ctrl-C goes to the whole process group; the parent decides what it means. (It was
+    # blocked from before our start, workers/pool.py.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sock = socket.socket(fileno=sock_fd)
     try:
         engine = AioEngine(block_size, queue_depth, single_submit, overlap_events)

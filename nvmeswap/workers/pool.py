@@ -25,6 +25,10 @@ class Worker:
 
     def __init__(self, engine_args):
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Ctrl-C goes to the whole process group: the worker starts with SIGINT blocked
+        # and ignores it before unblocking, so a Ctrl-C at start-up cannot kill it; ours
+        # waits until Popen has returned (Note [deferred interrupts]).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             # -I: the worker sees our nvmeswap, not whatever the current directory holds.
             command = [sys.executable, "-I", "-c", _BOOT, _PACKAGE_ROOT, str(child_end.fileno()),
@@ -36,6 +40,7 @@ class Worker:
             raise
         finally:
             child_end.close()
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.sock = parent_end
         self.pidfd = os.pidfd_open(self.process.pid)
         self.mapped = set()
