@@ -9,6 +9,7 @@ from .errors import (
     CudaError,
     CuFileError,
     GdsFallbackWarning,
+    MemoryBudgetError,
     MemoryLockWarning,
     ShortFileError,
     ValidationError,
@@ -20,4 +21,4 @@ from .gpu.discovery import gds_available, gds_unavailable_reason
 __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_available", "gds_unavailable_reason", "WorkerDied",
            "ValidationError", "ShortFileError", "CuFileError", "CudaError", "BufferedIOWarning",
-           "MemoryLockWarning", "GdsFallbackWarning"]
+           "MemoryLockWarning", "MemoryBudgetError", "GdsFallbackWarning"]

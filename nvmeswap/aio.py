@@ -14,12 +14,14 @@ from .config import handle_arguments
 from .gpu.copies import register_for_device_copies
 from .io.files import ALIGNMENT
 from .io.operation import checked_bool, checked_int
-from .io.placement import HostPlacement
-from .io.regions import SharedRegion, locked_memory, round_up
+from .errors import MemoryBudgetError
+from .io.placement import STAGING_BYTES, HostPlacement
+from .io.regions import PAGE, SharedRegion, locked_memory, round_up
 from .io.scheduler import Scheduler
 
 MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
+MIN_STAGING_BYTES = 1 << 20
 # DeepNVMe's get_alignment(): O_DIRECT's sector size times the parallelism; the sizes its
 # FastFileWriter and swappers make their buffers multiples of.
 SECTOR = 512
@@ -48,6 +50,14 @@ class aio_handle:
     o_direct : bool or None
         None (default) uses O_DIRECT and falls back to buffered I/O with a warning on
         filesystems that refuse it; True makes that an error; False never uses O_DIRECT.
+    staging_bytes : int, optional
+        Size of the handle's staging space, the locked shared memory that buffers the
+        workers cannot reach (plain tensors, arrays, CUDA tensors) pass through, piece by
+        piece (Note [staging ring] in io/staging.py); default 64 MiB, at least 1 MiB.
+    memory_budget : int, optional
+        Bytes this handle may lock or map (its staging space and the locked tensors it
+        makes); ``MemoryBudgetError`` before anything is allocated beyond it. Readable and
+        settable as ``memory_budget``; ``memory_in_use`` says what is accounted.
     share_locked_memory_with : aio_handle, optional
         Kept for older callers: every handle of the process now shares one set of locked
         tensors (Note [process-wide locked memory] in io/regions.py), so this changes
@@ -56,7 +66,7 @@ class aio_handle:
     Notes
     -----
     Buffers that come from ``new_cpu_locked_tensor`` go to the workers without a copy;
-    any other buffer is copied through a reusable pool of locked staging memory. Any
+    any other buffer is copied through the handle's staging space. Any
     size and any file offset is allowed (Note [O_DIRECT tail] in io/files.py). The
     blocking calls release the GIL; a handle may be used from several threads at once.
     """
@@ -64,6 +74,7 @@ class aio_handle:
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
                  single_submit: bool = False, overlap_events: bool = False,
                  intra_op_parallelism: int = 1, *, o_direct: bool | None = None,
+                 staging_bytes: int | None = None, memory_budget: int | None = None,
                  share_locked_memory_with: aio_handle | None = None) -> None:
         self._block_size = checked_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         # Note [block size]: O_DIRECT requests must cover whole 4 KiB sectors of memory and
@@ -77,6 +88,12 @@ class aio_handle:
         self._overlap_events = checked_bool("overlap_events", overlap_events)
         if o_direct not in (None, True, False):
             raise TypeError(f"o_direct must be None, True or False, got {o_direct!r}")
+        self._staging_bytes = STAGING_BYTES if staging_bytes is None else \
+            round_up(checked_int("staging_bytes", staging_bytes, MIN_STAGING_BYTES, None),
+                     ALIGNMENT)
+        self._made = {}     # region id -> bytes of the locked tensors this handle made
+        self._memory_budget = None
+        self.memory_budget = memory_budget
         if share_locked_memory_with is not None \
                 and not isinstance(share_locked_memory_with, aio_handle):
             raise TypeError("share_locked_memory_with must be an aio_handle, got "
@@ -84,7 +101,7 @@ class aio_handle:
         locked = locked_memory().join()
         try:
             self._placement = self._make_placement(
-                HostPlacement(self._parallelism, engine_block, locked))
+                HostPlacement(self._parallelism, engine_block, locked, self._staging_bytes))
             engine_args = (engine_block, self._queue_depth, int(self._single_submit),
                            int(self._overlap_events))
             self._scheduler = Scheduler(self._placement, self._parallelism, engine_args,
@@ -214,8 +231,48 @@ class aio_handle:
         ``example_tensor`` is accepted too.
         """
         self._scheduler.check_usable()
-        return new_locked_tensor(self._placement.locked, num_elem,
-                                 example_tenosr if example_tenosr is not None else example_tensor)
+        example = example_tenosr if example_tenosr is not None else example_tensor
+        nbytes = round_up(checked_int("num_elem", num_elem, 0, None)
+                          * getattr(example, "itemsize", 1), PAGE)
+        self._check_budget(nbytes, f"a locked tensor of {nbytes} bytes")
+        tensor = new_locked_tensor(self._placement.locked, num_elem, example)
+        region = self._placement.locked.containing(tensor.data_ptr(), 0)
+        self._made[region.region_id] = region.size
+        return tensor
+
+    # -- memory --------------------------------------------------------------------------
+    @property
+    def memory_budget(self) -> int | None:
+        """Bytes this handle may lock or map: its staging space and the locked tensors it
+        made (None: no limit). A request beyond it raises ``MemoryBudgetError`` before
+        anything is allocated."""
+        return self._memory_budget
+
+    @memory_budget.setter
+    def memory_budget(self, budget: int | None) -> None:
+        if budget is not None:
+            budget = checked_int("memory_budget", budget, 0, None)
+            in_use = self.memory_in_use
+            if in_use > budget:
+                raise MemoryBudgetError(f"a memory budget of {budget} bytes is below what "
+                                        f"this handle already uses ({in_use} bytes)")
+        self._memory_budget = budget
+
+    @property
+    def memory_in_use(self) -> int:
+        """Bytes accounted against the budget: the staging space (counted from the start,
+        it has a fixed size) and the locked tensors this handle made and nobody freed."""
+        locked = getattr(getattr(self, "_placement", None), "locked", None)
+        if locked is not None:
+            self._made = {rid: size for rid, size in self._made.items() if rid in locked}
+        return self._staging_bytes + sum(self._made.values())
+
+    def _check_budget(self, nbytes, what):
+        if self._memory_budget is not None and self.memory_in_use + nbytes > self._memory_budget:
+            raise MemoryBudgetError(
+                f"{what} would exceed this handle's memory budget: {self.memory_in_use} of "
+                f"{self._memory_budget} bytes are in use (staging space "
+                f"{self._staging_bytes} bytes); raise memory_budget or free locked tensors")
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
         """Take a locked tensor (made by any handle) out of the process's locked set and

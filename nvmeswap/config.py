@@ -13,6 +13,8 @@ _ALIASES = {
     "thread_count": "intra_op_parallelism",
     "num_threads": "intra_op_parallelism",
     "io_parallel": "intra_op_parallelism",
+    "staging_bytes": "staging_bytes",       # nvmeswap's own (Note [staging ring])
+    "memory_budget": "memory_budget",
 }
 # Keys of a DeepSpeed "aio" section that say nothing about a handle.
 _IGNORED = {"use_gds"}

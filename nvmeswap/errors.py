@@ -20,6 +20,10 @@ class ValidationError(Exception):
         self.offset = offset
 
 
+class MemoryBudgetError(MemoryError):
+    """A handle was asked to lock or map more than its ``memory_budget``."""
+
+
 class ShortFileError(OSError):
     """A read asked for bytes beyond the end of the file."""
 

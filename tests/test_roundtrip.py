@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import random_bytes
 
+import nvmeswap
+
 MiB = 1 << 20
 SIZES = [1, 511, 4095, 4096, 4097, MiB + 3]
 OFFSETS = [0, 512, 4096, 12345]
@@ -192,3 +194,33 @@ def test_staging_stays_bounded_in_a_burst(handle_factory, tmp_path):
     import psutil
     workers = psutil.Process().children()
     assert len(workers) == 2 and all(staging_bytes(w.pid) <= 64 * MiB for w in workers)
+
+
+def test_staging_size_and_memory_budget(handle_factory, tmp_path):
+    h = handle_factory(staging_bytes=2 * MiB, memory_budget=6 * MiB)
+    assert h.memory_budget == 6 * MiB and h.memory_in_use == 2 * MiB
+    data = torch.randint(0, 256, (20 * MiB + 3,), dtype=torch.uint8)
+    h.sync_pwrite(data, tmp_path / "f", 5)        # 20 MiB through 2 MiB of staging
+    back = torch.zeros_like(data)
+    h.sync_pread(back, tmp_path / "f", 5)
+    assert torch.equal(back, data)
+    with open("/proc/self/maps") as maps:
+        sizes = [int(b, 16) - int(a, 16) for a, b in (line.split()[0].split("-")
+                 for line in maps if "memfd:nvmeswap" in line)]
+    assert sizes == [2 * MiB]
+    t = h.new_cpu_locked_tensor(3 * MiB, torch.empty(0, dtype=torch.uint8))
+    assert h.memory_in_use == 5 * MiB
+    with pytest.raises(nvmeswap.MemoryBudgetError, match="6291456 bytes"):
+        h.new_cpu_locked_tensor(2 * MiB, torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(nvmeswap.MemoryBudgetError, match="below what"):
+        h.memory_budget = 4 * MiB
+    assert h.free_cpu_locked_tensor(t) and h.memory_in_use == 2 * MiB
+    h.memory_budget = None
+    assert h.new_cpu_locked_tensor(2 * MiB, torch.empty(0, dtype=torch.uint8)).numel() == 2 * MiB
+    with pytest.raises(ValueError, match="staging_bytes"):
+        nvmeswap.aio_handle(staging_bytes=4096)
+    with pytest.raises(nvmeswap.MemoryBudgetError, match="below what"):
+        nvmeswap.aio_handle(memory_budget=MiB)
+    with nvmeswap.aio_handle.from_config({"aio": {"staging_bytes": "4M",
+                                                  "memory_budget": "1G"}}) as c:
+        assert c.memory_in_use == 4 * MiB and c.memory_budget == 1 << 30
