@@ -8,28 +8,34 @@ from libc.errno cimport errno
 from libc.string cimport memcpy, memcmp
 
 from _check cimport errno_error
+from posix.types cimport off_t
+
 from includes.mman cimport (
-    mmap, munmap, mlock, MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE,
+    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE,
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE,
 )
 
 
 cdef class Mapping:
-    """A read-write ``MAP_SHARED`` mapping of a file descriptor, exposed as a buffer.
+    """A read-write ``MAP_SHARED`` mapping of ``size`` bytes at ``offset`` (page-aligned)
+    of a file descriptor, exposed as a buffer.
 
     The mapping lives until this object is garbage: tensors and arrays made from it
     hold a reference, so freeing a locked tensor never leaves one pointing at nothing.
+    Weak-referenceable, so that the owner of the file's range learns when it is gone.
     """
     cdef char *base
     cdef readonly size_t size
     cdef readonly bint locked
+    cdef object __weakref__
 
-    def __cinit__(self, int fd, size_t size):
+    def __cinit__(self, int fd, size_t size, off_t offset=0):
         self.base = NULL
         self.size = size
         self.locked = False
         cdef void *p
         with nogil:
-            p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+            p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
         if p == MAP_FAILED:
             raise errno_error(errno, "mmap")
         self.base = <char *>p
@@ -57,6 +63,15 @@ cdef class Mapping:
 
     def __releasebuffer__(self, Py_buffer *view):
         pass
+
+
+def punch_hole(int fd, off_t offset, off_t length):
+    """Give back the memory of ``[offset, offset + length)`` of a memfd, keeping its size
+    (the range reads as zeros); return 0 or the errno that refused it."""
+    cdef int ret
+    with nogil:
+        ret = fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
+    return errno if ret != 0 else 0
 
 
 def buffer_address(obj, bint writable):

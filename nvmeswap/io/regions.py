@@ -1,18 +1,30 @@
 """Page-locked shared memory that workers map, and the table that finds a region by address.
 
-A region is a memfd, so it reaches a worker as a file descriptor over its socket and
-can never be left behind in /dev/shm; the memory is gone once the last mapping goes.
+Note [memfd arenas]: a region is a range of a memfd "arena", so it reaches a worker as a
+descriptor over its socket (with its offset) and can never be left behind in /dev/shm.
+Regions share a few arenas rather than owning a descriptor each: a memfd's size is only
+virtual (pages exist once touched), so an arena is made large and carved first-fit, and a
+thousand locked tensors hold a handful of descriptors, not a thousand. A region's range
+goes back to its arena only when its mapping is gone (tensors made from it hold the
+mapping), its pages given back to the system at once; an arena is closed when its last
+range comes back.
 """
+import bisect
+import collections
+import errno
 import itertools
 import os
+import resource
 import threading
 import weakref
 
-from .._memory import Mapping
+from .._memory import Mapping, punch_hole
 from ..errors import MemoryLockWarning, warn_once
 from ..workers import protocol
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# The virtual size of an arena; a larger region gets an arena of its own.
+ARENA_BYTES = 256 << 20
 # Host and device regions share one numbering: a worker's UNMAP names either.
 region_ids = itertools.count(1)
 
@@ -21,42 +33,190 @@ def round_up(n, multiple):
     return -(-n // multiple) * multiple
 
 
+class Extents:
+    """First-fit extents of ``[0, nbytes)``, taken and given back in any order, in
+    multiples of ``alignment``. Used by arenas and by the staging space. Not thread-safe:
+    its owner locks."""
+
+    def __init__(self, nbytes, alignment):
+        self.nbytes = nbytes
+        self.alignment = alignment
+        self._free = [(0, nbytes)]      # (start, length), sorted, never adjacent
+
+    def take(self, nbytes):
+        """The start of a free extent of at least ``nbytes`` (aligned), or None."""
+        nbytes = round_up(nbytes, self.alignment)
+        for k, (start, length) in enumerate(self._free):
+            if length >= nbytes:
+                if length == nbytes:
+                    del self._free[k]
+                else:
+                    self._free[k] = (start + nbytes, length - nbytes)
+                return start
+        return None
+
+    def give(self, start, nbytes):
+        """Take back the extent at ``start`` (as long as it was taken)."""
+        nbytes = round_up(nbytes, self.alignment)
+        k = bisect.bisect(self._free, (start, 0))
+        end = start + nbytes
+        if k < len(self._free) and self._free[k][0] == end:     # join the next
+            end += self._free.pop(k)[1]
+        if k > 0 and sum(self._free[k - 1]) == start:            # and the previous
+            start = self._free.pop(k - 1)[0]
+            k -= 1
+        self._free.insert(k, (start, end - start))
+
+    @property
+    def all_free(self):
+        return self._free == [(0, self.nbytes)]
+
+
+class Arena:
+    """One memfd whose ranges are regions (Note [memfd arenas])."""
+
+    __slots__ = ("fd", "extents")
+
+    def __init__(self, nbytes):
+        self.fd = _memfd_create()
+        try:
+            os.ftruncate(self.fd, nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.extents = Extents(nbytes, PAGE)
+
+
+def _memfd_create():
+    try:
+        return os.memfd_create("nvmeswap", os.MFD_CLOEXEC)
+    except OSError as error:
+        if error.errno != errno.EMFILE:
+            raise
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise OSError(errno.EMFILE, "cannot create shared memory for a locked region: too "
+                      f"many open files (RLIMIT_NOFILE is {soft}); raise the limit with "
+                      "`ulimit -n` or close some files") from None
+
+
+class Arenas:
+    """The process's arenas: carves ranges, takes them back when their mapping is gone.
+
+    Thread-safe. A range comes back from a weakref callback, which may run at any
+    allocation (a garbage collection) even inside ``carve`` on the same thread: so it only
+    queues the range, and whoever holds or next takes the lock settles the queue.
+    """
+
+    def __init__(self):
+        self.creator_pid = os.getpid()
+        self._arenas = []
+        self._lock = threading.Lock()
+        self._returned = collections.deque()     # (arena, offset, size), mappings gone
+
+    def map(self, size):
+        """A mapping of a free ``size``-byte range (page multiple) of an arena, and the
+        (arena, offset) of the range; the range comes back when the mapping is gone."""
+        with self._lock:
+            self._settle_locked()
+            arena, offset = self._carve_locked(size)
+        try:
+            mapping = Mapping(arena.fd, size, offset)
+        except BaseException:
+            self._returned.append((arena, offset, size))
+            self._settle()
+            raise
+        finalizer = weakref.finalize(mapping, self._give_back, arena, offset, size)
+        finalizer.atexit = False    # at exit, pending writes may still read the memory
+        self._settle()      # what a collection inside the lock returned
+        return mapping, arena, offset
+
+    @property
+    def count(self):
+        """How many arenas (descriptors) are open."""
+        with self._lock:
+            self._settle_locked()
+            return len(self._arenas)
+
+    def _carve_locked(self, size):
+        for arena in self._arenas:
+            offset = arena.extents.take(size)
+            if offset is not None:
+                return arena, offset
+        arena = Arena(max(size, ARENA_BYTES))
+        self._arenas.append(arena)
+        return arena, arena.extents.take(size)
+
+    def _give_back(self, arena, offset, size):
+        if os.getpid() != self.creator_pid:
+            return      # a forked child's copy of a mapping: the parent's memory
+        # Freed now, so that idle ranges hold no memory; an error only keeps the pages.
+        punch_hole(arena.fd, offset, size)
+        self._returned.append((arena, offset, size))
+        self._settle()
+
+    def _settle(self):
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._settle_locked()
+            finally:
+                self._lock.release()
+
+    def _settle_locked(self):
+        while self._returned:
+            arena, offset, size = self._returned.popleft()
+            arena.extents.give(offset, size)
+            if arena.extents.all_free:
+                self._arenas.remove(arena)
+                os.close(arena.fd)
+
+
+_arenas = None
+_arenas_lock = threading.Lock()
+
+
+def arenas():
+    """The process's ``Arenas`` (a fresh one in a forked child, which must never carve
+    the parent's memfds)."""
+    global _arenas
+    with _arenas_lock:
+        if _arenas is None or _arenas.creator_pid != os.getpid():
+            _arenas = Arenas()
+        return _arenas
+
+
 class SharedRegion:
-    """Page-aligned, page-locked (when allowed) memory that workers can map by fd."""
+    """Page-aligned, page-locked (when allowed) memory that workers can map by fd: a
+    range of an arena (Note [memfd arenas])."""
 
     read_kind, write_kind = protocol.READ, protocol.WRITE
 
-    __slots__ = ("region_id", "fd", "mapping", "size", "address", "unregister", "__weakref__")
+    __slots__ = ("region_id", "arena", "offset", "mapping", "size", "address", "unregister",
+                 "__weakref__")
 
     def __init__(self, nbytes):
         self.region_id = next(region_ids)
         self.size = round_up(max(nbytes, 1), PAGE)
-        self.fd = os.memfd_create("nvmeswap", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.size)
-            self.mapping = Mapping(self.fd, self.size)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.mapping, self.arena, self.offset = arenas().map(self.size)
         self.address = self.mapping.address
         self.unregister = None      # set by gpu.copies.register_for_device_copies
         _warn_if_refused(self.mapping.lock(), self.size)
 
     def map_request(self):
         """The message (and descriptors) that has a worker map this region."""
-        return protocol.map_request(self.region_id, self.size), [self.fd]
+        if self.arena is None:
+            raise OSError(errno.EBADF, "the shared region was closed")
+        return protocol.map_request(self.region_id, self.size, self.offset), [self.arena.fd]
 
     def contains(self, address, nbytes):
         return self.address <= address and address + nbytes <= self.address + self.size
 
     def close(self):
-        """Drop our descriptor; the memory goes when the last mapping of it goes."""
+        """Drop our mapping; the memory goes back to the arena once tensors made from it
+        are gone too."""
         if self.unregister is not None:
             self.unregister()
             self.unregister = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.arena = None
         self.mapping = None
 
 

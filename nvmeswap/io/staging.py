@@ -1,11 +1,9 @@
 """Staging memory for buffers the workers cannot reach: the handle's one staging region,
 lent out piece by piece, and the host copier that fills and empties it.
 """
-import bisect
-
 from .._memory import copy_memory
 from .chunks import chunk_bounds
-from .regions import SharedRegion, round_up
+from .regions import Extents, SharedRegion, round_up
 
 
 class StagingSpace:
@@ -30,7 +28,7 @@ class StagingSpace:
                          * alignment - 2 * alignment)
         self.alignment = alignment
         self.region = None
-        self._free = [(0, self.nbytes)]     # (start, length), sorted, never adjacent
+        self._extents = Extents(self.nbytes, alignment)
 
     def shared_region(self):
         if self.region is None:
@@ -39,27 +37,11 @@ class StagingSpace:
 
     def take(self, nbytes):
         """The start of a free extent of at least ``nbytes`` (aligned), or None."""
-        nbytes = round_up(nbytes, self.alignment)
-        for k, (start, length) in enumerate(self._free):
-            if length >= nbytes:
-                if length == nbytes:
-                    del self._free[k]
-                else:
-                    self._free[k] = (start + nbytes, length - nbytes)
-                return start
-        return None
+        return self._extents.take(nbytes)
 
     def give(self, start, nbytes):
         """Take back the extent at ``start`` (as long as it was taken)."""
-        nbytes = round_up(nbytes, self.alignment)
-        k = bisect.bisect(self._free, (start, 0))
-        end = start + nbytes
-        if k < len(self._free) and self._free[k][0] == end:     # join the next
-            end += self._free.pop(k)[1]
-        if k > 0 and sum(self._free[k - 1]) == start:            # and the previous
-            start = self._free.pop(k - 1)[0]
-            k -= 1
-        self._free.insert(k, (start, end - start))
+        self._extents.give(start, nbytes)
 
     def close(self):
         """The region, for the caller to unshare (None if none was made)."""

@@ -111,7 +111,7 @@ class Executor:
 
     def __init__(self, engine):
         self._engine = engine
-        self._regions = {}      # region id -> Mapping of the parent's memfd
+        self._regions = {}      # region id -> Mapping of its range of the parent's memfd
         self._cufile = None     # a CufileIO once the parent sends CUFILE_SETUP
 
     def run(self, request):
@@ -125,7 +125,8 @@ class Executor:
             return self._run_cufile(request)
         try:
             if request.kind == protocol.MAP:
-                self._regions[request.region_id] = Mapping(request.fds[0], request.nbytes)
+                self._regions[request.region_id] = Mapping(request.fds[0], request.nbytes,
+                                                           request.region_offset)
                 return None
             if request.kind == protocol.UNMAP:
                 self._regions.pop(request.region_id, None)

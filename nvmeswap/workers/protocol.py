@@ -57,9 +57,10 @@ class Response(NamedTuple):
 
 
 # -- parent -> worker ----------------------------------------------------------------------
-def map_request(region_id, size):
-    """Map the memfd sent beside this message as region ``region_id``."""
-    return _REQUEST.pack(MAP, region_id, 0, 0, 0, size, 0, 0)
+def map_request(region_id, size, offset=0):
+    """Map ``size`` bytes at ``offset`` (page-aligned) of the memfd sent beside this
+    message as region ``region_id``; a MAP's ``region_offset`` is that offset."""
+    return _REQUEST.pack(MAP, region_id, 0, 0, offset, size, 0, 0)
 
 
 def unmap_request(region_id):

@@ -11,3 +11,10 @@ cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)
     int munmap(void *addr, size_t length)
     int mlock(const void *addr, size_t length)
+
+
+cdef extern from "<fcntl.h>" nogil:
+    enum:
+        FALLOC_FL_KEEP_SIZE
+        FALLOC_FL_PUNCH_HOLE
+    int fallocate(int fd, int mode, off_t offset, off_t length)

@@ -1,0 +1,307 @@
+"""Locked tensors share a few memfd arenas (Note [memfd arenas] in io/regions.py): a
+thousand of them fit under the default descriptor limit, a freed one stays readable while
+its tensor lives and gives its pages back when the tensor dies, and running out of
+descriptors is an EMFILE that names the limit.
+
+Anything that lowers a process limit runs in a child process with a deadline.
+"""
+import errno
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import torch
+from conftest import random_bytes
+
+import nvmeswap
+from nvmeswap.io import regions
+
+KiB, MiB = 1 << 10, 1 << 20
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
+
+
+def run_child(script, *args, timeout=180):
+    """Run ``script`` in a fresh interpreter; return its stdout lines (it must exit 0)."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script), PACKAGE_ROOT,
+                             *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.split("\n")
+
+
+def memfd_descriptors(pid="self"):
+    folder = f"/proc/{pid}/fd"
+    found = []
+    for name in os.listdir(folder):
+        try:
+            found.append(os.readlink(os.path.join(folder, name)))
+        except FileNotFoundError:
+            pass    # the listing's own descriptor
+    return sum("memfd:nvmeswap" in target for target in found)
+
+
+def tensor_bytes(t):
+    return t.numpy().view(np.uint8).tobytes()
+
+
+def region_of(h, t):
+    return h._placement.locked.containing(t.data_ptr(), 0)
+
+
+THOUSAND_TENSORS = """
+    import gc, os, random, resource, sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np, psutil, torch
+    import nvmeswap
+    from nvmeswap.io import regions
+    folder = sys.argv[2]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    rng = random.Random(13)
+
+    def assorted_size():
+        # Mostly small, some up to 1 MiB, most not a multiple of the page.
+        if rng.random() < 0.95:
+            return rng.randrange(4096, 32 * 1024)
+        return rng.randrange(64 * 1024, 1024 * 1024 + 1)
+
+    def round_trip(h, tensors, path):
+        # Write every tensor at its own offset of one file, read each back into itself.
+        expected, offset, offsets = [], 0, []
+        for i, t in enumerate(tensors):
+            data = np.frombuffer(rng.randbytes(t.numel()), dtype=np.uint8)
+            t.numpy()[:] = data
+            expected.append(data.tobytes())
+            offsets.append(offset)
+            assert h.is_pinned(t)
+            if i % 2:
+                assert h.sync_pwrite(t, path, offset) == 1
+            else:
+                assert h.async_pwrite(t, path, offset) == 0
+            offset += -(-t.numel() // 4096) * 4096   # the phase of the memory: zero-copy
+        assert h.wait() == (len(tensors) + 1) // 2
+        with open(path, "rb") as f:
+            written = f.read()
+        for t, data, at in zip(tensors, expected, offsets):
+            assert written[at:at + len(data)] == data, at
+            t.zero_()
+        for i, (t, at) in enumerate(zip(tensors, offsets)):
+            if i % 2:
+                assert h.async_pread(t, path, at) == 0
+            else:
+                assert h.sync_pread(t, path, at) == 1
+        assert h.wait() == len(tensors) // 2
+        for t, data in zip(tensors, expected):
+            assert t.numpy().tobytes() == data
+        return sum(t.numel() for t in tensors)
+
+    def descriptors(process):
+        return process.num_fds()
+
+    example = torch.empty(0, dtype=torch.uint8)
+    with nvmeswap.aio_handle(intra_op_parallelism=2) as h:
+        tensors = [h.new_cpu_locked_tensor(assorted_size(), example) for _ in range(1000)]
+        made = round_trip(h, tensors, os.path.join(folder, "first"))
+        freed = tensors[::2]
+        assert all(h.free_cpu_locked_tensor(t) for t in freed)
+        del freed
+        tensors = tensors[1::2]
+        gc.collect()
+        tensors += [h.new_cpu_locked_tensor(assorted_size(), example) for _ in range(500)]
+        assert len(tensors) == 1000
+        made += round_trip(h, tensors, os.path.join(folder, "second"))
+        # Nothing went through the staging space: every transfer was zero-copy.
+        assert h._placement.staging.region is None
+        me = psutil.Process()
+        workers = me.children()
+        assert len(workers) == 2
+        print("bytes", made, regions.ARENA_BYTES)
+        print("memfds", sum("memfd:nvmeswap" in os.readlink(f"/proc/self/fd/{n}")
+                            for n in os.listdir("/proc/self/fd")
+                            if os.path.exists(f"/proc/self/fd/{n}")))
+        print("descriptors", max([descriptors(me)] + [descriptors(w) for w in workers]))
+        for t in tensors:
+            assert h.free_cpu_locked_tensor(t)
+"""
+
+
+def test_thousand_locked_tensors_under_default_descriptor_limit(tmp_path):
+    out = dict(line.split(" ", 1) for line in run_child(THOUSAND_TENSORS, tmp_path) if line)
+    made, arena_bytes = map(int, out["bytes"].split())
+    # Every byte ever locked fits one arena, so one descriptor holds all 1500 tensors.
+    assert made < arena_bytes
+    assert int(out["memfds"]) == 1
+    # The parent and each worker stay far below the 1024 descriptors (one per tensor
+    # would have passed it).
+    assert int(out["descriptors"]) < 1024 // 8
+
+
+def test_freed_region_stays_readable_until_its_tensor_dies(handle, tmp_path):
+    example = torch.empty(0, dtype=torch.uint8)
+    keep = handle.new_cpu_locked_tensor(4096, example)      # keeps the arena open
+    t = handle.new_cpu_locked_tensor(MiB, example)
+    arena, offset = region_of(handle, t).arena, region_of(handle, t).offset
+    assert region_of(handle, keep).arena is arena
+    data = random_bytes(MiB, seed=1)
+    t.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    path = str(tmp_path / "f")
+    assert handle.sync_pwrite(t, path) == 1
+    held = os.fstat(arena.fd).st_blocks * 512
+    assert held >= MiB + 4096
+
+    view = t[4096:]
+    del t
+    assert handle.free_cpu_locked_tensor(view) is True
+    assert not handle.is_pinned(view)
+    gc.collect()
+    # Freed, but a tensor still uses the memory: its pages stay, readable and writable.
+    assert os.fstat(arena.fd).st_blocks * 512 == held
+    assert tensor_bytes(view) == data[4096:]
+    view.zero_()
+    assert handle.sync_pread(view, path, 4096) == 1     # staged now
+    assert tensor_bytes(view) == data[4096:]
+
+    held = os.fstat(arena.fd).st_blocks * 512       # the staging space may share the arena
+    del view
+    gc.collect()
+    # The tensor is gone: its pages went back to the system, its range to the arena.
+    assert os.fstat(arena.fd).st_blocks * 512 <= held - MiB
+    again = handle.new_cpu_locked_tensor(MiB, example)
+    assert (region_of(handle, again).arena, region_of(handle, again).offset) == (arena, offset)
+    assert not again.numpy().any()      # fresh pages, nothing of the old tensor's bytes
+    assert handle.free_cpu_locked_tensor(again) and handle.free_cpu_locked_tensor(keep)
+
+
+def test_regions_of_several_arenas_and_handles(handle_factory, tmp_path, monkeypatch):
+    monkeypatch.setattr(regions, "ARENA_BYTES", 64 * KiB)
+    arenas = regions.arenas()
+    before = arenas.count
+    a = handle_factory(intra_op_parallelism=2)
+    b = handle_factory()
+    example = torch.empty(0, dtype=torch.uint8)
+    small = [(a if i % 2 else b).new_cpu_locked_tensor(16 * KiB - 100 * i, example)
+             for i in range(8)]
+    large = a.new_cpu_locked_tensor(256 * KiB + 1, example)     # an arena of its own
+    tensors = small + [large]
+    # Four 16 KiB regions fill an arena: two for the small ones, one for the large.
+    assert arenas.count == before + 3
+    assert len({region_of(a, t).arena for t in small}) == 2
+    assert region_of(a, large).arena not in {region_of(a, t).arena for t in small}
+
+    expected = []
+    for i, t in enumerate(tensors):
+        data = random_bytes(t.numel(), seed=i)
+        t.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        expected.append(data)
+        assert a.sync_pwrite(t, str(tmp_path / f"f{i}")) == 1       # a's workers map it
+    for i, t in enumerate(tensors):
+        t.zero_()
+        assert b.async_pread(t, str(tmp_path / f"f{i}")) == 0       # and b's
+    assert b.wait() == len(tensors)
+    assert [tensor_bytes(t) for t in tensors] == expected
+    assert a._placement.staging.region is None and b._placement.staging.region is None
+
+    # An arena closes when its last region's tensor is gone, not before.
+    first_arena = region_of(a, small[0]).arena
+    mates = [i for i, t in enumerate(small) if region_of(a, t).arena is first_arena]
+    assert len(mates) == 4
+    for i in mates[:3]:
+        assert b.free_cpu_locked_tensor(small[i])
+        small[i] = None
+    del t, tensors
+    gc.collect()
+    assert arenas.count == before + 3
+    assert a.free_cpu_locked_tensor(small[mates[3]])
+    small[mates[3]] = None
+    gc.collect()
+    assert arenas.count == before + 2
+    # The others are untouched by their neighbours' going.
+    assert all(tensor_bytes(t) == data for t, data in zip(small, expected) if t is not None)
+    assert tensor_bytes(large) == expected[-1]
+    # The rest go with the handles (the leak fixture checks mappings and descriptors).
+
+
+EMFILE_CHILD = """
+    import errno, os, resource, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    import nvmeswap
+    from nvmeswap.io import regions
+    regions.ARENA_BYTES = regions.PAGE      # every region needs an arena of its own
+    example = torch.empty(0, dtype=torch.uint8)
+    with nvmeswap.aio_handle() as h:
+        limit = len(os.listdir("/proc/self/fd")) + 16
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        tensors = []
+        try:
+            for _ in range(100):
+                tensors.append(h.new_cpu_locked_tensor(4096, example))
+            print("no error")
+        except OSError as error:
+            print("errno", error.errno)
+            print("message", error)
+        print("made", len(tensors), "limit", limit)
+        # Freeing tensors gives their descriptors back; the others still work.
+        assert all(h.free_cpu_locked_tensor(t) for t in tensors[-8:])
+        del tensors[-8:]
+        for i, t in enumerate(tensors):
+            t.fill_(i % 251)
+            assert h.sync_pwrite(t, os.path.join(sys.argv[2], "f"), 4096 * i) == 1
+        with open(os.path.join(sys.argv[2], "f"), "rb") as f:
+            written = f.read()
+        assert all(written[4096 * i:4096 * (i + 1)] == bytes([i % 251]) * 4096
+                   for i in range(len(tensors)))
+        assert all(h.free_cpu_locked_tensor(t) for t in tensors)
+        del tensors, t
+        print("after", h.new_cpu_locked_tensor(4096, example).numel())
+"""
+
+
+def test_running_out_of_descriptors_is_emfile_naming_the_limit(tmp_path):
+    out = dict(line.split(" ", 1) for line in run_child(EMFILE_CHILD, tmp_path) if line)
+    assert int(out["errno"]) == errno.EMFILE
+    made, limit = out["made"].split()[0], out["made"].split()[2]
+    assert 0 < int(made) < 100
+    assert "RLIMIT_NOFILE" in out["message"] and f"is {limit}" in out["message"]
+    assert out["after"] == "4096"
+
+
+def test_forked_child_never_touches_the_parents_arenas(handle):
+    t = handle.new_cpu_locked_tensor(64 * KiB, torch.empty(0, dtype=torch.uint8))
+    data = random_bytes(64 * KiB, seed=3)
+    t.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    arena = region_of(handle, t).arena
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            # The child's copy of the tensor dies, and it carves memory of its own.
+            del t
+            gc.collect()
+            region = regions.SharedRegion(64 * KiB)
+            fresh = bytes(memoryview(region.mapping)) == bytes(64 * KiB)
+            status = 0 if region.arena is not arena and fresh else 2
+            region.close()
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert tensor_bytes(t) == data
+    assert os.fstat(arena.fd).st_blocks * 512 >= 64 * KiB
+    assert handle.free_cpu_locked_tensor(t)
+
+
+def test_extents_first_fit_reuse_and_join():
+    extents = regions.Extents(16 * 4096, 4096)
+    starts = [extents.take(4096 * n) for n in (1, 2, 3, 4)]
+    assert starts == [0, 4096, 3 * 4096, 6 * 4096]
+    assert extents.take(7 * 4096) is None
+    extents.give(starts[1], 2 * 4096)
+    assert extents.take(4096 + 1) == 4096           # first fit, rounded to the alignment
+    extents.give(4096, 2 * 4096)
+    for start, n in zip(starts[::2] + starts[3:], (1, 3, 4)):
+        extents.give(start, 4096 * n)
+    assert extents.all_free
+    assert extents.take(16 * 4096) == 0
