@@ -103,8 +103,9 @@ class Arenas:
     """The process's arenas: carves ranges, takes them back when their mapping is gone.
 
     Thread-safe. A range comes back from a weakref callback, which may run at any
-    allocation (a garbage collection) even inside ``carve`` on the same thread: so it only
-    queues the range, and whoever holds or next takes the lock settles the queue.
+    allocation (a garbage collection), even while this thread holds the lock in ``map``:
+    so it only queues the range, and whoever holds or next takes the lock settles the
+    queue (the callback never waits for the lock).
     """
 
     def __init__(self):
