@@ -15,7 +15,8 @@ from .gpu.copies import register_for_device_copies
 from .io.files import ALIGNMENT
 from .io.operation import checked_bool, checked_int
 from .errors import MemoryBudgetError
-from .io.placement import STAGING_BYTES, HostPlacement
+from .io import placement
+from .io.placement import HostPlacement
 from .io.regions import PAGE, SharedRegion, locked_memory, round_up
 from .io.scheduler import Scheduler
 
@@ -88,7 +89,7 @@ class aio_handle:
         self._overlap_events = checked_bool("overlap_events", overlap_events)
         if o_direct not in (None, True, False):
             raise TypeError(f"o_direct must be None, True or False, got {o_direct!r}")
-        self._staging_bytes = STAGING_BYTES if staging_bytes is None else \
+        self._staging_bytes = placement.STAGING_BYTES if staging_bytes is None else \
             round_up(checked_int("staging_bytes", staging_bytes, MIN_STAGING_BYTES, None),
                      ALIGNMENT)
         self._made = {}     # region id -> bytes of the locked tensors this handle made
