@@ -1,22 +1,23 @@
-"""Swapping tensors out to files and back: the layer ZeRO-Infinity style offload needs.
+"""``TensorSwapper``: swap tensors out to files and back, each key's state kept true.
 
-``TensorSwapper`` keeps, per key, where a tensor is (in memory, being written, on disk,
-being read, or failed) and moves it with two handles, one for reads and one for writes,
-so that a prefetch never waits behind a write-back. ``SwapBufferPool`` is a set of locked
-buffers allocated once, for callers that swap the same sizes over and over.
+The layer ZeRO-Infinity style offload needs. ``TensorSwapper`` keeps, per key, where a
+tensor is (in memory, being written, on disk, being read, or failed) and moves it with two
+handles, one for reads and one for writes, so that a prefetch never waits behind a
+write-back. Where the bytes go on disk is ``swap_files``'s; ``SwapBufferPool`` (locked
+buffers allocated once) is ``swap_pool``'s, imported here for its callers.
 """
 from __future__ import annotations
 
 import enum
-import hashlib
 import os
-import re
 import tempfile
 from typing import Any, Hashable, Optional
 
 from ..aio import aio_handle
-from ..io.files import ALIGNMENT
-from ..io.regions import round_up
+from .swap_files import PackFile, as_bytes, file_name
+from .swap_pool import SwapBufferPool
+
+__all__ = ["SwapBufferPool", "SwapError", "SwapState", "TensorSwapper"]
 
 
 class SwapState(enum.Enum):
@@ -29,48 +30,6 @@ class SwapState(enum.Enum):
 
 class SwapError(RuntimeError):
     """A swap finished with other counts or sizes than were started."""
-
-
-class SwapBufferPool:
-    """``count`` locked, page-aligned buffers of ``nbytes`` each, allocated once.
-
-    ``get()`` checks one out (zeroed if ``zero``), ``put()`` returns it; ``close()``
-    frees them all. I/O on them is zero-copy for the handle that made them.
-    """
-
-    def __init__(self, handle, count, nbytes, *, zero=False):
-        import torch
-        self._handle = handle
-        self._zero = zero
-        self._all = [handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
-                     for _ in range(count)]
-        self._free = list(self._all)
-        self.nbytes = nbytes
-
-    def get(self):
-        if not self._free:
-            raise RuntimeError(f"all {len(self._all)} swap buffers are in use")
-        buffer = self._free.pop()
-        if self._zero:
-            buffer.zero_()
-        return buffer
-
-    def put(self, buffer):
-        if not any(buffer is mine for mine in self._all):
-            raise ValueError("this buffer does not belong to the pool")
-        if any(buffer is free for free in self._free):
-            raise ValueError("this buffer was returned already")
-        self._free.append(buffer)
-
-    @property
-    def available(self):
-        return len(self._free)
-
-    def close(self):
-        for buffer in self._all:
-            self._handle.free_cpu_locked_tensor(buffer)
-        self._all, self._free = [], []
-
 
 
 class _Entry:
@@ -144,11 +103,7 @@ class TensorSwapper:
         self._uncertain_writes = 0
         self._locked = []           # tensors made by new_locked_tensor, freed at close
         self.pack_below = pack_below
-        self._pack_path = os.path.join(self.directory, "pack.swp")
-        self._pack_end = 0
-        self._slots = {}            # packed key -> (offset, capacity) in the pack file
-        self._batched = []          # packed keys written at the next synchronize_writes
-        self._batch_buffers = []    # staging of the batched writes in flight
+        self._pack = PackFile(os.path.join(self.directory, "pack.swp"))
 
     def new_locked_tensor(self, nbytes: int) -> Any:
         """A locked uint8 tensor that both of the swapper's handles move without a copy.
@@ -188,10 +143,10 @@ class TensorSwapper:
         entry = self._entries.get(key)
         if entry is not None and entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
-        flat = _as_bytes(tensor)
+        flat = as_bytes(tensor)
         packed = 0 < flat.numel() < self.pack_below
-        path, offset = (self._pack_path, self._slot(key, flat.numel())) if packed else \
-            (os.path.join(self.directory, _file_name(key)), 0)
+        path, offset = (self._pack.path, self._pack.slot(key, flat.numel())) if packed else \
+            (os.path.join(self.directory, file_name(key)), 0)
         entry = _Entry(path, offset, tuple(tensor.shape), tensor.dtype, flat.numel())
         self._entries[key] = entry
         if entry.nbytes == 0:
@@ -200,7 +155,7 @@ class TensorSwapper:
         if packed:
             entry.state, entry.tensor = SwapState.WRITING, flat
             self._writing.append(key)
-            self._batched.append(key)
+            self._pack.batched.append(key)
             if not async_op:
                 self.synchronize_writes()
             return
@@ -245,7 +200,7 @@ class TensorSwapper:
         elif tuple(out.shape) != entry.shape:
             raise ValueError(f"swap key {key!r} holds {entry.nbytes} bytes of shape "
                              f"{entry.shape}; the output tensor has shape {tuple(out.shape)}")
-        flat = _as_bytes(out)
+        flat = as_bytes(out)
         before = entry.state
         if entry.nbytes == 0:
             entry.state = SwapState.IN_MEMORY
@@ -279,11 +234,12 @@ class TensorSwapper:
         keys, self._writing = self._writing, []
         uncertain, self._uncertain_writes = self._uncertain_writes, 0
         try:
-            started = len(keys) - len(self._batched) + self._write_batches()
+            started = len(keys) - len(self._pack.batched) + \
+                self._pack.write_batches(self.write_handle, self._entries)
         except BaseException:
             uncertain += 1
             started = -1
-            self._batched = []
+            self._pack.batched = []
         try:
             done = self.write_handle.wait()
         except BaseException as error:
@@ -291,7 +247,7 @@ class TensorSwapper:
                 _fail(self._entries[key], f"a write failed: {error}")
             raise
         finally:
-            self._batch_buffers = []
+            self._pack.buffers = []
         problems = [] if started <= done <= started + uncertain else \
             [f"{done} writes completed, {max(started, 0)} were started"]
         for key in keys:
@@ -349,39 +305,8 @@ class TensorSwapper:
         if entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
         del self._entries[key]
-        if self._slots.pop(key, None) is None and os.path.exists(entry.path):
+        if not self._pack.release(key) and os.path.exists(entry.path):
             os.unlink(entry.path)
-
-    def _slot(self, key, nbytes):
-        """The key's place in the pack file: the one it had if it still fits."""
-        offset, capacity = self._slots.get(key, (0, 0))
-        if capacity < nbytes:
-            capacity = round_up(nbytes, ALIGNMENT)
-            offset, self._pack_end = self._pack_end, self._pack_end + capacity
-            self._slots[key] = (offset, capacity)
-        return offset
-
-    def _write_batches(self):
-        """Write the batched tensors, one write per run of adjacent slots; return how many."""
-        import torch
-        keys = sorted(self._batched, key=lambda k: self._slots[k][0])
-        self._batched = []
-        runs = []
-        for key in keys:
-            offset, capacity = self._slots[key]
-            if runs and runs[-1][-1][0] + runs[-1][-1][1] == offset:
-                runs[-1].append((offset, capacity, key))
-            else:
-                runs.append([(offset, capacity, key)])
-        for run in runs:
-            start = run[0][0]
-            staging = torch.zeros(run[-1][0] + run[-1][1] - start, dtype=torch.uint8)
-            for offset, _, key in run:
-                flat = self._entries[key].tensor
-                staging[offset - start:offset - start + flat.numel()] = flat
-            self._batch_buffers.append(staging)
-            self.write_handle.async_pwrite(staging, self._pack_path, start)
-        return len(runs)
 
     @property
     def closed(self) -> bool:
@@ -403,7 +328,7 @@ class TensorSwapper:
                         errors.append(error)
             for key in list(self._entries):
                 self.release(key)
-            for path in (self._pack_path,):
+            for path in (self._pack.path,):
                 if os.path.exists(path):
                     os.unlink(path)
             for tensor in self._locked:
@@ -442,24 +367,3 @@ class TensorSwapper:
 def _fail(entry, why):
     entry.state, entry.tensor, entry.error = SwapState.FAILED, None, why
 
-
-# Long enough to recognise the key; short enough that a name never nears NAME_MAX (255).
-NAME_PREFIX = 64
-
-
-def _file_name(key):
-    """A safe file name for any key: a cleaned prefix of it and a hash of all of it."""
-    text = key if isinstance(key, str) else f"{type(key).__name__}:{key!r}"
-    tagged = ("str:" + key) if isinstance(key, str) else text
-    digest = hashlib.sha256(tagged.encode("utf-8", "surrogatepass")).hexdigest()[:24]
-    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:NAME_PREFIX]
-    return f"{readable}.{digest}.swp"
-
-
-def _as_bytes(tensor):
-    """The tensor's bytes as a flat uint8 view (the swap files hold raw bytes)."""
-    import torch
-    if not tensor.is_contiguous():
-        raise ValueError("swap needs a contiguous tensor")
-    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else \
-        torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,83 @@
+"""Where swapped tensors' bytes go: a file name per key, the raw-byte view, the pack file.
+
+A tensor is swapped as its raw bytes (``as_bytes``). It gets a file of its own, named
+after its key (``file_name``), unless it is small: then it goes into a slot of the one
+``PackFile`` that the small tensors share, and its write waits to be batched.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+from ..io.files import ALIGNMENT
+from ..io.regions import round_up
+
+# Long enough to recognise the key; short enough that a name never nears NAME_MAX (255).
+NAME_PREFIX = 64
+
+
+def file_name(key):
+    """A safe file name for any key: a cleaned prefix of it and a hash of all of it."""
+    text = key if isinstance(key, str) else f"{type(key).__name__}:{key!r}"
+    tagged = ("str:" + key) if isinstance(key, str) else text
+    digest = hashlib.sha256(tagged.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:NAME_PREFIX]
+    return f"{readable}.{digest}.swp"
+
+
+def as_bytes(tensor):
+    """The tensor's bytes as a flat uint8 view (the swap files hold raw bytes)."""
+    import torch
+    if not tensor.is_contiguous():
+        raise ValueError("swap needs a contiguous tensor")
+    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+class PackFile:
+    """The file the small tensors share: each key keeps an aligned slot in it while it
+    fits, and the writes queued in ``batched`` go out as one write per run of adjacent
+    slots (write-behind batching)."""
+
+    def __init__(self, path):
+        self.path = path
+        self._end = 0
+        self._slots = {}            # packed key -> (offset, capacity) in the pack file
+        self.batched = []           # packed keys written at the next write_batches
+        self.buffers = []           # staging of the batched writes in flight
+
+    def slot(self, key, nbytes):
+        """The key's place in the pack file: the one it had if it still fits."""
+        offset, capacity = self._slots.get(key, (0, 0))
+        if capacity < nbytes:
+            capacity = round_up(nbytes, ALIGNMENT)
+            offset, self._end = self._end, self._end + capacity
+            self._slots[key] = (offset, capacity)
+        return offset
+
+    def release(self, key):
+        """Forget the key's slot; False if it had none (its bytes are in a file of its own)."""
+        return self._slots.pop(key, None) is not None
+
+    def write_batches(self, handle, entries):
+        """Start the batched writes on ``handle`` (each key's bytes are
+        ``entries[key].tensor``), one per run of adjacent slots; return how many."""
+        import torch
+        keys = sorted(self.batched, key=lambda k: self._slots[k][0])
+        self.batched = []
+        runs = []
+        for key in keys:
+            offset, capacity = self._slots[key]
+            if runs and runs[-1][-1][0] + runs[-1][-1][1] == offset:
+                runs[-1].append((offset, capacity, key))
+            else:
+                runs.append([(offset, capacity, key)])
+        for run in runs:
+            start = run[0][0]
+            staging = torch.zeros(run[-1][0] + run[-1][1] - start, dtype=torch.uint8)
+            for offset, _, key in run:
+                flat = entries[key].tensor
+                staging[offset - start:offset - start + flat.numel()] = flat
+            self.buffers.append(staging)
+            handle.async_pwrite(staging, self.path, start)
+        return len(runs)
