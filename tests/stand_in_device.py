@@ -36,11 +36,11 @@ class StandInCopier:
         StandInCopier.made.append(self)
 
     def _copy(self, destination, source, length):
-        self.in_flight_at_copy.append(self.handle._scheduler.chunks_in_flight)
+        self.in_flight_at_copy.append(self.handle._scheduler.workers.chunks_in_flight)
         if self.calls == self.fail_at_piece:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         if self.calls == self.kill_worker_at_piece:
-            worker = self.handle._scheduler.pool.workers[0].process
+            worker = self.handle._scheduler.workers.pool.workers[0].process
             worker.kill()
             worker.wait()
         self.calls += 1

@@ -268,7 +268,7 @@ def test_async_pwrite_target_mistakes_are_type_errors(handle, tmp_path):
 
 
 def _mapped_by_workers(h, region_id):
-    return [region_id in worker.mapped for worker in h._scheduler.pool.workers]
+    return [region_id in worker.mapped for worker in h._scheduler.workers.pool.workers]
 
 
 def test_locked_memory_is_process_wide(handle_factory, tmp_path):

@@ -154,7 +154,7 @@ def test_memory_that_cannot_be_exported_takes_the_aio_road(gds, tmp_path, monkey
 def test_workers_let_go_of_device_memory(gds, tmp_path):
     """An operation's mapping ends with it; a pinned tensor's with unpin."""
     h = gds()
-    worker = h._scheduler.pool.workers[0].process.pid
+    worker = h._scheduler.workers.pool.workers[0].process.pid
     host = torch.ones(2 * MiB, dtype=torch.uint8)
 
     def worker_maps_device_memory():

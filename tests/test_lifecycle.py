@@ -357,3 +357,96 @@ def test_out_of_space_in_a_batch_names_the_file_and_keeps_what_others_wrote(
         h.wait()
     assert info.value.errno == 28 and info.value.filename == str(shared)
     assert shared.read_bytes()[:4096] == small
+
+
+def test_a_failed_write_never_cuts_away_another_handles_finished_write(tmp_path):
+    """Two handles write one file (DeepSpeed's swappers read and write with two); one
+    write fails while the other's has completed: the completed bytes stay."""
+    path = tmp_path / "shared"
+    a, b = nvmeswap.aio_handle(), nvmeswap.aio_handle()
+    try:
+        a.async_pwrite(bytearray(random_bytes(64 * MiB)), path, MiB)
+        workers = [w.process for w in a._scheduler.workers.pool.workers]
+        for worker in workers:
+            worker.send_signal(19)          # SIGSTOP: keep A's write in flight
+        head = bytearray(random_bytes(MiB, seed=5))
+        assert b.sync_pwrite(head, path, 0) == 1
+        for worker in workers:
+            worker.kill()
+        with pytest.raises(nvmeswap.WorkerDied):
+            a.wait()
+        assert path.read_bytes()[:MiB] == head
+    finally:
+        a.close()
+        b.close()
+
+
+CLOSE_DURING_INLINE = """
+    import sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    import nvmeswap, nvmeswap.io.scheduler as scheduler
+    path = sys.argv[2]
+    data = bytes(range(256)) * 1000
+    open(path, "wb").write(data)
+    real = scheduler.transfer_in_caller
+
+    def slow(*args):
+        time.sleep(0.5)     # a slow device: close() comes while the request is out
+        return real(*args)
+
+    scheduler.transfer_in_caller = slow
+    h = nvmeswap.aio_handle()
+    back = bytearray(200_000)
+    reader = threading.Thread(target=h.sync_pread, args=(back, path, 5))
+    reader.start()
+    time.sleep(0.1)
+    h.close()
+    reader.join()
+    print("read", bytes(back) == data[5:5 + len(back)])
+"""
+
+
+def test_close_from_another_thread_waits_for_a_small_synchronous_operation(tmp_path):
+    assert run_child(CLOSE_DURING_INLINE, tmp_path / "f")[0] == "read True"
+
+
+REFUSED_SENDS = """
+    import os, resource, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch, nvmeswap
+    folder = sys.argv[2]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    handles = [nvmeswap.aio_handle() for _ in range(3)]
+    t = handles[0].new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
+    t.copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8))
+    workers = [w.process.pid for h in handles for w in h._scheduler.workers.pool.workers]
+    for pid in workers:     # requests and their descriptors pile up in the sockets
+        os.kill(pid, signal.SIGSTOP)
+    for k, h in enumerate(handles):
+        for i in range(15):     # zero-copy at an unaligned offset: two descriptors each
+            h.async_pwrite(t[100:100 + 8192], os.path.join(folder, f"f{k}"), 100 + i * 16384)
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
+    for h in handles:
+        try:
+            print("waited", h.wait())
+        except OSError as error:
+            print("failed", error.errno, "RLIMIT_NOFILE" in str(error), error.filename)
+        h.close()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/sbin/capsh") and not os.path.exists("/sbin/capsh"),
+                    reason="needs capsh to drop CAP_SYS_RESOURCE")
+def test_descriptors_the_kernel_refuses_to_pass_fail_their_chunks_instead_of_hanging(tmp_path):
+    """Without CAP_SYS_RESOURCE the kernel refuses (ETOOMANYREFS) to pass more descriptors
+    than RLIMIT_NOFILE in flight, per user: a live worker's refusal fails that chunk."""
+    script = textwrap.dedent(REFUSED_SENDS)
+    result = subprocess.run(["capsh", "--drop=cap_sys_resource,cap_sys_admin", "--",
+                             "-c", f'exec "{sys.executable}" -c "$0" "$@"', script,
+                             PACKAGE_ROOT, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n")[:3]
+    for k, line in enumerate(lines):
+        assert line == "waited 15" or line == (f"failed 109 True {tmp_path}/f{k}"), lines

@@ -2,8 +2,6 @@
 
 # Below this a chunk costs more in dispatch than it gains in parallelism.
 MIN_CHUNK = 256 << 10
-# Staged operations are cut finer so that copying one piece overlaps the I/O of others.
-STAGING_PIECE = 32 << 20
 
 
 def chunk_bounds(file_offset, nbytes, parts, alignment):
@@ -23,14 +21,8 @@ def chunk_bounds(file_offset, nbytes, parts, alignment):
     return [(start, end - start) for start, end in zip(bounds, bounds[1:])]
 
 
-def chunk_count(nbytes, parallelism, staged):
-    """How many chunks an operation of ``nbytes`` is cut into."""
+def plan_chunks(file_offset, nbytes, parallelism, alignment):
+    """The ``(start, length)`` chunks of a zero-copy operation: up to one per worker, none
+    smaller than ``MIN_CHUNK``. (Staged operations are cut by their staging space.)"""
     parts = min(parallelism, max(1, nbytes // MIN_CHUNK))
-    if staged:
-        parts = max(parts, -(-nbytes // STAGING_PIECE))
-    return parts
-
-
-def plan_chunks(file_offset, nbytes, parallelism, alignment, staged=False):
-    """The ``(start, length)`` chunks of an operation, up to one per worker (finer if staged)."""
-    return chunk_bounds(file_offset, nbytes, chunk_count(nbytes, parallelism, staged), alignment)
+    return chunk_bounds(file_offset, nbytes, parts, alignment)

@@ -74,40 +74,6 @@ class TargetFile:
         self.direct_fd = self.buffered_fd = -1
 
 
-class ConcurrentWrites:
-    """The writes in flight, by file.
-
-    Note [shared growth]: a failed write cuts its file back to the size it had before
-    (``TargetFile.undo_growth``), which must not cut away what another write put there.
-    So a write that overlapped another write of the same file in time leaves the file as
-    it is: its error says what failed.
-    """
-
-    def __init__(self):
-        self._by_file = {}      # file identity -> write operations in flight
-
-    def start(self, op):
-        if op.is_read:
-            return
-        writes = self._by_file.setdefault(op.file.identity, set())
-        if writes:
-            op.shares_file = True
-            for other in writes:
-                other.shares_file = True
-        writes.add(op)
-
-    def end(self, op):
-        """Forget ``op``; True if it is a write that no other write of its file overlapped."""
-        if op.is_read:
-            return False
-        writes = self._by_file.get(op.file.identity)
-        if writes is not None and op in writes:
-            writes.discard(op)
-            if not writes:
-                del self._by_file[op.file.identity]
-        return not op.shares_file
-
-
 def open_target(target, *, for_write, offset, nbytes, o_direct):
     """Open ``target`` (a path or an int fd) for one operation.
 
@@ -136,7 +102,8 @@ def open_target(target, *, for_write, offset, nbytes, o_direct):
                 name, f"cannot read {nbytes} bytes at offset {offset}: "
                       f"the file is {size} bytes long")
         if alignment > 1 and (offset % alignment or (offset + nbytes) % alignment):
-            buffered_fd = os.open(path, flags & ~os.O_CREAT)
+            buffered_fd = os.open(path, flags & ~os.O_CREAT & ~os.O_NONBLOCK)
+        os.set_blocking(direct_fd, True)    # a regular file or block device from here on
     except BaseException:
         os.close(direct_fd)
         raise

@@ -2,6 +2,7 @@
 import errno
 import operator
 import resource
+import threading
 
 from ..errors import os_error, short_file_error
 from ..workers.protocol import error_from_code
@@ -37,7 +38,7 @@ class Operation:
         self.error = None
         self.done = False
         self.started = False    # the scheduler's books hold it: it completes from there
-        self.shares_file = False    # Note [shared growth] in files.py
+        self.shares_file = False    # Note [shared growth]
 
     def is_done(self):
         return self.done
@@ -55,10 +56,10 @@ class Operation:
     def transfer_error(self, err, at_offset, requested, got):
         """The exception for a chunk that failed (``err``) or came back short."""
         where = f"{requested} bytes at offset {at_offset}"
-        if err == errno.EMFILE:
+        if err in (errno.EMFILE, errno.ETOOMANYREFS):
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            where += (f"; a worker ran out of file descriptors under RLIMIT_NOFILE {soft}: "
-                      "raise it with `ulimit -n`")
+            where += (f"; descriptors in flight to the workers ran out under RLIMIT_NOFILE "
+                      f"{soft}: raise it with `ulimit -n`")
         if err:
             return error_from_code(err, self.file.name,
                                    f"{'read' if self.is_read else 'write'} of {where}")
@@ -76,6 +77,48 @@ class Operation:
                             f"{type(error).__name__}: {error}")
 
 
+class ConcurrentWrites:
+    """The writes in flight in this process, by file, whichever handle runs them.
+
+    Note [shared growth]: a failed write cuts its file back to the size it had before
+    (``TargetFile.undo_growth``), which must not cut away what another write put there.
+    So a write that overlapped another write of the same file in time (from its opening,
+    before its file was grown, to its end), through any handle, leaves the file as it is:
+    its error says what failed.
+    """
+
+    def __init__(self):
+        self._by_file = {}      # file identity -> write operations in flight
+        self._lock = threading.Lock()
+
+    def start(self, op):
+        if op.is_read:
+            return
+        with self._lock:
+            writes = self._by_file.setdefault(op.file.identity, set())
+            if writes:
+                op.shares_file = True
+                for other in writes:
+                    other.shares_file = True
+            writes.add(op)
+
+    def end(self, op):
+        """Forget ``op``; True if it is a write that no other write of its file overlapped."""
+        if op.is_read:
+            return False
+        with self._lock:
+            writes = self._by_file.get(op.file.identity)
+            if writes is not None and op in writes:
+                writes.discard(op)
+                if not writes:
+                    del self._by_file[op.file.identity]
+            return not op.shares_file
+
+
+# One for the process: DeepSpeed's swappers read and write the same files with two handles.
+WRITES = ConcurrentWrites()
+
+
 def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_direct):
     """Check the arguments and open the file: everything that can fail before any I/O."""
     buf = io_buffer(buffer, writable=is_read)
@@ -84,13 +127,16 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
         raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
     file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
                        o_direct=o_direct)
+    op = Operation(op_id, is_read, buf, file, file_offset, validate)
+    WRITES.start(op)    # before the file grows (Note [shared growth])
     if not is_read and buf.nbytes >= PREALLOCATE_MIN:
         try:
             file.preallocate(file_offset + buf.nbytes)
         except BaseException:
+            WRITES.end(op)
             file.close()
             raise
-    return Operation(op_id, is_read, buf, file, file_offset, validate)
+    return op
 
 
 def checked_int(name, value, low, high):

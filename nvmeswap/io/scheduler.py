@@ -2,8 +2,10 @@
 responses, and completes operations for ``wait()``. Both handles run on it.
 
 The road of one operation: ``open_operation`` (checks, file) -> ``placement.place``
-(memory and chunk plan) -> ``_dispatch`` (a request per chunk) -> a worker's engine ->
-``_pump`` (responses) -> ``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``.
+(memory and chunk plan) -> ``_dispatch`` (zero-copy: a request per chunk) or ``_feed``
+(staged: a piece at a time, as the staging space has room; a background thread keeps
+async ones moving) -> ``Workforce.send`` -> a worker's engine -> ``_pump`` (responses) ->
+``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``.
 """
 import functools
 import itertools
@@ -14,12 +16,10 @@ import warnings
 
 from .._engine import transfer_in_caller
 from ..errors import ValidationError, WorkerDied, caller_stacklevel
-from ..workers import protocol
-from ..workers.pool import WorkerPool
-from .files import ConcurrentWrites
 from .interrupts import deferred_interrupts
-from .operation import open_operation
+from .operation import WRITES, open_operation
 from .validate import validate
+from .workforce import GONE, Workforce
 
 # Started operations wait while this many chunks are with the workers.
 MAX_CHUNKS_IN_FLIGHT = 128
@@ -44,23 +44,19 @@ class Scheduler:
 
     def __init__(self, placement, parallelism, engine_args, o_direct):
         self.placement = placement
-        self.pool = None
+        self.workers = Workforce(placement, parallelism, engine_args)
         self.closed = False
         self.creator_pid = os.getpid()
-        self.chunks_in_flight = 0
-        self._parallelism = parallelism
-        self._engine_args = engine_args
         self._o_direct = o_direct
         self._cond = threading.Condition()
         self._pumping_thread = None     # the thread reading responses, if any
         self._ops = {}
         self._async_ops = []
         self._op_ids = itertools.count(1)
-        self._next_worker = 0
         self._driving = False
         self._staged_ops = []   # staged operations in flight, oldest first
         self._max_chunks = chunks_in_flight_limit()
-        self._writes = ConcurrentWrites()
+        self._inline = 0        # synchronous operations running in their callers' threads
         with self._cond:
             self._running_pool()
 
@@ -99,7 +95,7 @@ class Scheduler:
         try:
             self._wait_until(functools.partial(_all_done, ops))
         except BaseException:
-            with self._cond:
+            with deferred_interrupts(), self._cond:
                 self._async_ops[:0] = ops
             raise
         failed = [op.error for op in ops if op.error is not None]
@@ -121,14 +117,8 @@ class Scheduler:
 
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""
-        with self._cond:
-            for worker in self.pool.workers if self.pool is not None else []:
-                if region.region_id in worker.mapped:
-                    worker.mapped.discard(region.region_id)
-                    try:
-                        worker.send(protocol.unmap_request(region.region_id))
-                    except OSError:
-                        pass    # a dead worker maps nothing; the pump will see its death
+        with deferred_interrupts(), self._cond:
+            self.workers.unmap(region)
         region.close()
 
     def check_usable(self):
@@ -147,26 +137,24 @@ class Scheduler:
         interrupted, the workers are killed and unfinished writes undone. Never from a
         forked child.
         """
-        self.closed = True
+        with deferred_interrupts(), self._cond:
+            self.closed = True      # no operation starts from now on
         if os.getpid() != self.creator_pid:
             return
         try:
             if self._ops and self._pumping_thread != threading.get_ident():
                 self._wait_until(lambda: not self._ops)
-        finally:
             with self._cond:
-                pool, self.pool = self.pool, None
+                while self._inline:     # they use the staging space: let them finish
+                    self._cond.wait()
+        finally:
+            with deferred_interrupts(), self._cond:
                 if self._ops:       # interrupted, or dropped from inside our own pump
-                    if pool is not None:
-                        pool.kill()     # first: then nothing of theirs touches our memory
+                    self.workers.kill()     # first: then nothing of theirs touches our memory
                     self._fail_all(WorkerDied("the handle was closed with operations in "
                                               "flight"))
             try:
-                if pool is not None:
-                    pool.stop()     # EOF, then TERM, then KILL; nothing if killed above
-            except BaseException:
-                pool.kill()
-                raise
+                self.workers.stop()
             finally:
                 for region in self.placement.release():
                     region.close()
@@ -186,7 +174,7 @@ class Scheduler:
         (Ctrl-C included: Note [deferred interrupts]), nothing of it is left behind."""
         # Back-pressure, before anything is opened: every chunk in flight holds
         # descriptors in a worker, every staged operation waiting for room holds its own.
-        self._wait_until(lambda: self.chunks_in_flight + len(self._staged_ops)
+        self._wait_until(lambda: self.workers.chunks_in_flight + len(self._staged_ops)
                          < self._max_chunks)
         op = None
         try:
@@ -215,11 +203,10 @@ class Scheduler:
         """Register a placed operation and send what can go now (under the lock)."""
         self._ops[op.op_id] = op
         op.started = True
-        self._writes.start(op)
         if is_async:
             self._async_ops.append(op)
         if op.staged is None:
-            self._dispatch(op, self._running_pool())
+            self._dispatch(op)
             return
         self._staged_ops.append(op)
         self._feed(op)
@@ -230,6 +217,7 @@ class Scheduler:
         """Note [small synchronous operations]: an operation of one request runs in the
         calling thread. A round trip to a worker costs two process wake-ups, more than
         the request itself on a fast device, and one request gains nothing from fan-out.
+        ``release`` waits for such operations: they borrow the staging space.
         """
         with deferred_interrupts(), self._cond:
             self.check_usable()
@@ -239,33 +227,51 @@ class Scheduler:
                 self._running_pool()
                 self._launch(op, is_async=False)
                 return
-        region_offset = op.region_offset_of(0)
-        if op.copier is not None and not op.is_read:
-            op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
-        with self._cond:
-            self._writes.start(op)
-        result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
-                                    op.region.address + region_offset, op.buffer.nbytes,
-                                    op.file_offset, op.file.alignment)
-        with deferred_interrupts(), self._cond:
-            op.started = True
-            self._complete_chunk(op, 0, *result)
+            self._inline += 1
+        try:
+            region_offset = op.region_offset_of(0)
+            if op.staged is not None and not op.is_read:
+                op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
+            result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
+                                        op.region.address + region_offset, op.buffer.nbytes,
+                                        op.file_offset, op.file.alignment)
+            with deferred_interrupts(), self._cond:
+                op.started = True
+                self._complete_chunk(op, 0, *result)
+        finally:
+            with deferred_interrupts(), self._cond:
+                self._inline -= 1
+                self._cond.notify_all()
 
-    def _dispatch(self, op, pool):
-        """Hand every chunk out; a staged write copies each just before it goes."""
-        for index, (start, length) in enumerate(op.chunks):
-            if op.copier is not None and not op.is_read:
-                try:
-                    op.copier.to_region(start, length, op.region, op.region_offset_of(index))
-                except Exception as error:
-                    op.error = op.copy_error(error)
-                    op.remaining -= len(op.chunks) - index     # never sent: never answered
-                    if op.remaining == 0:
-                        self._finish(op)
-                    break
-            if not self._send(op, index, pool.workers):
+    def _dispatch(self, op):
+        """Hand every chunk of a zero-copy operation out."""
+        for index in range(len(op.chunks)):
+            if not self._sent(op, index):
                 break
         op.file.close()
+
+    def _sent(self, op, index):
+        """Send one chunk; False if it could not go. A live worker's refusal fails the
+        chunk and the chunks not sent after it; a dead worker is the pump's to handle."""
+        refused = self.workers.send(op, index)
+        if refused == 0:
+            return True
+        if refused != GONE:
+            start, length = op.chunks[index]
+            if op.error is None:
+                op.error = op.transfer_error(refused, op.file_offset + start, length, 0)
+            self._give_up(op, index)
+        return False
+
+    def _give_up(self, op, index):
+        """Chunks ``index`` on will never be answered: count them out."""
+        if op.staged is not None:
+            op.staged.finish(index)
+            op.remaining -= 1 + op.staged.cancel_rest()
+        else:
+            op.remaining -= len(op.chunks) - index
+        if op.remaining == 0 and not op.done:
+            self._finish(op)
 
     def _feed(self, op):
         """Start a staged operation's next pieces while the staging space has room
@@ -281,12 +287,12 @@ class Scheduler:
                                         op.staged.region_offset(index))
                 except Exception as error:
                     op.error = op.copy_error(error)
-                    op.staged.finish(index)
-                    op.remaining -= 1
-                    break
-            if not self._send(op, index, self.pool.workers):
+                    self._give_up(op, index)
+                    return
+            if not self._sent(op, index):
                 return
         if op.error is not None and not op.done:
+            # A piece failed (a read's copy, say): the pieces not started never will be.
             op.remaining -= op.staged.cancel_rest()
             if op.remaining == 0:
                 self._finish(op)
@@ -295,28 +301,6 @@ class Scheduler:
         """Room in the staging space: the oldest staged operations take it first."""
         for op in list(self._staged_ops):
             self._feed(op)
-
-    def _send(self, op, index, workers):
-        """Send chunk ``index`` to the next worker; False if that worker is gone."""
-        worker = workers[self._next_worker]
-        self._next_worker = (self._next_worker + 1) % len(workers)
-        start, length = op.chunks[index]
-        region = op.region
-        self.chunks_in_flight += 1
-        try:
-            if region.region_id not in worker.mapped:
-                for message, fds in self.placement.map_requests(worker, region):
-                    worker.send(message, fds)
-                worker.mapped.add(region.region_id)
-            worker.send(protocol.transfer_request(
-                region.read_kind if op.is_read else region.write_kind, region.region_id,
-                op.op_id, index, op.region_offset_of(index), length, op.file_offset + start,
-                op.file.alignment), op.file.descriptors())
-        except OSError:
-            # The worker is dead or dying; the pump sees its pidfd and fails the
-            # operations in flight, this one included.
-            return False
-        return True
 
     def _drive_in_background(self):
         """Note [staging ring]: an async staged operation can have more pieces than the
@@ -344,31 +328,30 @@ class Scheduler:
 
     def _running_pool(self):
         """The current workers; a set with a member that died while idle is replaced."""
-        pool = self.pool
-        if pool is not None and not self._ops and self._pumping_thread is None:
-            death = pool.first_death()      # with operations out, the pump sees a death
-            if death is not None:
-                self._fail_pool(pool, WorkerDied(death))
-        if self.pool is None:
-            self.pool = WorkerPool(self._parallelism, self._engine_args)
-        return self.pool
+        if not self._ops and self._pumping_thread is None:
+            self.workers.replace_if_dead()
+        return self.workers.running()
 
     # -- responses ---------------------------------------------------------------------
     def _wait_until(self, finished):
         """Block (GIL released) until ``finished()``; one thread at a time reads responses."""
         while True:
-            with self._cond:
+            with deferred_interrupts(), self._cond:
                 if finished():
                     return
-                if self._pumping_thread is not None:
-                    self._cond.wait()
-                    continue
-                pool = self.pool
-                self._pumping_thread = threading.get_ident()
+                pumping = self._pumping_thread is None
+                if pumping:
+                    pool = self.workers.pool
+                    self._pumping_thread = threading.get_ident()
+            if not pumping:
+                with self._cond:
+                    if self._pumping_thread is not None:
+                        self._cond.wait()   # where an interrupt loses nothing
+                continue
             try:
                 self._pump(pool)
             finally:
-                with self._cond:
+                with deferred_interrupts(), self._cond:
                     self._pumping_thread = None
                     self._cond.notify_all()
 
@@ -381,10 +364,14 @@ class Scheduler:
             except WorkerDied as death:
                 self._fail_pool(pool, death)
                 return
+            except OSError:
+                if pool is not self.workers.pool:
+                    return      # killed under us (close): its descriptors are gone
+                raise
             for response in responses:
                 op = self._ops.get(response.op_id)
                 if op is not None:
-                    self.chunks_in_flight -= 1
+                    self.workers.chunks_in_flight -= 1
                     self._complete_chunk(op, response.chunk, response.error,
                                          response.at_offset, response.requested, response.got)
 
@@ -407,15 +394,11 @@ class Scheduler:
 
     def _fail_pool(self, pool, death):
         """A worker died: kill its siblings, fail everything in flight, restart on next use."""
-        if pool is not self.pool:
-            return
-        pool.kill()     # reaped: no kernel AIO of theirs touches our memory any more
-        self.pool = None
-        self._fail_all(death)
+        if self.workers.discard(pool):
+            self._fail_all(death)
 
     def _fail_all(self, death):
         """Fail every operation in flight; their workers are gone."""
-        self.chunks_in_flight = 0
         for op in list(self._ops.values()):
             if op.error is None:
                 op.error = WorkerDied(f"{death}: {op.describe()}")
@@ -430,7 +413,7 @@ class Scheduler:
                 validate(op, self.placement.bytes_reader(op))
             except (ValidationError, OSError) as error:
                 op.error = error
-        if self._writes.end(op) and op.error is not None:
+        if WRITES.end(op) and op.error is not None:
             op.file.undo_growth(op.file_offset + op.buffer.nbytes)
         self._release_memory(op)
         op.buffer = op.region = op.copier = None
@@ -438,11 +421,12 @@ class Scheduler:
 
     def _abandon(self, op):
         """Give back what an operation that never started holds."""
-        with self._cond:
-            if self._writes.end(op):
+        with deferred_interrupts(), self._cond:
+            if WRITES.end(op):
                 op.file.undo_growth(op.file_offset + op.buffer.nbytes)  # preallocated
             op.done = True
-        self._release_memory(op)
+            self._release_memory(op)
+            self._feed_staged()     # the room it held may be what another one waits for
 
     def _release_memory(self, op):
         op.file.close()

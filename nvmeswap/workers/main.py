@@ -1,8 +1,8 @@
 """A worker process: maps the parent's shared regions and runs transfers on them.
 
 Started by ``WorkerPool`` as a fresh interpreter (spawn semantics: nothing inherited
-but one socket). It imports nothing but the standard library and nvmeswap's engine;
-CUDA and cuFile only once a gds_handle asks for them (workers/cufile_io.py).
+but one socket). It loads no torch; CUDA and cuFile only once a gds_handle asks for
+them (workers/cufile_io.py).
 """
 import collections
 import errno

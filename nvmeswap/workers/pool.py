@@ -42,7 +42,13 @@ class Worker:
             child_end.close()
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.sock = parent_end
-        self.pidfd = os.pidfd_open(self.process.pid)
+        try:
+            self.pidfd = os.pidfd_open(self.process.pid)
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            parent_end.close()
+            raise
         self.mapped = set()
 
     def send(self, message, fds=()):
