@@ -199,3 +199,30 @@ def test_a_thousand_operations_in_flight_under_a_low_descriptor_limit(tmp_path, 
                              PACKAGE_ROOT, str(tmp_path), str(limit), str(parallelism)],
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.fixture
+def loop_device(tmp_path):
+    """An 8 MiB block device over a file of the test's own (needs root and losetup)."""
+    backing = tmp_path / "backing"
+    backing.write_bytes(b"\0" * (8 * MiB))
+    result = subprocess.run(["losetup", "-f", "--show", str(backing)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot attach a loop device here: {result.stderr.strip()}")
+    device = result.stdout.strip()
+    try:
+        yield device
+    finally:
+        subprocess.run(["losetup", "-d", device], check=True)
+
+
+def test_a_block_device_at_any_offset(handle, loop_device):
+    data = bytearray(random_bytes(MiB + 3))
+    handle.sync_pwrite(data, loop_device, 3 * 4096 + 5)
+    back = bytearray(len(data))
+    handle.sync_pread(back, loop_device, 3 * 4096 + 5)
+    assert back == data
+    with pytest.raises(nvmeswap.ShortFileError) as info:     # its end is its size
+        handle.sync_pread(bytearray(10), loop_device, 8 * MiB - 5)
+    assert info.value.filename == loop_device
