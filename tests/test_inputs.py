@@ -166,6 +166,8 @@ DESCRIPTOR_LIMIT = """
     sys.path.insert(0, sys.argv[1])
     import numpy as np, torch
     import nvmeswap
+    import nvmeswap.io.placement as placement
+    placement.INLINE_LIMIT = 0      # every operation through the workers and their sockets
     folder, limit, parallelism = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     rng = np.random.default_rng(limit + parallelism)

@@ -351,8 +351,8 @@ def test_out_of_space_in_a_batch_names_the_file_and_keeps_what_others_wrote(
     h.sync_pwrite(bytearray(random_bytes(3 * MiB + 500_000)), filler)
     shared = small_filesystem / "shared"
     small = bytearray(random_bytes(4096, seed=9))
-    h.async_pwrite(bytearray(random_bytes(900_000, seed=8)), shared, 8192)   # does not fit
     h.async_pwrite(small, shared)                                           # fits
+    h.async_pwrite(bytearray(random_bytes(900_000, seed=8)), shared, 8192)   # does not fit
     with pytest.raises(OSError) as info:
         h.wait()
     assert info.value.errno == 28 and info.value.filename == str(shared)
@@ -414,6 +414,8 @@ REFUSED_SENDS = """
     import os, resource, signal, sys
     sys.path.insert(0, sys.argv[1])
     import torch, nvmeswap
+    import nvmeswap.io.placement as placement
+    placement.INLINE_LIMIT = 0      # every operation through the workers and their sockets
     folder = sys.argv[2]
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     handles = [nvmeswap.aio_handle() for _ in range(3)]

@@ -224,3 +224,19 @@ def test_staging_size_and_memory_budget(handle_factory, tmp_path):
     with nvmeswap.aio_handle.from_config({"aio": {"staging_bytes": "4M",
                                                   "memory_budget": "1G"}}) as c:
         assert c.memory_in_use == 4 * MiB and c.memory_budget == 1 << 30
+
+
+def test_a_small_async_operation_never_overtakes_an_earlier_one(handle_factory, tmp_path):
+    """Note [small synchronous operations]: a small async operation runs inline only when
+    nothing is in flight; behind a large one it keeps its place."""
+    h = handle_factory()
+    path = tmp_path / "f"
+    for round_number in range(5):
+        h.async_pwrite(bytearray(b"\x11") * (8 * MiB), path)
+        h.async_pwrite(bytearray(b"\x22") * 4096, path, 4096)
+        assert h.wait() == 2
+        data = path.read_bytes()
+        assert data[4096:8192] == b"\x22" * 4096 and data[:4096] == b"\x11" * 4096
+    back = bytearray(4096)
+    h.async_pread(back, path, 4096)         # nothing in flight: it may run inline
+    assert h.wait() == 1 and back == b"\x22" * 4096

@@ -181,8 +181,11 @@ class Scheduler:
             with deferred_interrupts():
                 op = open_operation(next(self._op_ids), buffer, target, file_offset,
                                     is_read=is_read, validate=validate, o_direct=self._o_direct)
-            if not is_async and op.buffer.nbytes <= self.placement.inline_limit(op):
-                self._run_inline(op)
+            # An async operation runs inline only when none is in flight: it cannot then
+            # overtake an earlier one.
+            if op.buffer.nbytes <= self.placement.inline_limit(op) \
+                    and not (is_async and self._ops):
+                self._run_inline(op, is_async)
             else:
                 self._start(op, is_async)
         except BaseException:
@@ -213,11 +216,14 @@ class Scheduler:
         if is_async and not op.done and not self._driving:
             self._drive_in_background()
 
-    def _run_inline(self, op):
+    def _run_inline(self, op, is_async):
         """Note [small synchronous operations]: an operation of one request runs in the
-        calling thread. A round trip to a worker costs two process wake-ups, more than
-        the request itself on a fast device, and one request gains nothing from fan-out.
-        ``release`` waits for such operations: they borrow the staging space.
+        calling thread: a synchronous one always, an asynchronous one when nothing is in
+        flight (so it cannot overtake an earlier one; small random async reads waited for
+        in batches are then as cheap as synchronous ones). A round trip to a worker costs
+        two process wake-ups, more than the request itself on a fast device, and one
+        request gains nothing from fan-out. ``release`` waits for such operations: they
+        borrow the staging space.
         """
         with deferred_interrupts(), self._cond:
             self.check_usable()
@@ -225,7 +231,7 @@ class Scheduler:
             if op.staged is not None and op.staged.start_next() is None:
                 # The staging space is lent out: wait for it like any operation.
                 self._running_pool()
-                self._launch(op, is_async=False)
+                self._launch(op, is_async)
                 return
             self._inline += 1
         try:
@@ -237,6 +243,8 @@ class Scheduler:
                                         op.file_offset, op.file.alignment)
             with deferred_interrupts(), self._cond:
                 op.started = True
+                if is_async:
+                    self._async_ops.append(op)
                 self._complete_chunk(op, 0, *result)
         finally:
             with deferred_interrupts(), self._cond:

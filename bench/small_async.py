@@ -1,0 +1,98 @@
+"""Small random async reads: the per-operation cost of the handle, against DeepSpeed and fio.
+
+    python bench/small_async.py --folder /nvme/scratch --ops 20480 --rounds 3
+
+Each contender runs in a fresh process: 4 KiB reads at random aligned offsets of a 1 GiB
+file (page cache dropped first), started with ``async_pread`` into locked buffers and
+waited for every 256, as an offloading loop over small tensors would. Reported as reads
+per second, the median over rounds, and as ratios to DeepSpeed's aio_handle. fio's
+randread with 128 requests in flight is the device's own rate.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+BATCH = 256
+OP = 4096
+
+
+def contender_run(kind, path, ops, seed):
+    """In this process: ``ops`` random 4 KiB async reads; returns reads per second."""
+    import numpy as np
+    import torch
+
+    if kind == "deepspeed":
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        handle = AsyncIOBuilder().load(verbose=False).aio_handle(1048576, 128, False, False, 1)
+    else:
+        import nvmeswap
+        handle = nvmeswap.aio_handle()
+    buffer = handle.new_cpu_locked_tensor(BATCH * OP, torch.empty(0, dtype=torch.uint8))
+    size = os.path.getsize(path)
+    offsets = np.random.default_rng(seed).integers(0, size // OP, ops) * OP
+    start = time.perf_counter()
+    for first in range(0, ops, BATCH):
+        batch = offsets[first:first + BATCH]
+        for k, offset in enumerate(batch):
+            handle.async_pread(buffer[k * OP:(k + 1) * OP], path, int(offset))
+        assert handle.wait() == len(batch)
+    return ops / (time.perf_counter() - start)
+
+
+def fio_rate(path, ops):
+    result = subprocess.run(
+        ["fio", "--name=small", f"--filename={path}", "--rw=randread", "--bs=4k",
+         "--direct=1", "--ioengine=libaio", "--iodepth=128", f"--number_ios={ops}",
+         "--output-format=json", "--randrepeat=0"], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)["jobs"][0]["read"]["iops"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default="/tmp/nvmeswap-small-async")
+    parser.add_argument("--ops", type=int, default=20480)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contender", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.makedirs(args.folder, exist_ok=True)
+    path = os.path.join(args.folder, "small-async.bin")
+    if args.contender:
+        print(contender_run(args.contender, path, args.ops, int(time.time())))
+        return
+    if not os.path.exists(path) or os.path.getsize(path) != 1 << 30:
+        with open(path, "wb") as f:
+            for _ in range(1024):
+                f.write(os.urandom(1 << 20))
+    import peers
+
+    kinds = ["nvmeswap"] + (["deepspeed"] if peers.deepspeed_available() else [])
+    rates = {kind: [] for kind in kinds + ["fio"]}
+    for round_number in range(args.rounds):
+        for kind in kinds[round_number % len(kinds):] + kinds[:round_number % len(kinds)]:
+            peers.drop_page_cache()
+            out = subprocess.run([sys.executable, __file__, "--folder", args.folder, "--ops",
+                                  str(args.ops), "--contender", kind],
+                                 capture_output=True, text=True, check=True).stdout
+            rates[kind].append(float(out.split()[-1]))
+        if peers.fio_available():
+            peers.drop_page_cache()
+            rates["fio"].append(fio_rate(path, args.ops))
+    print(f"4 KiB random async reads, wait() every {BATCH}, {args.ops} reads, "
+          f"{args.rounds} rounds (median reads/s)")
+    for kind, values in rates.items():
+        if values:
+            line = f"  {kind:<10} {statistics.median(values):>10.0f}"
+            if kind != "deepspeed" and rates.get("deepspeed"):
+                ratios = [a / b for a, b in zip(values, rates["deepspeed"])]
+                line += f"   {statistics.median(ratios):.2f}x DeepSpeed"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
