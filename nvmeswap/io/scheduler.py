@@ -10,7 +10,6 @@ async ones moving) -> ``Workforce.send`` -> a worker's engine -> ``_pump`` (resp
 import functools
 import itertools
 import os
-import resource
 import threading
 import warnings
 
@@ -19,22 +18,7 @@ from ..errors import ValidationError, WorkerDied, caller_stacklevel
 from .interrupts import deferred_interrupts
 from .operation import WRITES, open_operation
 from .validate import validate
-from .workforce import GONE, Workforce
-
-# Started operations wait while this many chunks are with the workers.
-MAX_CHUNKS_IN_FLIGHT = 128
-# Descriptors a process keeps for itself besides those of chunks in flight.
-_RESERVED_FDS = 32
-
-
-def chunks_in_flight_limit():
-    """Each chunk in flight holds up to two file descriptors in a worker, and a worker
-    inherits our RLIMIT_NOFILE: beyond it the kernel would drop descriptors sent to it."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CHUNKS_IN_FLIGHT
-    return max(1, min(MAX_CHUNKS_IN_FLIGHT, (soft - _RESERVED_FDS) // 2))
-
+from .workforce import GONE, Workforce, chunks_in_flight_limit
 
 class Scheduler:
     """One handle's operations in flight, its workers, and the memory it shares with them.

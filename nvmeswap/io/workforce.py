@@ -2,12 +2,27 @@
 stopped), chunks handed out in turn with the regions they need mapped first, regions
 unmapped, and the chunks in flight counted. Called with the scheduler's lock held."""
 import errno
+import resource
 
 from ..workers import protocol
 from ..workers.pool import WorkerPool
 
 GONE = -1
 _DEATH = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+
+# Started operations wait while this many chunks are with the workers.
+MAX_CHUNKS_IN_FLIGHT = 128
+# Descriptors a process keeps for itself besides those of chunks in flight.
+_RESERVED_FDS = 32
+
+
+def chunks_in_flight_limit():
+    """Each chunk in flight holds up to two file descriptors in a worker, and a worker
+    inherits our RLIMIT_NOFILE: beyond it the kernel would drop descriptors sent to it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CHUNKS_IN_FLIGHT
+    return max(1, min(MAX_CHUNKS_IN_FLIGHT, (soft - _RESERVED_FDS) // 2))
 
 
 class Workforce:

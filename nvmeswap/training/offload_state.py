@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ..io.files import ALIGNMENT
 from ..io.regions import round_up
 from .swap import SwapState
-
-if TYPE_CHECKING:
-    from .offload import OffloadedOptimizer
 
 # Tensors with fewer elements (Adam's ``step``) stay in memory; larger ones are swapped.
 SMALL_STATE = 2
@@ -299,7 +296,7 @@ class OffloadedState(MutableMapping):
     stay (and may be changed) until the next step offloads them again.
     """
 
-    def __init__(self, owner: OffloadedOptimizer) -> None:
+    def __init__(self, owner: StateOffloading) -> None:
         self._owner = owner
 
     def __getitem__(self, param: torch.Tensor) -> dict:
