@@ -3,6 +3,7 @@ close() with failures pending, wait() from two threads, signals and forks of the
 
 Anything that could hang or crash runs in a child process with a deadline.
 """
+import concurrent.futures
 import os
 import pickle
 import subprocess
@@ -284,16 +285,17 @@ def test_pickling_a_handle_is_refused(handle):
 
 
 def test_fifty_handles_at_once(tmp_path):
-    handles = [nvmeswap.aio_handle() for _ in range(50)]
-    try:
-        for i, h in enumerate(handles):
-            h.async_pwrite(bytearray(random_bytes(300_000, seed=i)), tmp_path / f"f{i}")
-        assert [h.wait() for h in handles] == [1] * 50
-        for i in range(50):
-            assert (tmp_path / f"f{i}").read_bytes() == random_bytes(300_000, seed=i)
-    finally:
-        for h in handles:
-            h.close()
+    # Made and closed from 10 threads: each waits for its worker to start or to exit.
+    with concurrent.futures.ThreadPoolExecutor(10) as threads:
+        handles = list(threads.map(lambda _: nvmeswap.aio_handle(), range(50)))
+        try:
+            for i, h in enumerate(handles):
+                h.async_pwrite(bytearray(random_bytes(300_000, seed=i)), tmp_path / f"f{i}")
+            assert [h.wait() for h in handles] == [1] * 50
+            for i in range(50):
+                assert (tmp_path / f"f{i}").read_bytes() == random_bytes(300_000, seed=i)
+        finally:
+            list(threads.map(lambda h: h.close(), handles))
 
 
 STOPPED_WORKER = """
