@@ -44,7 +44,6 @@ class CufilePlacement:
         op.owns_region = region.region_id not in self.pinned
         op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.host.parallelism,
                                 op.file.alignment)
-        op.remaining = len(op.chunks)
 
     def pin(self, buf):
         """Keep ``buf``'s CUDA memory as a region every worker maps once; False if it cannot

@@ -41,7 +41,6 @@ class HostPlacement:
                 op.region, op.region_offset = region, buf.address - region.address
                 op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.parallelism,
                                         alignment)
-                op.remaining = len(op.chunks)
                 return
         op.staged = StagedPieces(self.staging, op.file_offset, buf.nbytes, alignment)
         op.region = self.staging.shared_region()
@@ -52,7 +51,6 @@ class HostPlacement:
             # Made in the caller's call: it orders the copies after the work queued so far.
             op.copier = CudaCopier(buf.owner, copy_stream(buf.device, self._copy_streams))
         op.chunks = op.staged.pieces
-        op.remaining = len(op.chunks)
 
     def map_requests(self, worker, region):
         """What a worker must be sent before its first request on ``region``."""

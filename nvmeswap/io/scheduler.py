@@ -20,6 +20,7 @@ from .operation import WRITES, open_operation
 from .validate import validate
 from .workforce import GONE, Workforce, chunks_in_flight_limit
 
+
 class Scheduler:
     """One handle's operations in flight, its workers, and the memory it shares with them.
 
@@ -97,7 +98,6 @@ class Scheduler:
             raise first
         finally:
             del first
-
 
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""
@@ -183,8 +183,12 @@ class Scheduler:
         with deferred_interrupts(), self._cond:
             self.check_usable()
             self._running_pool()    # before registering: it may fail what is out
-            self.placement.place(op)
+            self._place(op)
             self._launch(op, is_async)
+
+    def _place(self, op):
+        self.placement.place(op)
+        op.remaining = len(op.chunks)
 
     def _launch(self, op, is_async):
         """Register a placed operation and send what can go now (under the lock)."""
@@ -211,7 +215,7 @@ class Scheduler:
         """
         with deferred_interrupts(), self._cond:
             self.check_usable()
-            self.placement.place(op)
+            self._place(op)
             if op.staged is not None and op.staged.start_next() is None:
                 # The staging space is lent out: wait for it like any operation.
                 self._running_pool()
@@ -257,11 +261,16 @@ class Scheduler:
 
     def _give_up(self, op, index):
         """Chunks ``index`` on will never be answered: count them out."""
-        if op.staged is not None:
-            op.staged.finish(index)
-            op.remaining -= 1 + op.staged.cancel_rest()
-        else:
-            op.remaining -= len(op.chunks) - index
+        if op.staged is None:
+            self._count_out(op, len(op.chunks) - index)
+            return
+        op.staged.finish(index)
+        self._count_out(op, 1 + op.staged.cancel_rest())
+
+    def _count_out(self, op, chunks):
+        """``chunks`` of ``op`` are done with (answered, or never to be); finish it after
+        its last."""
+        op.remaining -= chunks
         if op.remaining == 0 and not op.done:
             self._finish(op)
 
@@ -285,9 +294,7 @@ class Scheduler:
                 return
         if op.error is not None and not op.done:
             # A piece failed (a read's copy, say): the pieces not started never will be.
-            op.remaining -= op.staged.cancel_rest()
-            if op.remaining == 0:
-                self._finish(op)
+            self._count_out(op, op.staged.cancel_rest())
 
     def _feed_staged(self):
         """Room in the staging space: the oldest staged operations take it first."""
@@ -377,12 +384,10 @@ class Scheduler:
                 op.copier.from_region(start, length, op.region, op.region_offset_of(chunk))
             except Exception as error:
                 op.error = op.copy_error(error)
-        op.remaining -= 1
         if op.staged is not None:
             op.staged.finish(chunk)
             self._feed_staged()
-        if op.remaining == 0 and not op.done:
-            self._finish(op)
+        self._count_out(op, 1)
 
     def _fail_pool(self, pool, death):
         """A worker died: kill its siblings, fail everything in flight, restart on next use."""
