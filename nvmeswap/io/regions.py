@@ -171,18 +171,22 @@ class Arenas:
                 os.close(arena.fd)
 
 
-_arenas = None
-_arenas_lock = threading.Lock()
+def _one_per_process(make):
+    """A function returning the process's one ``make()`` (made afresh in a forked child,
+    which must never use its parent's memfds or workers)."""
+    made = []
+    lock = threading.Lock()
+
+    def get():
+        with lock:
+            if not made or made[0].creator_pid != os.getpid():
+                made[:] = [make()]
+            return made[0]
+
+    return get
 
 
-def arenas():
-    """The process's ``Arenas`` (a fresh one in a forked child, which must never carve
-    the parent's memfds)."""
-    global _arenas
-    with _arenas_lock:
-        if _arenas is None or _arenas.creator_pid != os.getpid():
-            _arenas = Arenas()
-        return _arenas
+arenas = _one_per_process(Arenas)
 
 
 class SharedRegion:
@@ -233,45 +237,58 @@ class RegionTable:
     """Regions that callers' tensors live in (locked host tensors, pinned device tensors),
     found by address: I/O on a tensor inside one goes to the workers without a copy.
 
+    Regions never overlap, so they are kept sorted by start address and found by
+    bisection: every operation asks, and DeepSpeed's swappers keep hundreds of buffers.
     Thread-safe; every handle of the process shares the locked one (``LockedMemory``).
     """
 
     def __init__(self):
-        self._regions = {}
+        self._starts = []       # sorted start addresses
+        self._by_start = {}     # start address -> region
+        self._ids = set()
         self._lock = threading.Lock()
 
     def add(self, region):
         with self._lock:
-            self._regions[region.region_id] = region
+            bisect.insort(self._starts, region.address)
+            self._by_start[region.address] = region
+            self._ids.add(region.region_id)
 
     def containing(self, address, nbytes):
         """The region that holds ``[address, address + nbytes)``, or None."""
         with self._lock:
-            return next((r for r in self._regions.values() if r.contains(address, nbytes)),
-                        None)
+            k = bisect.bisect_right(self._starts, address) - 1
+            region = self._by_start[self._starts[k]] if k >= 0 else None
+            return region if region is not None and region.contains(address, nbytes) else None
 
     def pop_starting_at(self, address):
         """Remove and return the region that begins at ``address`` (None if there is none)."""
         with self._lock:
-            for region in self._regions.values():
-                if region.address == address:
-                    return self._regions.pop(region.region_id)
-        return None
+            return self._remove_locked(self._by_start.get(address))
 
     def pop_containing(self, address):
         """Remove and return the region that holds ``address`` (None if there is none)."""
         region = self.containing(address, 0)
         with self._lock:
-            return self._regions.pop(region.region_id, None) if region is not None else None
+            return self._remove_locked(region)
 
     def __contains__(self, region_id):
-        return region_id in self._regions
+        return region_id in self._ids
 
     def drain(self):
         """Remove every region and return them (for the caller to close)."""
         with self._lock:
-            regions, self._regions = list(self._regions.values()), {}
+            regions = list(self._by_start.values())
+            self._starts, self._by_start, self._ids = [], {}, set()
         return regions
+
+    def _remove_locked(self, region):
+        if region is None or self._by_start.get(region.address) is not region:
+            return None
+        del self._by_start[region.address]
+        del self._starts[bisect.bisect_left(self._starts, region.address)]
+        self._ids.discard(region.region_id)
+        return region
 
 
 class LockedMemory:
@@ -367,14 +384,4 @@ class LockedUser:
         return self.memory.leave(self)
 
 
-_locked_memory = None
-_locked_memory_lock = threading.Lock()
-
-
-def locked_memory():
-    """The process's ``LockedMemory`` (a fresh one in a forked child)."""
-    global _locked_memory
-    with _locked_memory_lock:
-        if _locked_memory is None or _locked_memory.creator_pid != os.getpid():
-            _locked_memory = LockedMemory()
-        return _locked_memory
+locked_memory = _one_per_process(LockedMemory)
