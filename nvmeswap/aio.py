@@ -233,11 +233,8 @@ class aio_handle:
         """
         self._scheduler.check_usable()
         example = example_tenosr if example_tenosr is not None else example_tensor
-        nbytes = round_up(checked_int("num_elem", num_elem, 0, None)
-                          * getattr(example, "itemsize", 1), PAGE)
-        self._check_budget(nbytes, f"a locked tensor of {nbytes} bytes")
-        tensor = new_locked_tensor(self._placement.locked, num_elem, example)
-        region = self._placement.locked.containing(tensor.data_ptr(), 0)
+        tensor, region = new_locked_tensor(self._placement.locked, num_elem, example,
+                                           reserve=self._check_budget)
         self._made[region.region_id] = region.size
         return tensor
 
@@ -268,10 +265,12 @@ class aio_handle:
             self._made = {rid: size for rid, size in self._made.items() if rid in locked}
         return self._staging_bytes + sum(self._made.values())
 
-    def _check_budget(self, nbytes, what):
+    def _check_budget(self, nbytes):
+        """Raise if locking ``nbytes`` more would exceed the budget (before allocating)."""
         if self._memory_budget is not None and self.memory_in_use + nbytes > self._memory_budget:
             raise MemoryBudgetError(
-                f"{what} would exceed this handle's memory budget: {self.memory_in_use} of "
+                f"a locked tensor of {nbytes} bytes would exceed this handle's memory "
+                f"budget: {self.memory_in_use} of "
                 f"{self._memory_budget} bytes are in use (staging space "
                 f"{self._staging_bytes} bytes); raise memory_budget or free locked tensors")
 
@@ -344,9 +343,12 @@ class aio_handle:
         return 0
 
 
-def new_locked_tensor(locked: Any, num_elem: int, example: Any) -> Any:
+def new_locked_tensor(locked: Any, num_elem: int, example: Any, *,
+                      reserve: Any = None) -> tuple:
     """A 1-D locked tensor of ``num_elem`` elements of ``example``'s dtype, added to
-    ``locked`` (a ``LockedUser``) so that every handle of the process finds it."""
+    ``locked`` (a ``LockedUser``) so that every handle of the process finds it, and the
+    region it lives in. ``reserve(nbytes)`` may refuse the size (page-rounded) before
+    anything is allocated."""
     import torch
 
     if not isinstance(example, torch.Tensor):
@@ -354,13 +356,15 @@ def new_locked_tensor(locked: Any, num_elem: int, example: Any) -> Any:
                         f"{type(example).__name__}")
     num_elem = checked_int("num_elem", num_elem, 0, None)
     itemsize = torch.empty((), dtype=example.dtype).element_size()
+    if reserve is not None:
+        reserve(round_up(max(num_elem * itemsize, 1), PAGE))
     region = SharedRegion(num_elem * itemsize)
     if torch.cuda.is_initialized():
         # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
         register_for_device_copies(region)
     locked.add(region)
     tensor = torch.frombuffer(region.mapping, dtype=torch.uint8)
-    return tensor[: num_elem * itemsize].view(example.dtype)
+    return tensor[: num_elem * itemsize].view(example.dtype), region
 
 
 def free_locked_tensor(locked: Any, tensor: Any, *, address: int | None = None) -> bool:

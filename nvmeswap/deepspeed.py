@@ -81,7 +81,8 @@ class pin_handle:
 
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
         """A 1-D page-locked tensor of ``num_elem`` elements of ``example_tensor``'s dtype."""
-        return new_locked_tensor(self._locked, num_elem, example_tensor)
+        tensor, _ = new_locked_tensor(self._locked, num_elem, example_tensor)
+        return tensor
 
     def free_cpu_locked_tensor(self, locked_tensor: Any) -> bool:
         """Take a locked tensor (made by any handle) out of the set; False if not in it."""
