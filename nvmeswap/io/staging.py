@@ -26,22 +26,13 @@ class StagingSpace:
         # Enough pieces in flight for every worker and one being copied, at least four.
         self.piece = max(alignment, (self.nbytes // max(4, 2 * parallelism)) // alignment
                          * alignment - 2 * alignment)
-        self.alignment = alignment
         self.region = None
-        self._extents = Extents(self.nbytes, alignment)
+        self.extents = Extents(self.nbytes, alignment)     # lent to pieces in flight
 
     def shared_region(self):
         if self.region is None:
             self.region = SharedRegion(self.nbytes)
         return self.region
-
-    def take(self, nbytes):
-        """The start of a free extent of at least ``nbytes`` (aligned), or None."""
-        return self._extents.take(nbytes)
-
-    def give(self, start, nbytes):
-        """Take back the extent at ``start`` (as long as it was taken)."""
-        self._extents.give(start, nbytes)
 
     def close(self):
         """The region, for the caller to unshare (None if none was made)."""
@@ -70,7 +61,7 @@ class StagedPieces:
             return None
         index = self.started
         length = self.pieces[index][1] + (self._phase if index == 0 else 0)
-        start = self.space.take(length)
+        start = self.space.extents.take(length)
         if start is None:
             return None
         self._extent_of[index] = (start, length)
@@ -81,7 +72,7 @@ class StagedPieces:
         return self._extent_of[index][0] + (self._phase if index == 0 else 0)
 
     def finish(self, index):
-        self.space.give(*self._extent_of.pop(index))
+        self.space.extents.give(*self._extent_of.pop(index))
 
     def cancel_rest(self):
         """Give up the pieces not started; return how many there were."""
