@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <linux/aio_abi.h>
 
@@ -38,6 +39,12 @@ static inline long nvmeswap_io_getevents(aio_context_t ctx, long min_nr, long nr
                                          struct io_event *events, struct timespec *timeout)
 {
     return nvmeswap_sys_result(syscall(SYS_io_getevents, ctx, min_nr, nr, events, timeout));
+}
+
+/* An eventfd the kernel signals as AIO requests complete (IOCB_FLAG_RESFD). */
+static inline long nvmeswap_eventfd(void)
+{
+    return nvmeswap_sys_result(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
 }
 
 /* pread/pwrite that return -errno, for the unaligned head and tail of a transfer. */

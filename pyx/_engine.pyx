@@ -8,13 +8,15 @@ buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/io/files.py).
 """
 from libc.stdlib cimport malloc, free
 from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
+from posix.unistd cimport close, read
 
 from _check cimport errno_error
 
 from includes.kernel_aio cimport (
     aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
     nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
-    nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate,
+    nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate, nvmeswap_eventfd, IOCB_FLAG_RESFD,
+    timespec,
 )
 
 
@@ -170,6 +172,150 @@ cdef class AioEngine:
                       self.batch[done].aio_offset, <long long>self.batch[done].aio_nbytes, 0)
                 break
         return done
+
+
+cdef class CallerQueue:
+    """The calling process's own kernel AIO context, for small operations (Note [caller
+    queue] in nvmeswap/io/workforce.py): each request is submitted from the calling thread
+    and reaped in bulk; ``eventfd`` becomes readable as requests complete.
+
+    Each request is one aligned O_DIRECT transfer. The memory of a request in flight must
+    stay valid until ``reap`` has returned it; freeing the queue waits for them all.
+    """
+    cdef aio_context_t ctx
+    cdef iocb *slots
+    cdef io_event *events
+    cdef int *free_slots
+    cdef int n_free
+    cdef unsigned long long *op_ids
+    cdef unsigned int *chunks
+    cdef readonly int capacity
+    cdef readonly int in_flight
+    cdef readonly int eventfd
+
+    def __cinit__(self, int capacity):
+        self.ctx = 0
+        self.eventfd = -1
+        self.slots = <iocb *>malloc(sizeof(iocb) * capacity)
+        self.events = <io_event *>malloc(sizeof(io_event) * capacity)
+        self.free_slots = <int *>malloc(sizeof(int) * capacity)
+        self.op_ids = <unsigned long long *>malloc(sizeof(unsigned long long) * capacity)
+        self.chunks = <unsigned int *>malloc(sizeof(unsigned int) * capacity)
+        if not (self.slots and self.events and self.free_slots and self.op_ids and self.chunks):
+            raise MemoryError()
+        self.capacity = capacity
+        self.in_flight = 0
+        self.n_free = capacity
+        cdef int i
+        for i in range(capacity):
+            self.free_slots[i] = capacity - 1 - i
+        cdef long ret = nvmeswap_eventfd()
+        if ret < 0:
+            raise errno_error(<int>-ret, "eventfd")
+        self.eventfd = <int>ret
+        ret = nvmeswap_io_setup(capacity, &self.ctx)
+        if ret < 0:
+            self.ctx = 0
+            raise errno_error(<int>-ret, "io_setup")
+
+    def __dealloc__(self):
+        if self.ctx:
+            nvmeswap_io_destroy(self.ctx)   # waits for the requests still in flight
+        if self.eventfd >= 0:
+            close(self.eventfd)
+        free(self.slots)
+        free(self.events)
+        free(self.free_slots)
+        free(self.op_ids)
+        free(self.chunks)
+
+    def close(self):
+        """Wait for the requests in flight and free the context; idempotent."""
+        if self.ctx:
+            with nogil:
+                nvmeswap_io_destroy(self.ctx)
+            self.ctx = 0
+        if self.eventfd >= 0:
+            close(self.eventfd)
+            self.eventfd = -1
+        self.in_flight = 0
+
+    def submit(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
+               size_t address, size_t nbytes, long long offset):
+        """Start one request; return 0, or the errno with which the kernel refused it."""
+        if self.ctx == 0:
+            return EINVAL
+        if self.n_free == 0:
+            return EAGAIN
+        self.n_free -= 1
+        cdef int slot = self.free_slots[self.n_free]
+        cdef iocb *cb = &self.slots[slot]
+        cdef long ret
+        _clear_iocb(cb)
+        cb.aio_data = slot
+        cb.aio_lio_opcode = IOCB_CMD_PREAD if is_read else IOCB_CMD_PWRITE
+        cb.aio_fildes = fd
+        cb.aio_buf = <unsigned long long>address
+        cb.aio_nbytes = nbytes
+        cb.aio_offset = offset
+        cb.aio_flags = IOCB_FLAG_RESFD
+        cb.aio_resfd = self.eventfd
+        with nogil:
+            while True:
+                ret = nvmeswap_io_submit(self.ctx, 1, &cb)
+                if ret != -EINTR:
+                    break
+        if ret != 1:
+            self.free_slots[self.n_free] = slot
+            self.n_free += 1
+            return <int>-ret if ret < 0 else EIO
+        self.op_ids[slot] = op_id
+        self.chunks[slot] = chunk
+        self.in_flight += 1
+        return 0
+
+    def reap(self, bint wait_all=False):
+        """The requests that have completed, as ``(op_id, chunk, errno, at_offset,
+        requested, got)`` like a worker's responses; with ``wait_all``, every request in
+        flight (GIL released while it waits)."""
+        cdef unsigned long long counter
+        cdef timespec no_wait
+        cdef long ret
+        cdef long min_nr = self.in_flight if wait_all else 0
+        cdef list done = []
+        cdef int i, slot
+        cdef iocb *cb
+        if self.in_flight == 0:
+            return done
+        no_wait.tv_sec = 0
+        no_wait.tv_nsec = 0
+        # The counter first: a completion after it has been read signals again.
+        read(self.eventfd, &counter, sizeof(counter))
+        while True:
+            with nogil:
+                ret = nvmeswap_io_getevents(self.ctx, min_nr, self.capacity, self.events,
+                                            NULL if wait_all else &no_wait)
+            if ret == -EINTR:
+                continue
+            if ret < 0:
+                raise errno_error(<int>-ret, "io_getevents")
+            for i in range(ret):
+                slot = <int>self.events[i].data
+                cb = &self.slots[slot]
+                if self.events[i].res == <long long>cb.aio_nbytes:
+                    done.append((self.op_ids[slot], self.chunks[slot], 0, 0, 0, 0))
+                elif self.events[i].res < 0:
+                    done.append((self.op_ids[slot], self.chunks[slot],
+                                 <int>-self.events[i].res, cb.aio_offset, cb.aio_nbytes, 0))
+                else:
+                    done.append((self.op_ids[slot], self.chunks[slot], 0, cb.aio_offset,
+                                 cb.aio_nbytes, self.events[i].res))
+                self.free_slots[self.n_free] = slot
+                self.n_free += 1
+            self.in_flight -= <int>ret
+            min_nr -= ret
+            if min_nr <= 0:
+                return done
 
 
 def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t address,

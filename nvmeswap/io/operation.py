@@ -19,7 +19,7 @@ class Operation:
 
     __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
                  "staged", "owns_region", "copier", "chunks", "remaining", "error",
-                 "validate", "done", "started", "shares_file")
+                 "validate", "done", "started", "shares_file", "by_caller")
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
         self.op_id = op_id
@@ -39,6 +39,7 @@ class Operation:
         self.done = False
         self.started = False    # the scheduler's books hold it: it completes from there
         self.shares_file = False    # Note [shared growth]
+        self.by_caller = False      # in the caller queue, not with the workers
 
     def is_done(self):
         return self.done

@@ -40,6 +40,7 @@ class Scheduler:
         self._op_ids = itertools.count(1)
         self._driving = False
         self._staged_ops = []   # staged operations in flight, oldest first
+        self._worker_ops = 0    # operations in flight with the workers (not by_caller)
         self._max_chunks = chunks_in_flight_limit()
         self._inline = 0        # synchronous operations running in their callers' threads
         with self._cond:
@@ -137,8 +138,10 @@ class Scheduler:
                     self.workers.kill()     # first: then nothing of theirs touches our memory
                     self._fail_all(WorkerDied("the handle was closed with operations in "
                                               "flight"))
+                    self._complete(self.workers.drain_queue())
             try:
                 self.workers.stop()
+                self.workers.close_queue()
             finally:
                 for region in self.placement.release():
                     region.close()
@@ -158,17 +161,17 @@ class Scheduler:
         (Ctrl-C included: Note [deferred interrupts]), nothing of it is left behind."""
         # Back-pressure, before anything is opened: every chunk in flight holds
         # descriptors in a worker, every staged operation waiting for room holds its own.
-        self._wait_until(lambda: self.workers.chunks_in_flight + len(self._staged_ops)
-                         < self._max_chunks)
+        if not self._has_room():
+            self._wait_until(self._has_room)
         op = None
         try:
             with deferred_interrupts():
                 op = open_operation(next(self._op_ids), buffer, target, file_offset,
                                     is_read=is_read, validate=validate, o_direct=self._o_direct)
-            # An async operation runs inline only when none is in flight: it cannot then
-            # overtake an earlier one.
-            if op.buffer.nbytes <= self.placement.inline_limit(op) \
-                    and not (is_async and self._ops):
+            # An async operation runs inline only when none is in flight (it cannot then
+            # overtake an earlier one) and the caller queue cannot take it.
+            if op.buffer.nbytes <= self.placement.inline_limit(op) and not (
+                    is_async and (self._ops or self.workers.may_take_in_caller(op))):
                 self._run_inline(op, is_async)
             else:
                 self._start(op, is_async)
@@ -177,6 +180,9 @@ class Scheduler:
                 self._abandon(op)
             raise
         return op
+
+    def _has_room(self):
+        return self.workers.chunks_in_flight + len(self._staged_ops) < self._max_chunks
 
     def _start(self, op, is_async):
         """Place the operation and hand its chunks to the workers."""
@@ -188,10 +194,20 @@ class Scheduler:
 
     def _place(self, op):
         self.placement.place(op)
+        # Note [caller queue]; the queue and the workers never hold operations at once, so
+        # no operation overtakes an earlier one.
+        if not self._worker_ops and self.workers.takes_in_caller(op):
+            op.by_caller = True
+            if op.staged is None:
+                op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
         op.remaining = len(op.chunks)
 
     def _launch(self, op, is_async):
         """Register a placed operation and send what can go now (under the lock)."""
+        if not op.by_caller:
+            self._worker_ops += 1
+            if self.workers.queue is not None and self.workers.queue.in_flight:
+                self._complete(self.workers.drain_queue())     # short: small requests
         self._ops[op.op_id] = op
         op.started = True
         if is_async:
@@ -201,7 +217,7 @@ class Scheduler:
             return
         self._staged_ops.append(op)
         self._feed(op)
-        if is_async and not op.done and not self._driving:
+        if is_async and not op.done and op.staged.waiting() and not self._driving:
             self._drive_in_background()
 
     def _run_inline(self, op, is_async):
@@ -244,7 +260,8 @@ class Scheduler:
         for index in range(len(op.chunks)):
             if not self._sent(op, index):
                 break
-        op.file.close()
+        if not op.by_caller:    # the workers hold their own copies of the descriptors
+            op.file.close()
 
     def _sent(self, op, index):
         """Send one chunk; False if it could not go. A live worker's refusal fails the
@@ -356,10 +373,10 @@ class Scheduler:
 
     def _pump(self, pool):
         """Read the workers' responses and complete their chunks (Note [deferred interrupts])."""
-        events = pool.poll()
+        events = self.workers.poll(pool)
         with deferred_interrupts(), self._cond:
             try:
-                responses = pool.read(events)
+                responses = self.workers.read(pool, events)
             except WorkerDied as death:
                 self._fail_pool(pool, death)
                 return
@@ -367,12 +384,14 @@ class Scheduler:
                 if pool is not self.workers.pool:
                     return      # killed under us (close): its descriptors are gone
                 raise
-            for response in responses:
-                op = self._ops.get(response.op_id)
-                if op is not None:
-                    self.workers.chunks_in_flight -= 1
-                    self._complete_chunk(op, response.chunk, response.error,
-                                         response.at_offset, response.requested, response.got)
+            self._complete(responses)
+
+    def _complete(self, responses):
+        for response in responses:
+            op = self._ops.get(response.op_id)
+            if op is not None:
+                self._complete_chunk(op, response.chunk, response.error, response.at_offset,
+                                     response.requested, response.got)
 
     def _complete_chunk(self, op, chunk, err, at_offset, requested, got):
         start, length = op.chunks[chunk]
@@ -395,14 +414,18 @@ class Scheduler:
             self._fail_all(death)
 
     def _fail_all(self, death):
-        """Fail every operation in flight; their workers are gone."""
+        """Fail every operation in flight with the workers; they are gone. (The caller
+        queue's complete from the kernel whatever happens to the workers.)"""
         for op in list(self._ops.values()):
+            if op.by_caller:
+                continue
             if op.error is None:
                 op.error = WorkerDied(f"{death}: {op.describe()}")
             self._finish(op)
 
     def _finish(self, op):
-        self._ops.pop(op.op_id, None)
+        if self._ops.pop(op.op_id, None) is not None and not op.by_caller:
+            self._worker_ops -= 1
         if op.staged is not None and op in self._staged_ops:
             self._staged_ops.remove(op)
         if op.error is None and op.validate:

@@ -68,6 +68,10 @@ class StagedPieces:
         self.started += 1
         return index
 
+    def waiting(self):
+        """Whether pieces wait for room in the staging space."""
+        return self.started < len(self.pieces)
+
     def region_offset(self, index):
         return self._extent_of[index][0] + (self._phase if index == 0 else 0)
 

@@ -1,9 +1,12 @@
 """The scheduler's side of its worker processes: the pool (started, replaced after a death,
 stopped), chunks handed out in turn with the regions they need mapped first, regions
-unmapped, and the chunks in flight counted. Called with the scheduler's lock held."""
+unmapped, and the chunks in flight counted; and the caller's own queue for small
+operations. Called with the scheduler's lock held."""
 import errno
 import resource
+import select
 
+from .._engine import CallerQueue
 from ..workers import protocol
 from ..workers.pool import WorkerPool
 
@@ -26,22 +29,80 @@ def chunks_in_flight_limit():
 
 
 class Workforce:
-    """One handle's workers, as the scheduler uses them."""
+    """One handle's workers and caller queue, as the scheduler uses them.
+
+    Note [caller queue]: a small operation that O_DIRECT can move whole (aligned offset
+    and length, host memory the kernel can reach) is one kernel AIO request; a worker
+    adds two process wake-ups and a socket round trip to it, more than the request costs
+    on a fast device. So such asynchronous operations are submitted from the calling
+    thread into the handle's own kernel AIO context and reaped in bulk by whichever thread
+    reads responses; the context's eventfd wakes that thread beside the workers' sockets.
+    Many small reads are then in flight at once, as fio keeps them, at the cost of one
+    system call each. A worker's death does not touch them. Larger operations still fan
+    out to the workers.
+    """
 
     def __init__(self, placement, parallelism, engine_args):
         self.pool = None
-        self.chunks_in_flight = 0
+        self.queue = None       # the CallerQueue, made with the first pool
+        self._with_workers = 0
         self._placement = placement
         self._parallelism = parallelism
         self._engine_args = engine_args
         self._next = 0
+
+    @property
+    def chunks_in_flight(self):
+        return self._with_workers + (self.queue.in_flight if self.queue is not None else 0)
 
     def running(self):
         """The current pool, started if there is none."""
         if self.pool is None:
             self.pool = WorkerPool(self._parallelism, self._engine_args)
             self._next = 0
+            if self.queue is None:  # after the workers: theirs must fit under fs.aio-max-nr
+                self.queue = _caller_queue()
+            if self.queue is not None:
+                self.pool.also_wake(self.queue.eventfd)
         return self.pool
+
+    def takes_in_caller(self, op):
+        """Whether ``op`` (placed) goes to the caller queue (Note [caller queue])."""
+        return (self.queue is not None and op.region.read_kind == protocol.READ
+                and op.buffer.nbytes <= self._placement.inline_limit(op)
+                and _o_direct_whole(op))
+
+    def may_take_in_caller(self, op):
+        """``takes_in_caller`` as far as it can be told before placement."""
+        return (self.queue is not None and op.buffer.nbytes <= self._placement.inline_limit(op)
+                and _o_direct_whole(op))
+
+    def poll(self, pool):
+        """Block until ``pool`` or the caller queue has something to say."""
+        if pool is not None:
+            return pool.poll()
+        select.select([self.queue.eventfd], [], [])     # only the queue has work out
+        return []
+
+    def read(self, pool, events):
+        """The responses ready after ``poll()``, the caller queue's included."""
+        responses = pool.read(events) if pool is not None else []
+        if pool is self.pool:
+            self._with_workers -= len(responses)
+        if self.queue is not None and self.queue.in_flight:
+            responses.extend(protocol.Response(*done) for done in self.queue.reap())
+        return responses
+
+    def drain_queue(self):
+        """Wait for every request in the caller queue; their responses."""
+        if self.queue is None:
+            return []
+        return [protocol.Response(*done) for done in self.queue.reap(wait_all=True)]
+
+    def close_queue(self):
+        queue, self.queue = self.queue, None
+        if queue is not None:
+            queue.close()
 
     def replace_if_dead(self):
         """With nothing in flight, a pool with a member that died is dropped (the next
@@ -59,7 +120,7 @@ class Workforce:
     def kill(self):
         """SIGKILL and reap every worker: no kernel AIO of theirs touches our memory after."""
         pool, self.pool = self.pool, None
-        self.chunks_in_flight = 0
+        self._with_workers = 0
         if pool is not None:
             pool.kill()
 
@@ -78,13 +139,19 @@ class Workforce:
         """Send chunk ``index`` of ``op`` to the next worker. Returns 0; ``GONE`` if that
         worker is dead or dying (the pump sees it and fails what is in flight); or the
         errno with which a live worker's socket refused it (ETOOMANYREFS: descriptors in
-        flight beyond RLIMIT_NOFILE), the chunk then not counted."""
+        flight beyond RLIMIT_NOFILE), the chunk then not counted. An operation of the
+        caller queue's is submitted there (the kernel's refusal is returned likewise)."""
+        if op.by_caller:
+            start, length = op.chunks[index]
+            return self.queue.submit(op.op_id, index, op.is_read, op.file.direct_fd,
+                                     op.region.address + op.region_offset_of(index),
+                                     length, op.file_offset + start)
         workers = self.pool.workers
         worker = workers[self._next]
         self._next = (self._next + 1) % len(workers)
         start, length = op.chunks[index]
         region = op.region
-        self.chunks_in_flight += 1
+        self._with_workers += 1
         try:
             if region.region_id not in worker.mapped:
                 for message, fds in self._placement.map_requests(worker, region):
@@ -97,7 +164,7 @@ class Workforce:
         except OSError as error:
             if worker.process.poll() is not None or error.errno in _DEATH:
                 return GONE
-            self.chunks_in_flight -= 1
+            self._with_workers -= 1
             return error.errno or errno.EIO
         return 0
 
@@ -110,3 +177,21 @@ class Workforce:
                     worker.send(protocol.unmap_request(region.region_id))
                 except OSError:
                     pass    # a dead worker maps nothing; the pump will see its death
+
+
+def _caller_queue():
+    """The handle's caller queue, or None where the kernel refuses another AIO context
+    (fs.aio-max-nr): small operations then go to the workers like the rest."""
+    try:
+        # Back-pressure keeps fewer than MAX_CHUNKS_IN_FLIGHT out; twice that leaves room
+        # for threads that passed it at once.
+        return CallerQueue(2 * MAX_CHUNKS_IN_FLIGHT)
+    except OSError:
+        return None
+
+
+def _o_direct_whole(op):
+    """O_DIRECT can move all of ``op`` in one request: its file range is aligned (its
+    memory then is too: placement keeps memory and file at the same phase)."""
+    alignment = op.file.alignment
+    return op.file_offset % alignment == 0 and op.buffer.nbytes % alignment == 0

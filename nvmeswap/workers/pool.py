@@ -83,6 +83,10 @@ class WorkerPool:
                 self._poller.register(fd, select.POLLIN)
                 self._by_fd[fd] = worker
 
+    def also_wake(self, fd):
+        """Let ``fd`` becoming readable end ``poll()`` too (the caller queue's eventfd)."""
+        self._poller.register(fd, select.POLLIN)
+
     def _await_ready(self):
         deadline = time.monotonic() + STARTUP_TIMEOUT
         for worker in self.workers:
@@ -120,8 +124,12 @@ class WorkerPool:
     def read(self, events):
         """The responses ready after ``poll()``; WorkerDied if a worker has gone."""
         responses = []
+        heard = False
         for fd, _ in events:
-            worker = self._by_fd[fd]
+            worker = self._by_fd.get(fd)
+            if worker is None:
+                continue        # also_wake's: not ours to read
+            heard = True
             if fd == worker.pidfd:
                 continue
             while True:
@@ -135,7 +143,7 @@ class WorkerPool:
                     break
                 responses.append(protocol.unpack_response(data))
         # Responses that arrived before a death still count; the death is seen next call.
-        if not responses:
+        if heard and not responses:
             death = self.first_death()
             if death is not None:
                 raise WorkerDied(death)

@@ -8,10 +8,13 @@ cdef extern from "kernel_aio.h" nogil:
     enum:
         IOCB_CMD_PREAD
         IOCB_CMD_PWRITE
+        IOCB_FLAG_RESFD
 
     struct iocb:
         unsigned long long aio_data
         unsigned short aio_lio_opcode
+        unsigned int aio_flags
+        unsigned int aio_resfd
         unsigned int aio_fildes
         unsigned long long aio_buf
         unsigned long long aio_nbytes
@@ -32,6 +35,7 @@ cdef extern from "kernel_aio.h" nogil:
     long nvmeswap_io_submit(aio_context_t ctx, long nr, iocb **iocbs)
     long nvmeswap_io_getevents(aio_context_t ctx, long min_nr, long nr,
                                io_event *events, timespec *timeout)
+    long nvmeswap_eventfd()
     long nvmeswap_pread(int fd, void *buf, size_t count, off_t offset)
     long nvmeswap_pwrite(int fd, const void *buf, size_t count, off_t offset)
     long nvmeswap_fallocate(int fd, off_t offset, off_t len)

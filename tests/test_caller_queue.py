@@ -1,0 +1,167 @@
+"""Note [caller queue]: small aligned async operations go into the handle's own kernel AIO
+context, many at once, and never through a worker."""
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_bytes
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _workers(h):
+    return [w.process.pid for w in h._scheduler.workers.pool.workers]
+
+
+def _stopped_workers(h):
+    """SIGSTOP every worker of ``h``; a context manager that lets them go on after."""
+    class Stopped:
+        def __enter__(self):
+            self.pids = _workers(h)
+            for pid in self.pids:
+                os.kill(pid, signal.SIGSTOP)
+
+        def __exit__(self, *exc):
+            for pid in self.pids:
+                os.kill(pid, signal.SIGCONT)
+    return Stopped()
+
+
+@pytest.mark.parametrize("locked", [True, False], ids=["locked", "plain"])
+def test_small_async_operations_run_without_the_workers(handle_factory, tmp_path, locked):
+    """With every worker stopped, 4 KiB and 64 KiB async writes and reads at random aligned
+    offsets still complete, many in flight at once, and move the right bytes."""
+    h = handle_factory(intra_op_parallelism=2)
+    path = str(tmp_path / "f")
+    data = np.frombuffer(random_bytes(8 * MiB, seed=3), dtype=np.uint8)
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+    h.sync_pread(torch.empty(MiB, dtype=torch.uint8), path)     # the workers are up
+    rng = np.random.default_rng(1)
+    sizes = rng.choice([4 * KiB, 64 * KiB], 200)
+    offsets = [int(rng.integers(0, (8 * MiB - s) // (4 * KiB))) * 4 * KiB for s in sizes]
+    total = int(sizes.sum())
+    if locked:
+        buffer = h.new_cpu_locked_tensor(total, torch.empty(0, dtype=torch.uint8))
+    else:
+        buffer = torch.zeros(total, dtype=torch.uint8)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    with _stopped_workers(h):
+        for start, size, offset in zip(starts, sizes, offsets):
+            assert h.async_pread(buffer[start:start + size], path, offset) == 0
+        assert h._scheduler.workers.queue.in_flight > 1
+        assert h.wait() == len(sizes)
+        for start, size, offset in zip(starts, sizes, offsets):
+            assert np.array_equal(buffer[start:start + size].numpy(), data[offset:offset + size])
+        # Writes: each to its own 64 KiB slot of a second file, then the file read back.
+        second = str(tmp_path / "g")
+        buffer.copy_(torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8)))
+        slots = [i * 64 * KiB for i in range(len(sizes))]
+        for start, size, slot in zip(starts, sizes, slots):
+            assert h.async_pwrite(buffer[start:start + size], second, slot) == 0
+        assert h.wait() == len(sizes)
+    written = np.fromfile(second, dtype=np.uint8)
+    for start, size, slot in zip(starts, sizes, slots):
+        assert np.array_equal(written[slot:slot + size], buffer[start:start + size].numpy())
+    if locked:
+        assert h.free_cpu_locked_tensor(buffer)
+
+
+def test_a_large_operation_waits_for_the_small_ones_before_it(handle_factory, tmp_path):
+    """Queued small writes, then a large write over the same bytes: the large one's bytes
+    are what the file holds (it did not overtake them)."""
+    h = handle_factory(intra_op_parallelism=2)
+    path = str(tmp_path / "f")
+    for round_number in range(5):
+        small = h.new_cpu_locked_tensor(4 * KiB, torch.empty(0, dtype=torch.uint8))
+        small.fill_(0x11)
+        for slot in range(64):
+            h.async_pwrite(small, path, slot * 4 * KiB)
+        large = torch.full((4 * MiB,), 0x22 + round_number, dtype=torch.uint8)
+        h.async_pwrite(large, path)
+        assert h.wait() == 65
+        assert set(np.fromfile(path, dtype=np.uint8).tolist()) == {0x22 + round_number}
+        assert h.free_cpu_locked_tensor(small)
+
+
+def test_queued_operations_outlive_a_worker_death(handle_factory, tmp_path):
+    """A worker killed while small reads are queued fails only what it held: the queued
+    reads complete with the right bytes, and the handle goes on with new workers."""
+    h = handle_factory(intra_op_parallelism=2)
+    path = str(tmp_path / "f")
+    data = random_bytes(4 * MiB, seed=5)
+    with open(path, "wb") as f:
+        f.write(data)
+    h.sync_pread(torch.empty(MiB, dtype=torch.uint8), path)
+    buffer = h.new_cpu_locked_tensor(64 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    with _stopped_workers(h) as stopped:
+        for k in range(64):
+            h.async_pread(buffer[k * 4 * KiB:(k + 1) * 4 * KiB], path, (63 - k) * 4 * KiB)
+        os.kill(_workers(h)[0], signal.SIGKILL)
+        assert h.wait() == 64
+    for k in range(64):
+        offset = (63 - k) * 4 * KiB
+        assert bytes(buffer[k * 4 * KiB:(k + 1) * 4 * KiB].numpy()) == data[offset:offset + 4 * KiB]
+    whole = torch.empty(4 * MiB, dtype=torch.uint8)
+    assert h.sync_pread(whole, path) == 1 and bytes(whole.numpy()) == data
+    del stopped
+
+
+def test_close_without_wait_finishes_queued_writes(handle_factory, tmp_path):
+    h = handle_factory()
+    path = str(tmp_path / "f")
+    h.sync_pread(torch.empty(4 * KiB, dtype=torch.uint8), _file(tmp_path, 4 * KiB))
+    source = h.new_cpu_locked_tensor(128 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    source.copy_(torch.frombuffer(bytearray(random_bytes(512 * KiB, seed=9)), dtype=torch.uint8))
+    for k in range(128):
+        h.async_pwrite(source[k * 4 * KiB:(k + 1) * 4 * KiB], path, k * 4 * KiB)
+    expected = bytes(source.numpy())
+    h.close()
+    with open(path, "rb") as f:
+        assert f.read() == expected
+
+
+def test_the_queue_reports_what_the_kernel_says(tmp_path):
+    """Completions carry a worker's response fields: success, a short read at end of file
+    (no errno, the bytes got), a failed request (its errno); a refused one is returned."""
+    import errno
+    import mmap
+
+    from nvmeswap._engine import CallerQueue
+
+    path = _file(tmp_path, 64 * KiB)
+    memory = mmap.mmap(-1, 64 * KiB)
+    address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
+    queue = CallerQueue(4)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    read_only = os.open(path, os.O_RDONLY)
+    try:
+        assert queue.submit(1, 0, True, direct, address, 8 * KiB, 4 * KiB) == 0
+        assert queue.submit(2, 3, True, direct, address + 8 * KiB, 8 * KiB, 60 * KiB) == 0
+        assert queue.submit(3, 1, True, direct, 4 * KiB, 4 * KiB, 0) == 0   # unmapped
+        assert queue.submit(4, 0, False, read_only, address, 4 * KiB, 0) == errno.EBADF
+        done = sorted(queue.reap(wait_all=True))
+        assert queue.in_flight == 0
+        assert done == [(1, 0, 0, 0, 0, 0), (2, 3, 0, 60 * KiB, 8 * KiB, 4 * KiB),
+                        (3, 1, errno.EFAULT, 0, 4 * KiB, 0)]
+        assert memory[:8 * KiB] == open(path, "rb").read()[4 * KiB:12 * KiB]
+        for k in range(5):
+            assert queue.submit(k, 0, True, direct, address, 4 * KiB, 0) == (
+                0 if k < 4 else errno.EAGAIN)
+        assert len(queue.reap(wait_all=True)) == 4
+    finally:
+        queue.close()
+        os.close(direct)
+        os.close(read_only)
+        del address
+    assert queue.submit(1, 0, True, -1, 0, 4 * KiB, 0) == errno.EINVAL     # closed
+
+
+def _file(tmp_path, nbytes):
+    path = str(tmp_path / "source")
+    with open(path, "wb") as f:
+        f.write(random_bytes(nbytes))
+    return path
