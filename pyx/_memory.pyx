@@ -12,7 +12,7 @@ from posix.types cimport off_t
 
 from includes.mman cimport (
     mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE,
-    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE,
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, nvmeswap_mlock_on_fault,
 )
 
 
@@ -48,15 +48,18 @@ cdef class Mapping:
     def address(self):
         return <size_t>self.base
 
-    def lock(self):
-        """Page-lock the mapping; return 0 or the errno that refused it."""
-        cdef int ret
+    def lock(self, bint on_fault=False):
+        """Page-lock the mapping; return 0 or the errno that refused it. ``on_fault``:
+        lock each page as it is first touched instead of all of them now."""
+        cdef int err
         with nogil:
-            ret = mlock(self.base, self.size)
-        if ret == 0:
+            if on_fault:
+                err = nvmeswap_mlock_on_fault(self.base, self.size)
+            else:
+                err = 0 if mlock(self.base, self.size) == 0 else errno
+        if err == 0:
             self.locked = True
-            return 0
-        return errno
+        return err
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         PyBuffer_FillInfo(view, self, self.base, self.size, 0, flags)

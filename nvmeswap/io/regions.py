@@ -191,20 +191,21 @@ arenas = _one_per_process(Arenas)
 
 class SharedRegion:
     """Page-aligned, page-locked (when allowed) memory that workers can map by fd: a
-    range of an arena (Note [memfd arenas])."""
+    range of an arena (Note [memfd arenas]). ``lock_on_fault``: each page is locked as
+    it is first touched, so that making the region costs nothing up front."""
 
     read_kind, write_kind = protocol.READ, protocol.WRITE
 
     __slots__ = ("region_id", "arena", "offset", "mapping", "size", "address", "unregister",
                  "__weakref__")
 
-    def __init__(self, nbytes):
+    def __init__(self, nbytes, lock_on_fault=False):
         self.region_id = next(region_ids)
         self.size = round_up(max(nbytes, 1), PAGE)
         self.mapping, self.arena, self.offset = arenas().map(self.size)
         self.address = self.mapping.address
         self.unregister = None      # set by gpu.copies.register_for_device_copies
-        _warn_if_refused(self.mapping.lock(), self.size)
+        _warn_if_refused(self.mapping.lock(lock_on_fault), self.size)
 
     def map_request(self):
         """The message (and descriptors) that has a worker map this region."""

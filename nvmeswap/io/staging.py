@@ -31,7 +31,9 @@ class StagingSpace:
 
     def shared_region(self):
         if self.region is None:
-            self.region = SharedRegion(self.nbytes)
+            # Locked page by page as pieces first touch it: an operation smaller than
+            # the space pays only for what it uses.
+            self.region = SharedRegion(self.nbytes, lock_on_fault=True)
         return self.region
 
     def close(self):

@@ -18,3 +18,7 @@ cdef extern from "<fcntl.h>" nogil:
         FALLOC_FL_KEEP_SIZE
         FALLOC_FL_PUNCH_HOLE
     int fallocate(int fd, int mode, off_t offset, off_t length)
+
+
+cdef extern from "memory_lock.h" nogil:
+    int nvmeswap_mlock_on_fault(const void *addr, size_t length)
