@@ -165,3 +165,38 @@ def _file(tmp_path, nbytes):
     with open(path, "wb") as f:
         f.write(random_bytes(nbytes))
     return path
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_conflicting_operations_run_in_the_order_they_were_started(handle_factory, tmp_path,
+                                                                   parallelism):
+    """Note [ordering]: whatever road each takes (workers, caller queue, calling thread),
+    a read sees the writes started before it, a write does not change a read started
+    before it, and of overlapping writes the later one's bytes stay."""
+    h = handle_factory(intra_op_parallelism=parallelism)
+    path = str(tmp_path / "f")
+    old = random_bytes(8 * MiB, seed=11)
+    with open(path, "wb") as f:
+        f.write(old)
+    for round_number in range(3):
+        new = bytearray(random_bytes(8 * MiB, seed=round_number))
+        h.async_pwrite(torch.frombuffer(new, dtype=torch.uint8), path)     # staged, large
+        small = torch.empty(4 * KiB, dtype=torch.uint8)
+        assert h.sync_pread(small, path, 8 * KiB) == 1     # would run in this thread
+        assert bytes(small.numpy()) == new[8 * KiB:12 * KiB]
+        locked = h.new_cpu_locked_tensor(64 * KiB, torch.empty(0, dtype=torch.uint8))
+        h.async_pread(locked, path, MiB)                   # would go to the caller queue
+        assert h.wait() == 2
+        assert bytes(locked.numpy()) == new[MiB:MiB + 64 * KiB]
+        # A large read, then a small write into its range: the read keeps the old bytes.
+        whole = torch.empty(8 * MiB, dtype=torch.uint8)
+        h.async_pread(whole, path)
+        locked.fill_(round_number + 1)
+        h.async_pwrite(locked, path, 2 * MiB)
+        assert h.wait() == 2
+        assert bytes(whole.numpy()) == new
+        new[2 * MiB:2 * MiB + 64 * KiB] = bytes([round_number + 1]) * (64 * KiB)
+        with open(path, "rb") as f:
+            assert f.read() == new
+        assert h.free_cpu_locked_tensor(locked)
+        assert not h._scheduler._held

@@ -19,7 +19,8 @@ class Operation:
 
     __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
                  "staged", "owns_region", "copier", "chunks", "remaining", "error",
-                 "validate", "done", "started", "shares_file", "by_caller")
+                 "validate", "done", "started", "shares_file", "by_caller", "is_async",
+                 "waits_for")
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
         self.op_id = op_id
@@ -40,6 +41,8 @@ class Operation:
         self.started = False    # the scheduler's books hold it: it completes from there
         self.shares_file = False    # Note [shared growth]
         self.by_caller = False      # in the caller queue, not with the workers
+        self.is_async = False
+        self.waits_for = None       # earlier operations it must follow (Note [ordering])
 
     def is_done(self):
         return self.done

@@ -17,6 +17,7 @@ from .._engine import transfer_in_caller
 from ..errors import ValidationError, WorkerDied, caller_stacklevel
 from .interrupts import deferred_interrupts
 from .operation import WRITES, open_operation
+from .ordering import Ordering
 from .validate import validate
 from .workforce import GONE, Workforce, chunks_in_flight_limit
 
@@ -40,7 +41,8 @@ class Scheduler:
         self._op_ids = itertools.count(1)
         self._driving = False
         self._staged_ops = []   # staged operations in flight, oldest first
-        self._worker_ops = 0    # operations in flight with the workers (not by_caller)
+        self._ordering = Ordering()
+        self._held = []         # started operations that wait for earlier ones, in order
         self._max_chunks = chunks_in_flight_limit()
         self._inline = 0        # synchronous operations running in their callers' threads
         with self._cond:
@@ -168,8 +170,8 @@ class Scheduler:
             with deferred_interrupts():
                 op = open_operation(next(self._op_ids), buffer, target, file_offset,
                                     is_read=is_read, validate=validate, o_direct=self._o_direct)
-            # An async operation runs inline only when none is in flight (it cannot then
-            # overtake an earlier one) and the caller queue cannot take it.
+            # An async operation runs inline only when none is in flight (else it would
+            # make its caller wait for them) and the caller queue cannot take it.
             if op.buffer.nbytes <= self.placement.inline_limit(op) and not (
                     is_async and (self._ops or self.workers.may_take_in_caller(op))):
                 self._run_inline(op, is_async)
@@ -182,7 +184,8 @@ class Scheduler:
         return op
 
     def _has_room(self):
-        return self.workers.chunks_in_flight + len(self._staged_ops) < self._max_chunks
+        return (self.workers.chunks_in_flight + len(self._staged_ops) + len(self._held)
+                < self._max_chunks)
 
     def _start(self, op, is_async):
         """Place the operation and hand its chunks to the workers."""
@@ -194,37 +197,49 @@ class Scheduler:
 
     def _place(self, op):
         self.placement.place(op)
-        # Note [caller queue]; the queue and the workers never hold operations at once, so
-        # no operation overtakes an earlier one.
-        if not self._worker_ops and self.workers.takes_in_caller(op):
+        if self.workers.takes_in_caller(op):      # Note [caller queue]
             op.by_caller = True
             if op.staged is None:
                 op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
         op.remaining = len(op.chunks)
 
     def _launch(self, op, is_async):
-        """Register a placed operation and send what can go now (under the lock)."""
-        if not op.by_caller:
-            self._worker_ops += 1
-            if self.workers.queue is not None and self.workers.queue.in_flight:
-                self._complete(self.workers.drain_queue())     # short: small requests
+        """Register a placed operation and send what can go now, or hold it until the
+        earlier operations it conflicts with have finished (Note [ordering]); under the
+        lock."""
         self._ops[op.op_id] = op
         op.started = True
+        op.is_async = is_async
         if is_async:
             self._async_ops.append(op)
+        op.waits_for = self._ordering.add(op)
+        if op.waits_for:
+            self._held.append(op)
+        else:
+            self._go(op)
+
+    def _go(self, op):
         if op.staged is None:
             self._dispatch(op)
             return
         self._staged_ops.append(op)
         self._feed(op)
-        if is_async and not op.done and op.staged.waiting() and not self._driving:
+        if op.is_async and not op.done and op.staged.waiting() and not self._driving:
             self._drive_in_background()
+
+    def _release_held(self, finished):
+        """``finished`` is done: start the held operations that waited only for it."""
+        for op in list(self._held):
+            op.waits_for.discard(finished)
+            if not op.waits_for and op.error is None:
+                self._held.remove(op)
+                self._go(op)
 
     def _run_inline(self, op, is_async):
         """Note [small synchronous operations]: an operation of one request runs in the
-        calling thread: a synchronous one always, an asynchronous one when nothing is in
-        flight (so it cannot overtake an earlier one; small random async reads waited for
-        in batches are then as cheap as synchronous ones). A round trip to a worker costs
+        calling thread: a synchronous one unless it must follow an operation in flight
+        (Note [ordering]), an asynchronous one when nothing is in flight and the caller
+        queue cannot take it (Note [caller queue]). A round trip to a worker costs
         two process wake-ups, more than the request itself on a fast device, and one
         request gains nothing from fan-out. ``release`` waits for such operations: they
         borrow the staging space.
@@ -232,8 +247,10 @@ class Scheduler:
         with deferred_interrupts(), self._cond:
             self.check_usable()
             self._place(op)
-            if op.staged is not None and op.staged.start_next() is None:
-                # The staging space is lent out: wait for it like any operation.
+            if self._ordering.conflicts(op) or (op.staged is not None
+                                                and op.staged.start_next() is None):
+                # It must follow an operation in flight (Note [ordering]), or the staging
+                # space is lent out: it waits like any operation.
                 self._running_pool()
                 self._launch(op, is_async)
                 return
@@ -414,18 +431,20 @@ class Scheduler:
             self._fail_all(death)
 
     def _fail_all(self, death):
-        """Fail every operation in flight with the workers; they are gone. (The caller
-        queue's complete from the kernel whatever happens to the workers.)"""
-        for op in list(self._ops.values()):
-            if op.by_caller:
-                continue
+        """Fail every operation in flight with the workers, or held; the workers are
+        gone. (The caller queue's complete from the kernel whatever happens to them.)"""
+        failing = [op for op in self._ops.values() if not op.by_caller or op in self._held]
+        for op in failing:      # all first: none of them may be started by another's end
             if op.error is None:
                 op.error = WorkerDied(f"{death}: {op.describe()}")
+        for op in failing:
             self._finish(op)
 
     def _finish(self, op):
-        if self._ops.pop(op.op_id, None) is not None and not op.by_caller:
-            self._worker_ops -= 1
+        if self._ops.pop(op.op_id, None) is not None:
+            self._ordering.remove(op)
+            if op in self._held:
+                self._held.remove(op)
         if op.staged is not None and op in self._staged_ops:
             self._staged_ops.remove(op)
         if op.error is None and op.validate:
@@ -438,6 +457,8 @@ class Scheduler:
         self._release_memory(op)
         op.buffer = op.region = op.copier = None
         op.done = True
+        if self._held:
+            self._release_held(op)
 
     def _abandon(self, op):
         """Give back what an operation that never started holds."""
