@@ -30,37 +30,86 @@ cdef struct Outcome:
     long long got
 
 
+cdef struct Transfer:
+    bint is_read
+    int fd
+    char *buf           # the O_DIRECT middle: its memory, length and file offset
+    long long nbytes
+    long long offset
+    long long total     # requests it takes
+    long long prepared
+    long long completed
+    bint stopping       # failed: no more of its requests start
+    Outcome out
+
+
 cdef class AioEngine:
-    """One kernel AIO context and the request slots for up to ``queue_depth`` requests."""
+    """One kernel AIO context, its ``queue_depth`` request slots, and the transfers in
+    progress (at most ``max_transfers``).
+
+    Note [concurrent transfers]: a worker is handed one chunk after another (the pieces
+    of a staged operation arrive as they are copied), and a chunk smaller than
+    ``queue_depth`` blocks would leave the queue part empty if it ran alone. So every
+    transfer started with ``begin`` shares the slots: ``advance`` fills free slots from
+    the oldest transfer on, and reports transfers as they end. With ``overlap_events``
+    free slots are refilled at every completion; without it (DeepNVMe's default) a new
+    batch starts when the previous one has completed.
+    """
     cdef aio_context_t ctx
     cdef iocb *slots
     cdef iocb **batch
     cdef io_event *events
     cdef int *free_slots
+    cdef int n_free
+    cdef int in_flight
+    cdef int *owner             # slot -> index of its transfer
+    cdef Transfer *transfers
+    cdef bint *used
+    cdef int *order             # indices of the transfers in progress, oldest first
+    cdef int n_order
     cdef readonly size_t block_size
     cdef readonly int queue_depth
+    cdef readonly int max_transfers
     cdef readonly bint single_submit
     cdef readonly bint overlap_events
 
     def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
-                  bint overlap_events):
+                  bint overlap_events, int max_transfers=256):
         self.ctx = 0
         self.slots = NULL
         self.batch = NULL
         self.events = NULL
         self.free_slots = NULL
-        if block_size == 0 or queue_depth <= 0:
-            raise ValueError("block_size and queue_depth must be positive")
+        self.owner = NULL
+        self.transfers = NULL
+        self.used = NULL
+        self.order = NULL
+        if block_size == 0 or queue_depth <= 0 or max_transfers <= 0:
+            raise ValueError("block_size, queue_depth and max_transfers must be positive")
         self.block_size = block_size
         self.queue_depth = queue_depth
+        self.max_transfers = max_transfers
         self.single_submit = single_submit
         self.overlap_events = overlap_events
         self.slots = <iocb *>malloc(sizeof(iocb) * queue_depth)
         self.batch = <iocb **>malloc(sizeof(iocb *) * queue_depth)
         self.events = <io_event *>malloc(sizeof(io_event) * queue_depth)
         self.free_slots = <int *>malloc(sizeof(int) * queue_depth)
-        if not (self.slots and self.batch and self.events and self.free_slots):
+        self.owner = <int *>malloc(sizeof(int) * queue_depth)
+        self.transfers = <Transfer *>malloc(sizeof(Transfer) * max_transfers)
+        self.used = <bint *>malloc(sizeof(bint) * max_transfers)
+        self.order = <int *>malloc(sizeof(int) * max_transfers)
+        if not (self.slots and self.batch and self.events and self.free_slots and self.owner
+                and self.transfers and self.used and self.order):
             raise MemoryError()
+        cdef int i
+        for i in range(queue_depth):
+            self.free_slots[i] = i
+        for i in range(max_transfers):
+            self.used[i] = False
+        self.n_free = queue_depth
+        self.in_flight = 0
+        self.n_order = 0
         cdef long ret = nvmeswap_io_setup(queue_depth, &self.ctx)
         if ret < 0:
             self.ctx = 0
@@ -68,94 +117,156 @@ cdef class AioEngine:
 
     def __dealloc__(self):
         if self.ctx:
-            nvmeswap_io_destroy(self.ctx)
+            nvmeswap_io_destroy(self.ctx)   # waits for the requests still in flight
         free(self.slots)
         free(self.batch)
         free(self.events)
         free(self.free_slots)
+        free(self.owner)
+        free(self.transfers)
+        free(self.used)
+        free(self.order)
+
+    @property
+    def busy(self):
+        """Whether transfers are in progress."""
+        return self.n_order > 0
+
+    @property
+    def full(self):
+        """Whether ``begin`` must wait for a transfer to end."""
+        return self.n_order == self.max_transfers
 
     def transfer(self, bint is_read, int direct_fd, int buffered_fd, size_t address,
                  size_t nbytes, long long offset, size_t alignment):
         """Move the bytes; return ``(errno, at_offset, requested, got)``, errno 0 on success.
 
-        The caller keeps the memory mapped until this returns. ``alignment`` is 1 when
-        ``direct_fd`` is not O_DIRECT; otherwise ``address - offset`` must be a multiple of it.
+        Blocks until this transfer has ended; only for an engine with nothing else in
+        progress. ``alignment`` is 1 when ``direct_fd`` is not O_DIRECT; otherwise
+        ``address - offset`` must be a multiple of it.
         """
-        return _transfer(self, is_read, direct_fd, buffered_fd, address, nbytes, offset,
-                         alignment)
+        index = self.begin(is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
+        while True:
+            for ended in self.advance(True):
+                if ended[0] == index:
+                    return ended[1:]
 
-    cdef void _aio_transfer(self, bint is_read, int fd, char *buf, long long nbytes,
-                            long long offset, Outcome *out) noexcept nogil:
+    def begin(self, bint is_read, int direct_fd, int buffered_fd, size_t address,
+              size_t nbytes, long long offset, size_t alignment):
+        """Start a transfer (Note [concurrent transfers]); return its index, which
+        ``advance`` reports when it has ended. The caller keeps the memory mapped until then.
+
+        The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
+        ``buffered_fd``; the aligned middle through kernel AIO in ``advance``.
+        """
+        if self.n_order == self.max_transfers:
+            raise RuntimeError("too many transfers in progress")
+        cdef int index = 0
+        while self.used[index]:
+            index += 1
+        cdef Transfer *t = &self.transfers[index]
+        cdef long long middle_start, middle_end
+        t.is_read = is_read
+        t.total = t.prepared = t.completed = 0
+        t.stopping = False
+        _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &t.out,
+                    &middle_start, &middle_end)
+        if not t.out.failed and middle_end > middle_start:
+            t.fd = direct_fd
+            t.buf = <char *>address + (middle_start - offset)
+            t.nbytes = middle_end - middle_start
+            t.offset = middle_start
+            t.total = (t.nbytes + <long long>self.block_size - 1) // <long long>self.block_size
+        self.used[index] = True
+        self.order[self.n_order] = index
+        self.n_order += 1
+        return index
+
+    def advance(self, bint block):
+        """Start requests while slots are free; with ``block``, wait for completions
+        first if requests are in flight. Returns the transfers that have ended, as
+        ``(index, errno, at_offset, requested, got)`` (errno 0 on success)."""
+        cdef long ret = 0
+        with nogil:
+            self._start_requests()
+            if self.in_flight and block:
+                ret = self._reap(True)
+            elif self.in_flight:
+                ret = self._reap(False)
+            if ret >= 0:
+                self._start_requests()
+        if ret < 0:
+            # The context itself failed: nothing more can be reaped safely.
+            raise errno_error(<int>-ret, "io_getevents")
+        return self._ended()
+
+    cdef list _ended(self):
+        cdef list ended = []
+        cdef int k = 0, kept = 0, index
+        cdef Transfer *t
+        for k in range(self.n_order):
+            index = self.order[k]
+            t = &self.transfers[index]
+            if t.completed == t.prepared and (t.prepared == t.total or t.stopping
+                                              or t.out.failed):
+                self.used[index] = False
+                if t.out.failed:
+                    ended.append((index, t.out.err, t.out.at_offset, t.out.requested,
+                                  t.out.got))
+                else:
+                    ended.append((index, 0, 0, 0, 0))
+            else:
+                self.order[kept] = index
+                kept += 1
+        self.n_order = kept
+        return ended
+
+    cdef void _start_requests(self) noexcept nogil:
+        """Fill free slots with the next requests of the oldest transfers, and submit them."""
+        cdef int k, index, slot, ready = 0, submitted, i
         cdef long long bs = <long long>self.block_size
-        cdef long long total = (nbytes + bs - 1) // bs
-        cdef long long prepared = 0, completed = 0
-        cdef int in_flight = 0, n_free = self.queue_depth, ready, i, slot, n_events
-        cdef int submitted
-        cdef long ret
-        cdef long long expected
-        cdef bint stopping = False
+        cdef Transfer *t
         cdef iocb *cb
-        for i in range(self.queue_depth):
-            self.free_slots[i] = i
-        while completed < prepared or (prepared < total and not stopping):
-            # Submit: with overlap_events refill whatever slots are free, otherwise only
-            # start a new batch once the previous one has fully completed.
-            if not stopping and prepared < total and (self.overlap_events or in_flight == 0):
-                ready = 0
-                while n_free > 0 and prepared < total:
-                    n_free -= 1
-                    slot = self.free_slots[n_free]
-                    cb = &self.slots[slot]
-                    _clear_iocb(cb)
-                    cb.aio_data = slot
-                    cb.aio_lio_opcode = IOCB_CMD_PREAD if is_read else IOCB_CMD_PWRITE
-                    cb.aio_fildes = fd
-                    cb.aio_buf = <unsigned long long>(buf + prepared * bs)
-                    cb.aio_nbytes = <unsigned long long>min(bs, nbytes - prepared * bs)
-                    cb.aio_offset = offset + prepared * bs
-                    self.batch[ready] = cb
-                    ready += 1
-                    prepared += 1
-                submitted = self._submit(ready, in_flight, out)
-                in_flight += submitted
-                if submitted < ready:
-                    # Never submitted: give the slots back and stop (the error is in out).
-                    for i in range(submitted, ready):
-                        self.free_slots[n_free] = <int>self.batch[i].aio_data
-                        n_free += 1
-                    prepared -= ready - submitted
-                    if out.failed:
-                        stopping = True
-            if in_flight == 0:
-                continue
-            ret = nvmeswap_io_getevents(self.ctx, 1 if self.overlap_events else in_flight,
-                                        self.queue_depth, self.events, NULL)
-            if ret == -EINTR:
-                continue
-            if ret < 0:
-                # The context itself failed: nothing more can be reaped safely.
-                _fail(out, <int>-ret, offset, 0, 0)
-                return
-            n_events = <int>ret
-            for i in range(n_events):
-                slot = <int>self.events[i].data
+        if not self.overlap_events and self.in_flight > 0:
+            return
+        for k in range(self.n_order):
+            index = self.order[k]
+            t = &self.transfers[index]
+            while self.n_free > 0 and t.prepared < t.total and not t.stopping \
+                    and not t.out.failed:
+                self.n_free -= 1
+                slot = self.free_slots[self.n_free]
                 cb = &self.slots[slot]
-                expected = <long long>cb.aio_nbytes
-                if self.events[i].res != expected and not out.failed:
-                    if self.events[i].res < 0:
-                        _fail(out, <int>-self.events[i].res, cb.aio_offset, expected, 0)
-                    else:
-                        _fail(out, 0, cb.aio_offset, expected, self.events[i].res)
-                    stopping = True
-                self.free_slots[n_free] = slot
-                n_free += 1
-            in_flight -= n_events
-            completed += n_events
+                _clear_iocb(cb)
+                cb.aio_data = slot
+                cb.aio_lio_opcode = IOCB_CMD_PREAD if t.is_read else IOCB_CMD_PWRITE
+                cb.aio_fildes = t.fd
+                cb.aio_buf = <unsigned long long>(t.buf + t.prepared * bs)
+                cb.aio_nbytes = <unsigned long long>min(bs, t.nbytes - t.prepared * bs)
+                cb.aio_offset = t.offset + t.prepared * bs
+                self.owner[slot] = index
+                self.batch[ready] = cb
+                ready += 1
+                t.prepared += 1
+            if self.n_free == 0:
+                break
+        if ready == 0:
+            return
+        submitted = self._submit(ready)
+        self.in_flight += submitted
+        # Never submitted (the context is full, or refused them): give the slots back.
+        for i in range(ready - 1, submitted - 1, -1):
+            slot = <int>self.batch[i].aio_data
+            self.transfers[self.owner[slot]].prepared -= 1
+            self.free_slots[self.n_free] = slot
+            self.n_free += 1
 
-    cdef int _submit(self, int ready, int in_flight, Outcome *out) noexcept nogil:
-        """Submit batch[0:ready]; return how many the kernel took."""
+    cdef int _submit(self, int ready) noexcept nogil:
+        """Submit batch[0:ready]; return how many the kernel took. A refusal fails the
+        transfer of the refused request."""
         cdef int done = 0
         cdef long ret
+        cdef Transfer *t
         while done < ready:
             if self.single_submit:
                 ret = nvmeswap_io_submit(self.ctx, 1, &self.batch[done])
@@ -165,13 +276,53 @@ cdef class AioEngine:
                 done += <int>ret     # a partial submit: resubmit the rest
             elif ret == -EINTR:
                 continue
-            elif ret == -EAGAIN and in_flight + done > 0:
-                break                # the context is full: reap first, the caller retries
+            elif ret == -EAGAIN and self.in_flight + done > 0:
+                break                # the context is full: reap first, then retry
             else:
-                _fail(out, <int>(-ret if ret < 0 else EIO),
-                      self.batch[done].aio_offset, <long long>self.batch[done].aio_nbytes, 0)
+                t = &self.transfers[self.owner[<int>self.batch[done].aio_data]]
+                if not t.out.failed:
+                    _fail(&t.out, <int>(-ret if ret < 0 else EIO),
+                          self.batch[done].aio_offset,
+                          <long long>self.batch[done].aio_nbytes, 0)
+                t.stopping = True
                 break
         return done
+
+    cdef long _reap(self, bint block) noexcept nogil:
+        """Reap completions (with ``block``, wait for at least one; without
+        ``overlap_events``, for the whole batch). Returns how many, or -errno."""
+        cdef timespec no_wait
+        cdef long ret
+        cdef int i, slot
+        cdef long long expected
+        cdef Transfer *t
+        cdef iocb *cb
+        no_wait.tv_sec = 0
+        no_wait.tv_nsec = 0
+        while True:
+            ret = nvmeswap_io_getevents(
+                self.ctx, (1 if self.overlap_events else self.in_flight) if block else 0,
+                self.queue_depth, self.events, NULL if block else &no_wait)
+            if ret != -EINTR:
+                break
+        if ret < 0:
+            return ret
+        for i in range(ret):
+            slot = <int>self.events[i].data
+            cb = &self.slots[slot]
+            t = &self.transfers[self.owner[slot]]
+            expected = <long long>cb.aio_nbytes
+            if self.events[i].res != expected and not t.out.failed:
+                if self.events[i].res < 0:
+                    _fail(&t.out, <int>-self.events[i].res, cb.aio_offset, expected, 0)
+                else:
+                    _fail(&t.out, 0, cb.aio_offset, expected, self.events[i].res)
+                t.stopping = True
+            t.completed += 1
+            self.free_slots[self.n_free] = slot
+            self.n_free += 1
+        self.in_flight -= <int>ret
+        return ret
 
 
 cdef class CallerQueue:
@@ -324,7 +475,7 @@ def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t addr
 
     For operations of one request, where a round trip to a worker costs more than it gains.
     """
-    return _transfer(None, is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
+    return _transfer(is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
 
 
 def preallocate(int fd, long long offset, long long length):
@@ -335,38 +486,45 @@ def preallocate(int fd, long long offset, long long length):
     return <int>-ret if ret < 0 else 0
 
 
-cdef tuple _transfer(AioEngine engine, bint is_read, int direct_fd, int buffered_fd,
-                     size_t address, size_t nbytes, long long offset, size_t alignment):
-    """Head and tail through the buffered fd, the aligned middle through the direct one."""
+cdef tuple _transfer(bint is_read, int direct_fd, int buffered_fd, size_t address,
+                     size_t nbytes, long long offset, size_t alignment):
+    """The edges, then the aligned middle with pread/pwrite on the direct descriptor."""
     cdef Outcome out
-    cdef long long end = offset + <long long>nbytes
-    cdef long long a = <long long>alignment
     cdef long long middle_start, middle_end
-    out.failed = False
-    out.err = 0
-    if alignment == 0 or (address - <size_t>offset) % alignment:
-        return (EINVAL, offset, nbytes, 0)
-    _split(offset, end, a, &middle_start, &middle_end)
-    if (middle_start > offset or middle_end < end) and buffered_fd < 0:
-        return (EINVAL, offset, nbytes, 0)
-    with nogil:
-        if middle_start > offset:
-            _plain_transfer(is_read, buffered_fd, <char *>address, middle_start - offset,
-                            offset, &out)
-        if not out.failed and middle_end > middle_start:
-            if engine is None:
-                _plain_transfer(is_read, direct_fd, <char *>address + (middle_start - offset),
-                                middle_end - middle_start, middle_start, &out)
-            else:
-                engine._aio_transfer(is_read, direct_fd,
-                                     <char *>address + (middle_start - offset),
-                                     middle_end - middle_start, middle_start, &out)
-        if not out.failed and end > middle_end:
-            _plain_transfer(is_read, buffered_fd, <char *>address + (middle_end - offset),
-                            end - middle_end, middle_end, &out)
+    _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &out,
+                &middle_start, &middle_end)
+    if not out.failed and middle_end > middle_start:
+        with nogil:
+            _plain_transfer(is_read, direct_fd, <char *>address + (middle_start - offset),
+                            middle_end - middle_start, middle_start, &out)
     if not out.failed:
         return (0, 0, 0, 0)
     return (out.err, out.at_offset, out.requested, out.got)
+
+
+cdef void _move_edges(bint is_read, int buffered_fd, size_t address, size_t nbytes,
+                      long long offset, size_t alignment, Outcome *out,
+                      long long *middle_start, long long *middle_end):
+    """Check a transfer's alignment, move its unaligned head and tail through the
+    buffered descriptor (Note [O_DIRECT tail]), and say where its aligned middle is."""
+    cdef long long end = offset + <long long>nbytes
+    out.failed = False
+    out.err = 0
+    middle_start[0] = middle_end[0] = offset
+    if alignment == 0 or (address - <size_t>offset) % alignment:
+        _fail(out, EINVAL, offset, nbytes, 0)
+        return
+    _split(offset, end, <long long>alignment, middle_start, middle_end)
+    if (middle_start[0] > offset or middle_end[0] < end) and buffered_fd < 0:
+        _fail(out, EINVAL, offset, nbytes, 0)
+        return
+    with nogil:
+        if middle_start[0] > offset:
+            _plain_transfer(is_read, buffered_fd, <char *>address, middle_start[0] - offset,
+                            offset, out)
+        if not out.failed and end > middle_end[0]:
+            _plain_transfer(is_read, buffered_fd, <char *>address + (middle_end[0] - offset),
+                            end - middle_end[0], middle_end[0], out)
 
 
 def direct_split(long long offset, long long nbytes, long long alignment):

@@ -59,7 +59,8 @@ def _exit_with_parent(parent_pid):
 
 
 def _serve(sock, executor):
-    """Run requests in order until the parent closes the socket.
+    """Run requests in order until the parent closes the socket; transfers run at once
+    (Note [concurrent transfers] in pyx/_engine.pyx), anything else between them.
 
     Requests are read as soon as they arrive, even while responses wait to be sent,
     so that neither side can block the other with a full socket buffer.
@@ -70,10 +71,12 @@ def _serve(sock, executor):
     poller.register(sock, select.POLLIN)
     try:
         while True:
-            if not requests:
+            if not requests and not executor.busy:
                 poller.modify(sock, select.POLLIN | (select.POLLOUT if responses else 0))
                 poller.poll()
             if not _receive(sock, requests):
+                while executor.busy:    # the parent is done: finish what it sent
+                    executor.advance(block=True)
                 return
             while responses:
                 try:
@@ -81,10 +84,13 @@ def _serve(sock, executor):
                 except BlockingIOError:
                     break
                 responses.popleft()
-            if requests:
-                response = executor.run(requests.popleft())
+            while requests and executor.can_start(requests[0]):
+                response = executor.start(requests.popleft())
                 if response is not None:
                     responses.append(response)
+            if executor.busy:
+                # Waits for a completion: new requests are read at the next one.
+                responses.extend(executor.advance(block=True))
     finally:
         executor.close()
 
@@ -107,15 +113,57 @@ def _receive(sock, requests):
 
 
 class Executor:
-    """Runs one request at a time: maps, unmaps and transfers on host (or device) regions."""
+    """Carries out requests: maps and unmaps host (or device) regions, and transfers on
+    them; host transfers run at once on the engine, the rest one at a time between them."""
 
     def __init__(self, engine):
         self._engine = engine
         self._regions = {}      # region id -> Mapping of its range of the parent's memfd
+        self._running = {}      # engine transfer index -> its request
         self._cufile = None     # a CufileIO once the parent sends CUFILE_SETUP
 
+    @property
+    def busy(self):
+        return bool(self._running)
+
+    def can_start(self, request):
+        """Whether ``request`` can start now: a host transfer while the engine has room;
+        a map any time (the region is new); anything else when no transfer runs (an
+        unmap must not pull memory from under one, cuFile runs alone)."""
+        if request.kind in (protocol.READ, protocol.WRITE) and request.fds is not None:
+            return not self._engine.full
+        return request.kind == protocol.MAP or not self._running
+
+    def start(self, request):
+        """Start or carry out ``request``; return a response to send now, or None."""
+        if request.kind not in (protocol.READ, protocol.WRITE) or request.fds is None:
+            return self.run(request)
+        mapping = self._regions.get(request.region_id)
+        if mapping is None:
+            _close_all(request.fds)
+            return _failure(request, errno.EMFILE)     # its MAP lost its descriptor
+        buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
+        try:
+            index = self._engine.begin(request.kind == protocol.READ, request.fds[0],
+                                       buffered_fd, mapping.address + request.region_offset,
+                                       request.nbytes, request.file_offset, request.alignment)
+        except BaseException:
+            _close_all(request.fds)
+            raise
+        self._running[index] = request
+        return None
+
+    def advance(self, block):
+        """Responses for the transfers that have ended."""
+        responses = []
+        for index, *result in self._engine.advance(block):
+            request = self._running.pop(index)
+            _close_all(request.fds)
+            responses.append(protocol.response(request.op_id, request.chunk, *result))
+        return responses
+
     def run(self, request):
-        """Carry out ``request``; return the response to send, or None."""
+        """Carry out a request that is not a host transfer; return the response, or None."""
         if request.fds is None:     # its descriptors did not fit under RLIMIT_NOFILE
             if request.kind == protocol.MAP:
                 self._regions[request.region_id] = None     # its transfers fail alike
@@ -127,23 +175,13 @@ class Executor:
             if request.kind == protocol.MAP:
                 self._regions[request.region_id] = Mapping(request.fds[0], request.nbytes,
                                                            request.region_offset)
-                return None
-            if request.kind == protocol.UNMAP:
+            elif request.kind == protocol.UNMAP:
                 self._regions.pop(request.region_id, None)
                 if self._cufile is not None:
                     self._cufile.unmap(request.region_id)
-                return None
-            mapping = self._regions[request.region_id]
-            if mapping is None:
-                return _failure(request, errno.EMFILE)
-            address = mapping.address + request.region_offset
-            buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
-            result = self._engine.transfer(request.kind == protocol.READ, request.fds[0],
-                                           buffered_fd, address, request.nbytes,
-                                           request.file_offset, request.alignment)
         finally:
             _close_all(request.fds)
-        return protocol.response(request.op_id, request.chunk, *result)
+        return None
 
     def _run_cufile(self, request):
         if self._cufile is None:

@@ -1,0 +1,81 @@
+"""Note [concurrent transfers]: a worker's engine runs many transfers at once on one AIO
+context, and reports each as it ends."""
+import errno
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from conftest import random_bytes
+from nvmeswap._engine import AioEngine
+from nvmeswap._memory import buffer_address
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("overlap_events", [False, True])
+def test_transfers_share_the_queue_and_end_one_by_one(tmp_path, overlap_events):
+    """Reads of many sizes and phases (aligned, unaligned heads and tails, smaller than a
+    block) started together all land their bytes; one into memory the kernel cannot
+    touch fails alone, with its errno and offset."""
+    path = str(tmp_path / "f")
+    data = random_bytes(32 * MiB, seed=4)
+    with open(path, "wb") as f:
+        f.write(data)
+    engine = AioEngine(MiB, 16, False, overlap_events, max_transfers=8)
+    memory = mmap.mmap(-1, 40 * MiB)
+    base = buffer_address(memory, True)[0]
+    inaccessible = mmap.mmap(-1, 4 * MiB, prot=0)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffered = os.open(path, os.O_RDONLY)
+    # (memory offset, nbytes, file offset): each pair of memory and file at one phase.
+    reads = [(0, 8 * MiB, 0), (8 * MiB + 100, 3 * MiB + 5, 4096 + 100), (12 * MiB, 4096, 20 * MiB),
+             (13 * MiB + 7, 9, 7), (14 * MiB, 17 * MiB, 15 * MiB)]
+    try:
+        started = {engine.begin(True, direct, buffered, base + at, n, offset, 4096): (at, n, offset)
+                   for at, n, offset in reads}
+        bad = engine.begin(True, direct, buffered, buffer_address(inaccessible, False)[0],
+                           2 * MiB, 0, 4096)
+        assert engine.busy and not engine.full
+        ended = {}
+        while engine.busy:
+            for index, *result in engine.advance(True):
+                ended[index] = tuple(result)
+        assert ended.pop(bad) == (errno.EFAULT, 0, MiB, 0)
+        assert ended == {index: (0, 0, 0, 0) for index in started}
+        for at, n, offset in reads:
+            assert memory[at:at + n] == data[offset:offset + n]
+        assert engine.advance(True) == []
+    finally:
+        os.close(direct)
+        os.close(buffered)
+        inaccessible.close()
+        del base
+        memory.close()
+
+
+def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path):
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(random_bytes(MiB))
+    engine = AioEngine(MiB, 4, False, True, max_transfers=2)
+    memory = np.zeros(4 * MiB, dtype=np.uint8)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    aligned = memory.ctypes.data // 4096 * 4096 + 4096
+    try:
+        first = engine.begin(True, direct, -1, aligned, 2 * MiB, 0, 4096)
+        second = engine.begin(True, direct, -1, aligned, 4096, 0, 4096)
+        assert engine.full
+        with pytest.raises(RuntimeError, match="too many"):
+            engine.begin(True, direct, -1, aligned, 4096, 0, 4096)
+        ended = {}
+        while engine.busy:
+            ended.update((index, tuple(result)) for index, *result in engine.advance(True))
+        assert ended[first] == (0, MiB, MiB, 0)     # end of file at 1 MiB: nothing came
+        assert ended[second] == (0, 0, 0, 0)
+        # Misaligned memory and a head with no buffered descriptor: refused, no I/O.
+        index = engine.begin(True, direct, -1, aligned + 1, 4096, 0, 4096)
+        assert engine.advance(False) == [(index, errno.EINVAL, 0, 4096, 0)]
+    finally:
+        os.close(direct)
