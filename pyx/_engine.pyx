@@ -436,12 +436,15 @@ cdef class CallerQueue:
         cdef list done = []
         cdef int i, slot
         cdef iocb *cb
+        # The counter first: a completion after it has been read signals again. (Read
+        # even with nothing in flight: the last completion may have been reaped before
+        # its signal arrived, which would leave the eventfd readable for nothing.)
+        if self.eventfd >= 0:
+            read(self.eventfd, &counter, sizeof(counter))
         if self.in_flight == 0:
             return done
         no_wait.tv_sec = 0
         no_wait.tv_nsec = 0
-        # The counter first: a completion after it has been read signals again.
-        read(self.eventfd, &counter, sizeof(counter))
         while True:
             with nogil:
                 ret = nvmeswap_io_getevents(self.ctx, min_nr, self.capacity, self.events,

@@ -4,7 +4,7 @@ from cpython.buffer cimport (
     PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo,
     PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBUF_SIMPLE,
 )
-from libc.errno cimport errno
+from libc.errno cimport errno, EINVAL, ENOSYS
 from libc.string cimport memcpy, memcmp
 
 from _check cimport errno_error
@@ -53,9 +53,8 @@ cdef class Mapping:
         lock each page as it is first touched instead of all of them now."""
         cdef int err
         with nogil:
-            if on_fault:
-                err = nvmeswap_mlock_on_fault(self.base, self.size)
-            else:
+            err = nvmeswap_mlock_on_fault(self.base, self.size) if on_fault else ENOSYS
+            if err == ENOSYS or err == EINVAL:     # no mlock2 here: lock it all now
                 err = 0 if mlock(self.base, self.size) == 0 else errno
         if err == 0:
             self.locked = True

@@ -26,7 +26,10 @@ def _stopped_workers(h):
 
         def __exit__(self, *exc):
             for pid in self.pids:
-                os.kill(pid, signal.SIGCONT)
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass        # killed and reaped meanwhile
     return Stopped()
 
 
@@ -100,7 +103,7 @@ def test_queued_operations_outlive_a_worker_death(handle_factory, tmp_path):
     with _stopped_workers(h) as stopped:
         for k in range(64):
             h.async_pread(buffer[k * 4 * KiB:(k + 1) * 4 * KiB], path, (63 - k) * 4 * KiB)
-        os.kill(_workers(h)[0], signal.SIGKILL)
+        _kill_and_await(_workers(h)[0])
         assert h.wait() == 64
     for k in range(64):
         offset = (63 - k) * 4 * KiB
@@ -160,6 +163,17 @@ def test_the_queue_reports_what_the_kernel_says(tmp_path):
     assert queue.submit(1, 0, True, -1, 0, 4 * KiB, 0) == errno.EINVAL     # closed
 
 
+def _kill_and_await(pid):
+    """SIGKILL a worker and wait until it has exited (its parent reaps it later)."""
+    import select
+    pidfd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        select.select([pidfd], [], [])
+    finally:
+        os.close(pidfd)
+
+
 def _file(tmp_path, nbytes):
     path = str(tmp_path / "source")
     with open(path, "wb") as f:
@@ -200,3 +214,25 @@ def test_conflicting_operations_run_in_the_order_they_were_started(handle_factor
             assert f.read() == new
         assert h.free_cpu_locked_tensor(locked)
         assert not h._scheduler._held
+
+
+def test_a_small_read_waiting_for_staging_room_outlives_a_worker_death(handle_factory,
+                                                                       tmp_path):
+    """A small plain read bound for the caller queue waits for staging room held by a
+    large write; the worker dies: the write fails, the read gets the room and its bytes."""
+    import nvmeswap
+    h = handle_factory(staging_bytes=4 * MiB)
+    source = _file(tmp_path, MiB)
+    h.sync_pread(torch.empty(MiB, dtype=torch.uint8), source)      # the workers are up
+    small = torch.zeros(256 * KiB, dtype=torch.uint8)     # more than the room left
+    with _stopped_workers(h):
+        h.async_pwrite(torch.ones(16 * MiB, dtype=torch.uint8), str(tmp_path / "big"))
+        h.async_pread(small, source, 8 * KiB)
+        waiting = h._scheduler._staged_ops[-1]
+        assert waiting.by_caller and waiting.staged.waiting()
+        _kill_and_await(_workers(h)[0])
+        with pytest.raises(nvmeswap.WorkerDied):
+            h.wait()
+    with open(source, "rb") as f:
+        assert bytes(small.numpy()) == f.read()[8 * KiB:264 * KiB]
+    assert not os.path.exists(tmp_path / "big") or os.path.getsize(tmp_path / "big") == 0

@@ -139,12 +139,11 @@ class Scheduler:
                 if self._ops:       # interrupted, or dropped from inside our own pump
                     self.workers.kill()     # first: then nothing of theirs touches our memory
                     self._fail_all(WorkerDied("the handle was closed with operations in "
-                                              "flight"))
-                    self._complete(self.workers.drain_queue())
+                                              "flight"), everything=True)
             try:
                 self.workers.stop()
-                self.workers.close_queue()
             finally:
+                self.workers.close_queue()  # waits for its requests: memory is freed next
                 for region in self.placement.release():
                     region.close()
                 self._warn_uncollected()
@@ -213,10 +212,12 @@ class Scheduler:
         if is_async:
             self._async_ops.append(op)
         op.waits_for = self._ordering.add(op)
-        if op.waits_for:
-            self._held.append(op)
-        else:
+        if not op.waits_for:
             self._go(op)
+            return
+        self._held.append(op)
+        if is_async and not self._driving:
+            self._drive_in_background()     # so that it starts without waiting for wait()
 
     def _go(self, op):
         if op.staged is None:
@@ -230,6 +231,8 @@ class Scheduler:
     def _release_held(self, finished):
         """``finished`` is done: start the held operations that waited only for it."""
         for op in list(self._held):
+            if op not in self._held:
+                continue        # started or finished by a nested call (its send failed)
             op.waits_for.discard(finished)
             if not op.waits_for and op.error is None:
                 self._held.remove(op)
@@ -300,6 +303,7 @@ class Scheduler:
             return
         op.staged.finish(index)
         self._count_out(op, 1 + op.staged.cancel_rest())
+        self._feed_staged()     # the room it held may be what another one waits for
 
     def _count_out(self, op, chunks):
         """``chunks`` of ``op`` are done with (answered, or never to be); finish it after
@@ -354,7 +358,7 @@ class Scheduler:
 
     def _staged_work_done(self):
         # Decided under the lock that _start holds, so no operation is left undriven.
-        done = not self._staged_ops
+        done = not self._staged_ops and not self._held
         if done:
             self._driving = False
         return done
@@ -430,15 +434,23 @@ class Scheduler:
         if self.workers.discard(pool):
             self._fail_all(death)
 
-    def _fail_all(self, death):
-        """Fail every operation in flight with the workers, or held; the workers are
-        gone. (The caller queue's complete from the kernel whatever happens to them.)"""
-        failing = [op for op in self._ops.values() if not op.by_caller or op in self._held]
+    def _fail_all(self, death, everything=False):
+        """Fail every operation with the workers, or held: the workers are gone. The
+        caller queue's go on (they complete from the kernel), and those waiting for
+        staging room get it. With ``everything`` (closing), the caller queue's fail too,
+        once the kernel has finished their requests."""
+        failing = [op for op in self._ops.values()
+                   if everything or not op.by_caller or op in self._held]
         for op in failing:      # all first: none of them may be started by another's end
             if op.error is None:
                 op.error = WorkerDied(f"{death}: {op.describe()}")
+        if everything:
+            self._complete(self.workers.drain_queue())
         for op in failing:
-            self._finish(op)
+            if not op.done:
+                self._finish(op)
+        if not everything:
+            self._feed_staged()
 
     def _finish(self, op):
         if self._ops.pop(op.op_id, None) is not None:

@@ -6,6 +6,11 @@ from .chunks import chunk_bounds
 from .regions import Extents, SharedRegion, round_up
 
 
+# An operation smaller than the staging space is still cut into a few pieces.
+PIPELINE_PIECES = 4
+MIN_PIECE = 1 << 20
+
+
 class StagingSpace:
     """Note [staging ring]: the one staging region of a handle, lent out piece by piece.
 
@@ -52,7 +57,10 @@ class StagedPieces:
 
     def __init__(self, space, file_offset, nbytes, alignment):
         self.space = space
-        self.pieces = chunk_bounds(file_offset, nbytes, -(-nbytes // space.piece), alignment)
+        # At least PIPELINE_PIECES pieces where they can be MIN_PIECE or more: the first
+        # piece's copy is the one that nothing overlaps.
+        count = max(-(-nbytes // space.piece), min(PIPELINE_PIECES, nbytes // MIN_PIECE))
+        self.pieces = chunk_bounds(file_offset, nbytes, count, alignment)
         self._phase = file_offset % alignment
         self._extent_of = {}    # piece index -> (start, length) in the space
         self.started = 0

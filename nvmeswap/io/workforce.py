@@ -89,7 +89,7 @@ class Workforce:
         responses = pool.read(events) if pool is not None else []
         if pool is self.pool:
             self._with_workers -= len(responses)
-        if self.queue is not None and self.queue.in_flight:
+        if self.queue is not None:      # also clears its eventfd, whatever woke us
             responses.extend(protocol.Response(*done) for done in self.queue.reap())
         return responses
 
@@ -140,12 +140,16 @@ class Workforce:
         worker is dead or dying (the pump sees it and fails what is in flight); or the
         errno with which a live worker's socket refused it (ETOOMANYREFS: descriptors in
         flight beyond RLIMIT_NOFILE), the chunk then not counted. An operation of the
-        caller queue's is submitted there (the kernel's refusal is returned likewise)."""
+        caller queue's is submitted there (the kernel's refusal is returned likewise); if
+        the queue is full (threads that passed back-pressure at once), to a worker."""
         if op.by_caller:
             start, length = op.chunks[index]
-            return self.queue.submit(op.op_id, index, op.is_read, op.file.direct_fd,
-                                     op.region.address + op.region_offset_of(index),
-                                     length, op.file_offset + start)
+            refused = self.queue.submit(op.op_id, index, op.is_read, op.file.direct_fd,
+                                        op.region.address + op.region_offset_of(index),
+                                        length, op.file_offset + start)
+            if refused != errno.EAGAIN or self.pool is None:
+                return refused
+            op.by_caller = False
         workers = self.pool.workers
         worker = workers[self._next]
         self._next = (self._next + 1) % len(workers)
