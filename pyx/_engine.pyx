@@ -110,10 +110,7 @@ cdef class AioEngine:
         self.n_free = queue_depth
         self.in_flight = 0
         self.n_order = 0
-        cdef long ret = nvmeswap_io_setup(queue_depth, &self.ctx)
-        if ret < 0:
-            self.ctx = 0
-            raise errno_error(<int>-ret, "io_setup")
+        self.ctx = _aio_context(queue_depth)
 
     def __dealloc__(self):
         if self.ctx:
@@ -364,10 +361,7 @@ cdef class CallerQueue:
         if ret < 0:
             raise errno_error(<int>-ret, "eventfd")
         self.eventfd = <int>ret
-        ret = nvmeswap_io_setup(capacity, &self.ctx)
-        if ret < 0:
-            self.ctx = 0
-            raise errno_error(<int>-ret, "io_setup")
+        self.ctx = _aio_context(capacity)
 
     def __dealloc__(self):
         if self.ctx:
@@ -470,6 +464,15 @@ cdef class CallerQueue:
             min_nr -= ret
             if min_nr <= 0:
                 return done
+
+
+cdef aio_context_t _aio_context(int nr_events) except? 0:
+    """A new kernel AIO context for ``nr_events`` requests in flight."""
+    cdef aio_context_t ctx = 0
+    cdef long ret = nvmeswap_io_setup(nr_events, &ctx)
+    if ret < 0:
+        raise errno_error(<int>-ret, "io_setup")
+    return ctx
 
 
 def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t address,
