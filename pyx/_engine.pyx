@@ -291,7 +291,6 @@ cdef class AioEngine:
         cdef timespec no_wait
         cdef long ret
         cdef int i, slot
-        cdef long long expected
         cdef Transfer *t
         cdef iocb *cb
         no_wait.tv_sec = 0
@@ -308,12 +307,7 @@ cdef class AioEngine:
             slot = <int>self.events[i].data
             cb = &self.slots[slot]
             t = &self.transfers[self.owner[slot]]
-            expected = <long long>cb.aio_nbytes
-            if self.events[i].res != expected and not t.out.failed:
-                if self.events[i].res < 0:
-                    _fail(&t.out, <int>-self.events[i].res, cb.aio_offset, expected, 0)
-                else:
-                    _fail(&t.out, 0, cb.aio_offset, expected, self.events[i].res)
+            if not t.out.failed and _failed(&self.events[i], cb, &t.out):
                 t.stopping = True
             t.completed += 1
             self.free_slots[self.n_free] = slot
@@ -429,7 +423,7 @@ cdef class CallerQueue:
         cdef long min_nr = self.in_flight if wait_all else 0
         cdef list done = []
         cdef int i, slot
-        cdef iocb *cb
+        cdef Outcome out
         # The counter first: a completion after it has been read signals again. (Read
         # even with nothing in flight: the last completion may have been reaped before
         # its signal arrived, which would leave the eventfd readable for nothing.)
@@ -449,15 +443,11 @@ cdef class CallerQueue:
                 raise errno_error(<int>-ret, "io_getevents")
             for i in range(ret):
                 slot = <int>self.events[i].data
-                cb = &self.slots[slot]
-                if self.events[i].res == <long long>cb.aio_nbytes:
-                    done.append((self.op_ids[slot], self.chunks[slot], 0, 0, 0, 0))
-                elif self.events[i].res < 0:
-                    done.append((self.op_ids[slot], self.chunks[slot],
-                                 <int>-self.events[i].res, cb.aio_offset, cb.aio_nbytes, 0))
+                if _failed(&self.events[i], &self.slots[slot], &out):
+                    done.append((self.op_ids[slot], self.chunks[slot], out.err,
+                                 out.at_offset, out.requested, out.got))
                 else:
-                    done.append((self.op_ids[slot], self.chunks[slot], 0, cb.aio_offset,
-                                 cb.aio_nbytes, self.events[i].res))
+                    done.append((self.op_ids[slot], self.chunks[slot], 0, 0, 0, 0))
                 self.free_slots[self.n_free] = slot
                 self.n_free += 1
             self.in_flight -= <int>ret
@@ -546,6 +536,18 @@ cdef inline void _split(long long offset, long long end, long long a, long long 
                         long long *middle_end) noexcept nogil:
     middle_start[0] = min(end, (offset + a - 1) // a * a)
     middle_end[0] = max(middle_start[0], end // a * a)
+
+
+cdef inline bint _failed(io_event *event, iocb *cb, Outcome *out) noexcept nogil:
+    """Whether a completed request failed or came back short; if so, ``out`` says how."""
+    cdef long long expected = <long long>cb.aio_nbytes
+    if event.res == expected:
+        return False
+    if event.res < 0:
+        _fail(out, <int>-event.res, cb.aio_offset, expected, 0)
+    else:
+        _fail(out, 0, cb.aio_offset, expected, event.res)
+    return True
 
 
 cdef inline void _clear_iocb(iocb *cb) noexcept nogil:

@@ -9,6 +9,7 @@ this from each thread running its share of every operation in turn; here chunks 
 different workers, the caller queue, or the calling thread, so the scheduler holds an
 operation back until the earlier ones it conflicts with have finished.
 """
+import itertools
 
 
 class Ordering:
@@ -24,7 +25,7 @@ class Ordering:
             return set()
         reads, writes = in_flight
         start, end = op.file_offset, op.file_offset + op.buffer.nbytes
-        candidates = writes if op.is_read else writes | reads
+        candidates = writes if op.is_read else itertools.chain(writes, reads)
         return {other for other in candidates
                 if other.file_offset < end and start < other.file_offset + other.buffer.nbytes}
 

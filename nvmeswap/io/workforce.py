@@ -67,10 +67,8 @@ class Workforce:
         return self.pool
 
     def takes_in_caller(self, op):
-        """Whether ``op`` (placed) goes to the caller queue (Note [caller queue])."""
-        return (self.queue is not None and op.region.read_kind == protocol.READ
-                and op.buffer.nbytes <= self._placement.inline_limit(op)
-                and _o_direct_whole(op))
+        """Whether ``op`` (placed: host memory) goes to the caller queue (Note [caller queue])."""
+        return self.may_take_in_caller(op) and op.region.read_kind == protocol.READ
 
     def may_take_in_caller(self, op):
         """``takes_in_caller`` as far as it can be told before placement."""
@@ -89,15 +87,20 @@ class Workforce:
         responses = pool.read(events) if pool is not None else []
         if pool is self.pool:
             self._with_workers -= len(responses)
-        if self.queue is not None:      # also clears its eventfd, whatever woke us
-            responses.extend(protocol.Response(*done) for done in self.queue.reap())
+        # Reaped when its eventfd woke us too: that clears a signal that came after its
+        # completion had been reaped already, which would otherwise wake every poll.
+        queue = self.queue
+        if queue is not None and (queue.in_flight or any(fd == queue.eventfd
+                                                         for fd, _ in events)):
+            responses.extend(self._queue_responses(wait_all=False))
         return responses
 
     def drain_queue(self):
         """Wait for every request in the caller queue; their responses."""
-        if self.queue is None:
-            return []
-        return [protocol.Response(*done) for done in self.queue.reap(wait_all=True)]
+        return self._queue_responses(wait_all=True) if self.queue is not None else []
+
+    def _queue_responses(self, wait_all):
+        return [protocol.Response(*done) for done in self.queue.reap(wait_all)]
 
     def close_queue(self):
         queue, self.queue = self.queue, None
