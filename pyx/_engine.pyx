@@ -9,13 +9,16 @@ buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/io/files.py).
 from libc.stdlib cimport malloc, free
 from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
 from posix.unistd cimport close, read
+from posix.fcntl cimport open as open_file, fcntl, F_SETFL, O_RDONLY, O_WRONLY, O_CLOEXEC
+from posix.fcntl cimport O_NONBLOCK
+from posix.stat cimport struct_stat, fstat, S_ISREG
 
 from _check cimport errno_error
 
 from includes.kernel_aio cimport (
     aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
     nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
-    nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate, nvmeswap_eventfd, IOCB_FLAG_RESFD,
+    nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate, nvmeswap_eventfd, IOCB_FLAG_RESFD, O_DIRECT,
     timespec,
 )
 
@@ -472,6 +475,35 @@ def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t addr
     For operations of one request, where a round trip to a worker costs more than it gains.
     """
     return _transfer(is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
+
+
+def quick_transfer(bint is_read, bytes path, size_t address, size_t nbytes,
+                   long long offset):
+    """Note [quick synchronous operations] (io/quick.py): open ``path`` with O_DIRECT,
+    move ``nbytes`` at ``offset`` with pread/pwrite, close; all without the GIL.
+
+    Returns True when the bytes moved. False means nothing was settled here: the file
+    could not be opened this way, is not a regular file, is too short (a read) or
+    would grow (a write), or the transfer failed; the caller runs the operation the
+    ordinary way, which says why (both directions are safe to repeat).
+    """
+    cdef const char *name = path
+    cdef int flags = (O_RDONLY if is_read else O_WRONLY) | O_CLOEXEC | O_DIRECT
+    cdef int fd
+    cdef struct_stat info
+    cdef Outcome out
+    out.failed = True
+    with nogil:
+        # O_NONBLOCK: opening a FIFO must not wait for a peer; fstat refuses it below.
+        fd = open_file(name, flags | O_NONBLOCK)
+        if fd >= 0:
+            if (fstat(fd, &info) == 0 and S_ISREG(info.st_mode)
+                    and offset + <long long>nbytes <= info.st_size
+                    and fcntl(fd, F_SETFL, flags) == 0):
+                out.failed = False
+                _plain_transfer(is_read, fd, <char *>address, nbytes, offset, &out)
+            close(fd)
+    return not out.failed
 
 
 def preallocate(int fd, long long offset, long long length):

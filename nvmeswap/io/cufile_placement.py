@@ -29,7 +29,7 @@ class CufilePlacement:
         self._config_fd = config_fd
 
     def inline_limit(self, op):
-        if op.buffer.device is not None and self.libraries is not None:
+        if op is not None and op.buffer.device is not None and self.libraries is not None:
             return 0        # cuFile runs in the workers, never in the calling thread
         return self.host.inline_limit(op)
 

@@ -18,6 +18,7 @@ from ..errors import ValidationError, WorkerDied, caller_stacklevel
 from .interrupts import deferred_interrupts
 from .operation import WRITES, open_operation
 from .ordering import Ordering
+from .quick import quick
 from .validate import validate
 from .workforce import GONE, Workforce, chunks_in_flight_limit
 
@@ -54,6 +55,12 @@ class Scheduler:
 
         Interrupted while it runs, the operation goes on, and its error is dropped.
         """
+        # Note [quick synchronous operations]: with nothing in flight there is no order
+        # to keep; the limit is the one for operations run in the caller.
+        if not (validate or self._ops or self._o_direct is False) and quick(
+                buffer, target, file_offset, is_read=is_read,
+                limit=self.placement.inline_limit(None)):
+            return 1
         op = self._begin(buffer, target, file_offset, is_read, validate, is_async=False)
         self._wait_until(op.is_done)
         error = op.error

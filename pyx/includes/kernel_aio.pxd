@@ -9,6 +9,7 @@ cdef extern from "kernel_aio.h" nogil:
         IOCB_CMD_PREAD
         IOCB_CMD_PWRITE
         IOCB_FLAG_RESFD
+        O_DIRECT
 
     struct iocb:
         unsigned long long aio_data

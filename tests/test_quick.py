@@ -1,0 +1,135 @@
+"""Note [quick synchronous operations]: small aligned synchronous operations settled in one
+call move the right bytes, and whatever that call declines still runs the ordinary way."""
+import errno
+import os
+import random
+import threading
+
+import pytest
+import torch
+from conftest import random_bytes
+
+import nvmeswap
+from nvmeswap._engine import quick_transfer
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def aligned_plain(nbytes, fill=0):
+    """A plain (not locked) uint8 tensor at a 4096-aligned address."""
+    space = torch.full((nbytes + 4096,), fill, dtype=torch.uint8)
+    skip = -space.data_ptr() % 4096
+    return space[skip:skip + nbytes]
+
+
+def staging_mapped(nbytes):
+    """Whether this process maps a region of nvmeswap's shared memory ``nbytes`` long."""
+    with open("/proc/self/maps") as maps:
+        return any(int(b, 16) - int(a, 16) == nbytes
+                   for a, b in (line.split()[0].split("-")
+                                for line in maps if "memfd:nvmeswap" in line))
+
+
+def test_quick_transfer_moves_bytes_or_declines_untouched(tmp_path):
+    path = tmp_path / "f"
+    data = random_bytes(64 * KiB)
+    path.write_bytes(data)
+    buffer = aligned_plain(16 * KiB)
+    name = os.fsencode(path)
+    assert quick_transfer(True, name, buffer.data_ptr(), 16 * KiB, 32 * KiB)
+    assert bytes(buffer.numpy()) == data[32 * KiB:48 * KiB]
+    buffer.fill_(7)
+    assert quick_transfer(False, name, buffer.data_ptr(), 16 * KiB, 48 * KiB)
+    assert path.read_bytes() == data[:48 * KiB] + b"\7" * 16 * KiB
+    before = path.read_bytes()
+    buffer.fill_(9)
+    declined = [
+        (True, name, 16 * KiB, 56 * KiB),                   # a read past the end
+        (False, name, 16 * KiB, 56 * KiB),                  # a write that grows the file
+        (True, os.fsencode(tmp_path / "missing"), 4 * KiB, 0),
+        (False, os.fsencode(tmp_path / "missing"), 4 * KiB, 0),    # never created here
+        (True, os.fsencode(tmp_path), 4 * KiB, 0),          # a directory
+        (True, name, 4 * KiB, 100),                         # O_DIRECT refuses the offset
+    ]
+    for is_read, target, nbytes, offset in declined:
+        assert not quick_transfer(is_read, target, buffer.data_ptr(), nbytes, offset)
+    assert path.read_bytes() == before and not (tmp_path / "missing").exists()
+    assert int(buffer.min()) == int(buffer.max()) == 9
+
+
+def test_quick_transfer_declines_a_fifo_without_waiting_for_a_peer(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    buffer = aligned_plain(4 * KiB)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(
+        quick_transfer(True, os.fsencode(tmp_path / "fifo"), buffer.data_ptr(), 4 * KiB, 0)))
+    thread.start()
+    thread.join(10)
+    assert done == [False]
+
+
+@pytest.mark.parametrize("locked", [False, True], ids=["plain", "locked"])
+def test_small_aligned_sync_operations_bypass_staging(handle_factory, tmp_path, locked):
+    h = handle_factory(staging_bytes=12 * MiB)     # a size no locked tensor here has
+    path = tmp_path / "f"
+    data = bytearray(random_bytes(4 * MiB))
+    path.write_bytes(data)
+
+    def tensor(nbytes):
+        if locked:
+            return h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+        return aligned_plain(nbytes)
+
+    rng = random.Random(1)
+    for step in range(300):
+        nbytes = rng.choice([4 * KiB, 64 * KiB, 256 * KiB])
+        offset = rng.randrange(0, (len(data) - nbytes) // 4096) * 4096
+        buffer = tensor(nbytes)
+        if step % 2:
+            h.sync_pread(buffer, path, offset)
+            assert bytes(buffer.numpy()) == data[offset:offset + nbytes]
+        else:
+            fresh = random_bytes(nbytes, seed=step)
+            buffer.copy_(torch.frombuffer(bytearray(fresh), dtype=torch.uint8))
+            h.sync_pwrite(buffer, path, offset)
+            data[offset:offset + nbytes] = fresh
+    assert path.read_bytes() == bytes(data)
+    # No byte went through the staging space: it was never even made.
+    assert not staging_mapped(12 * MiB)
+    unaligned = torch.empty(4 * KiB + 1, dtype=torch.uint8)
+    h.sync_pread(unaligned, path, 4096)
+    assert bytes(unaligned.numpy()) == data[4096:8193] and staging_mapped(12 * MiB)
+
+
+def test_what_the_quick_road_declines_runs_the_ordinary_way(handle, tmp_path):
+    buffer = aligned_plain(8 * KiB, fill=5)
+    handle.sync_pwrite(buffer, tmp_path / "new")                    # created
+    handle.sync_pwrite(buffer, tmp_path / "new", 8 * KiB)           # grown
+    assert (tmp_path / "new").read_bytes() == b"\5" * 16 * KiB
+    with pytest.raises(nvmeswap.ShortFileError, match="16384 bytes long") as info:
+        handle.sync_pread(buffer, tmp_path / "new", 12 * KiB)
+    assert info.value.filename == str(tmp_path / "new")
+    with pytest.raises(OSError) as info:
+        handle.sync_pread(buffer, tmp_path)
+    assert info.value.errno == errno.EISDIR and info.value.filename == str(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError, match="a FIFO"):
+        handle.sync_pread(buffer, str(tmp_path / "fifo"))
+    with pytest.raises(ValueError, match="null"):
+        handle.sync_pread(buffer, str(tmp_path / "new") + "\0tail")
+    with pytest.raises(FileNotFoundError):
+        handle.sync_pread(buffer, str(tmp_path / "missing"))
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_sync_read_follows_a_small_async_write_of_the_same_bytes(handle_factory, tmp_path):
+    h = handle_factory()
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * MiB)
+    for round_number in range(50):
+        written = aligned_plain(4 * KiB, fill=round_number + 1)
+        h.async_pwrite(written, path, 64 * KiB)     # in flight: no quick road for the read
+        back = aligned_plain(4 * KiB)
+        h.sync_pread(back, path, 64 * KiB)
+        assert int(back.min()) == int(back.max()) == round_number + 1
+        assert h.wait() == 1
