@@ -62,7 +62,8 @@ def test_quick_transfer_declines_a_fifo_without_waiting_for_a_peer(tmp_path):
     buffer = aligned_plain(4 * KiB)
     done = []
     thread = threading.Thread(target=lambda: done.append(
-        quick_transfer(True, os.fsencode(tmp_path / "fifo"), buffer.data_ptr(), 4 * KiB, 0)))
+        quick_transfer(True, os.fsencode(tmp_path / "fifo"), buffer.data_ptr(), 4 * KiB, 0)),
+        daemon=True)     # were it to wait for a writer, the test fails rather than hangs
     thread.start()
     thread.join(10)
     assert done == [False]
