@@ -478,14 +478,16 @@ def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t addr
 
 
 def quick_transfer(bint is_read, bytes path, size_t address, size_t nbytes,
-                   long long offset):
+                   long long offset, unsigned long long device=0,
+                   unsigned long long inode=0):
     """Note [quick synchronous operations] (io/quick.py): open ``path`` with O_DIRECT,
     move ``nbytes`` at ``offset`` with pread/pwrite, close; all without the GIL.
 
     Returns True when the bytes moved. False means nothing was settled here: the file
     could not be opened this way, is not a regular file, is too short (a read) or
-    would grow (a write), or the transfer failed; the caller runs the operation the
-    ordinary way, which says why (both directions are safe to repeat).
+    would grow (a write), is not the file ``device`` and ``inode`` name (when ``inode``
+    is given), or the transfer failed; the caller runs the operation the ordinary way,
+    which says why (both directions are safe to repeat).
     """
     cdef const char *name = path
     cdef int flags = (O_RDONLY if is_read else O_WRONLY) | O_CLOEXEC | O_DIRECT
@@ -498,6 +500,7 @@ def quick_transfer(bint is_read, bytes path, size_t address, size_t nbytes,
         fd = open_file(name, flags | O_NONBLOCK)
         if fd >= 0:
             if (fstat(fd, &info) == 0 and S_ISREG(info.st_mode)
+                    and (inode == 0 or (info.st_dev == device and info.st_ino == inode))
                     and offset + <long long>nbytes <= info.st_size
                     and fcntl(fd, F_SETFL, flags) == 0):
                 out.failed = False

@@ -4,6 +4,7 @@ import errno
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -134,3 +135,62 @@ def test_a_sync_read_follows_a_small_async_write_of_the_same_bytes(handle_factor
         h.sync_pread(back, path, 64 * KiB)
         assert int(back.min()) == int(back.max()) == round_number + 1
         assert h.wait() == 1
+
+
+def test_a_quick_write_survives_a_failed_write_that_grew_the_file(handle_factory, tmp_path):
+    """Note [shared growth]: the quick write lands inside what another handle's write
+    preallocated; when that write fails, the file is not cut back under it."""
+    path = tmp_path / "f"
+    path.write_bytes(b"\1" * 64 * KiB)
+    growing, quick_one = handle_factory(staging_bytes=MiB), handle_factory()
+    big = torch.full((64 * MiB,), 3, dtype=torch.uint8)
+    growing.async_pwrite(big, path, MiB)        # preallocated at once: 65 MiB
+    assert quick_one.sync_pwrite(aligned_plain(4 * KiB, fill=7), path, 128 * KiB) == 1
+    big.untyped_storage().resize_(0)            # the next staged copy of it fails
+    with pytest.raises(RuntimeError, match="resized or freed"):
+        growing.wait()
+    with open(path, "rb") as f:
+        f.seek(128 * KiB)
+        assert f.read(4 * KiB) == b"\7" * 4 * KiB
+
+
+def test_close_from_another_thread_waits_for_a_quick_operation(handle_factory, tmp_path,
+                                                               monkeypatch):
+    import nvmeswap.io.quick as quick_module
+    started = threading.Event()
+    real = quick_module.quick_transfer
+
+    def slow_device(*args):
+        started.set()
+        time.sleep(0.5)
+        return real(*args)
+
+    monkeypatch.setattr(quick_module, "quick_transfer", slow_device)
+    h = handle_factory()
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 8 * KiB)
+    results = []
+    writer = threading.Thread(target=lambda: results.append(
+        h.sync_pwrite(aligned_plain(4 * KiB, fill=9), path, 0)))
+    writer.start()
+    assert started.wait(10)
+    h.close()
+    assert not writer.is_alive() and results == [1]
+    assert path.read_bytes() == b"\x09" * 4 * KiB + b"\0" * 4 * KiB
+    with pytest.raises(ValueError, match="closed"):
+        h.sync_pread(aligned_plain(4 * KiB), path, 0)
+    writer.join()
+
+
+def test_unusual_names_and_offsets_behave_as_on_the_ordinary_road(handle, tmp_path):
+    import numpy as np
+
+    path = tmp_path / "f"
+    data = random_bytes(16 * KiB)
+    path.write_bytes(data)
+    back = aligned_plain(4 * KiB)
+    assert handle.sync_pread(back, np.bytes_(os.fsencode(path)), 4 * KiB) == 1
+    assert bytes(back.numpy()) == data[4 * KiB:8 * KiB]
+    for offset in (1 << 63, 1 << 64, (1 << 63) - 4096):
+        with pytest.raises(ValueError, match="file_offset must be between"):
+            handle.sync_pread(back, path, offset)

@@ -9,13 +9,36 @@ buffer needs no staging: one call into ``_engine.quick_transfer`` opens the file
 O_DIRECT, moves the bytes straight between the tensor and the file without the GIL, and
 closes it. Whatever that call cannot settle (a file to create, grow or refuse, a short
 read, a failed transfer) runs the ordinary way, which says why; both directions are safe
-to repeat, a failed write included, as it never grows the file.
+to repeat, a failed write included, as it never grows the file. What the books did still
+holds: ``close()`` waits for a quick operation as for any inline one, and a quick write
+is one of the process's writes in flight (Note [shared growth]), so that a failed write
+of the same file on another handle does not cut it away.
 """
 import os
 import sys
 
 from .._engine import quick_transfer
 from .files import ALIGNMENT
+from .operation import MAX_FILE_END, WRITES
+
+
+class QuickWrite:
+    """A quick write while it runs, as Note [shared growth] sees writes in flight: a
+    failed write of the same file on another handle must not cut back what it wrote."""
+
+    __slots__ = ("file", "shares_file")
+    is_read = False
+
+    def __init__(self, identity):
+        self.file = FileIdentity(identity)
+        self.shares_file = False
+
+
+class FileIdentity:
+    __slots__ = ("identity",)
+
+    def __init__(self, identity):
+        self.identity = identity
 
 
 def quick(buffer, target, file_offset, *, is_read, limit):
@@ -29,9 +52,24 @@ def quick(buffer, target, file_offset, *, is_read, limit):
             or not buffer.is_contiguous()):
         return False
     address, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    if not 0 < nbytes <= limit or nbytes % ALIGNMENT or address % ALIGNMENT:
+    if (not 0 < nbytes <= limit or nbytes % ALIGNMENT or address % ALIGNMENT
+            or file_offset > MAX_FILE_END - nbytes):
         return False
     path = os.fsencode(target)
-    if b"\0" in path:
+    if type(path) is not bytes or b"\0" in path:
         return False    # C would read a shorter name: the ordinary road refuses it
-    return quick_transfer(is_read, path, address, nbytes, file_offset)
+    if is_read:
+        return quick_transfer(True, path, address, nbytes, file_offset)
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    write = QuickWrite((info.st_dev, info.st_ino))
+    try:
+        WRITES.start(write)
+        # The file must still be the one registered: a name replaced since goes the
+        # ordinary way.
+        return quick_transfer(False, path, address, nbytes, file_offset, info.st_dev,
+                              info.st_ino)
+    finally:
+        WRITES.end(write)

@@ -55,11 +55,8 @@ class Scheduler:
 
         Interrupted while it runs, the operation goes on, and its error is dropped.
         """
-        # Note [quick synchronous operations]: with nothing in flight there is no order
-        # to keep; the limit is the one for operations run in the caller.
-        if not (validate or self._ops or self._o_direct is False) and quick(
-                buffer, target, file_offset, is_read=is_read,
-                limit=self.placement.inline_limit(None)):
+        if not (validate or self._o_direct is False) and self._run_quick(
+                buffer, target, file_offset, is_read):
             return 1
         op = self._begin(buffer, target, file_offset, is_read, validate, is_async=False)
         self._wait_until(op.is_done)
@@ -245,6 +242,29 @@ class Scheduler:
                 self._held.remove(op)
                 self._go(op)
 
+    def _run_quick(self, buffer, target, file_offset, is_read):
+        """Note [quick synchronous operations]: True if the operation was settled in one
+        call. Only with nothing in flight (then there is no order to keep), counted as an
+        inline operation so that ``release`` waits for it."""
+        counted = False
+        try:
+            with deferred_interrupts(), self._cond:
+                self.check_usable()
+                if self._ops:
+                    return False
+                self._inline += 1
+                counted = True
+            return quick(buffer, target, file_offset, is_read=is_read,
+                         limit=self.placement.inline_limit(None))
+        finally:
+            if counted:
+                self._end_inline()
+
+    def _end_inline(self):
+        with deferred_interrupts(), self._cond:
+            self._inline -= 1
+            self._cond.notify_all()
+
     def _run_inline(self, op, is_async):
         """Note [small synchronous operations]: an operation of one request runs in the
         calling thread: a synchronous one unless it must follow an operation in flight
@@ -254,18 +274,20 @@ class Scheduler:
         request gains nothing from fan-out. ``release`` waits for such operations: they
         borrow the staging space.
         """
-        with deferred_interrupts(), self._cond:
-            self.check_usable()
-            self._place(op)
-            if self._ordering.conflicts(op) or (op.staged is not None
-                                                and op.staged.start_next() is None):
-                # It must follow an operation in flight (Note [ordering]), or the staging
-                # space is lent out: it waits like any operation.
-                self._running_pool()
-                self._launch(op, is_async)
-                return
-            self._inline += 1
+        counted = False     # a Ctrl-C held back until the count is taken still uncounts it
         try:
+            with deferred_interrupts(), self._cond:
+                self.check_usable()
+                self._place(op)
+                if self._ordering.conflicts(op) or (op.staged is not None
+                                                    and op.staged.start_next() is None):
+                    # It must follow an operation in flight (Note [ordering]), or the
+                    # staging space is lent out: it waits like any operation.
+                    self._running_pool()
+                    self._launch(op, is_async)
+                    return
+                self._inline += 1
+                counted = True
             region_offset = op.region_offset_of(0)
             if op.staged is not None and not op.is_read:
                 op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
@@ -278,9 +300,8 @@ class Scheduler:
                     self._async_ops.append(op)
                 self._complete_chunk(op, 0, *result)
         finally:
-            with deferred_interrupts(), self._cond:
-                self._inline -= 1
-                self._cond.notify_all()
+            if counted:
+                self._end_inline()
 
     def _dispatch(self, op):
         """Hand every chunk of a zero-copy operation out."""
