@@ -42,8 +42,7 @@ cdef struct Transfer:
     long long total     # requests it takes
     long long prepared
     long long completed
-    bint stopping       # failed: no more of its requests start
-    Outcome out
+    Outcome out         # once failed, no more of its requests start
 
 
 cdef class AioEngine:
@@ -168,7 +167,6 @@ cdef class AioEngine:
         cdef long long middle_start, middle_end
         t.is_read = is_read
         t.total = t.prepared = t.completed = 0
-        t.stopping = False
         _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &t.out,
                     &middle_start, &middle_end)
         if not t.out.failed and middle_end > middle_start:
@@ -207,8 +205,7 @@ cdef class AioEngine:
         for k in range(self.n_order):
             index = self.order[k]
             t = &self.transfers[index]
-            if t.completed == t.prepared and (t.prepared == t.total or t.stopping
-                                              or t.out.failed):
+            if t.completed == t.prepared and (t.prepared == t.total or t.out.failed):
                 self.used[index] = False
                 if t.out.failed:
                     ended.append((index, t.out.err, t.out.at_offset, t.out.requested,
@@ -232,8 +229,7 @@ cdef class AioEngine:
         for k in range(self.n_order):
             index = self.order[k]
             t = &self.transfers[index]
-            while self.n_free > 0 and t.prepared < t.total and not t.stopping \
-                    and not t.out.failed:
+            while self.n_free > 0 and t.prepared < t.total and not t.out.failed:
                 self.n_free -= 1
                 slot = self.free_slots[self.n_free]
                 cb = &self.slots[slot]
@@ -284,7 +280,6 @@ cdef class AioEngine:
                     _fail(&t.out, <int>(-ret if ret < 0 else EIO),
                           self.batch[done].aio_offset,
                           <long long>self.batch[done].aio_nbytes, 0)
-                t.stopping = True
                 break
         return done
 
@@ -310,8 +305,8 @@ cdef class AioEngine:
             slot = <int>self.events[i].data
             cb = &self.slots[slot]
             t = &self.transfers[self.owner[slot]]
-            if not t.out.failed and _failed(&self.events[i], cb, &t.out):
-                t.stopping = True
+            if not t.out.failed:
+                _failed(&self.events[i], cb, &t.out)
             t.completed += 1
             self.free_slots[self.n_free] = slot
             self.n_free += 1
