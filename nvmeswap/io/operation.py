@@ -1,4 +1,5 @@
 """One operation: its arguments checked and its file opened, its chunks, and its outcome."""
+import contextlib
 import errno
 import operator
 import resource
@@ -96,27 +97,51 @@ class ConcurrentWrites:
         self._lock = threading.Lock()
 
     def start(self, op):
-        if op.is_read:
-            return
-        with self._lock:
-            writes = self._by_file.setdefault(op.file.identity, set())
-            if writes:
-                op.shares_file = True
-                for other in writes:
-                    other.shares_file = True
-            writes.add(op)
+        if not op.is_read:
+            self._add(op.file.identity, op)
 
     def end(self, op):
         """Forget ``op``; True if it is a write that no other write of its file overlapped."""
         if op.is_read:
             return False
+        self._discard(op.file.identity, op)
+        return not op.shares_file
+
+    @contextlib.contextmanager
+    def in_place(self, identity):
+        """A write inside the file ``identity`` names, while the block runs: it never grows
+        the file, so it has nothing to undo, but a failed write that overlaps it must not
+        cut it away (Note [quick synchronous operations] in io/quick.py)."""
+        write = _InPlaceWrite()
+        try:
+            self._add(identity, write)
+            yield
+        finally:
+            self._discard(identity, write)
+
+    def _add(self, identity, write):
         with self._lock:
-            writes = self._by_file.get(op.file.identity)
-            if writes is not None and op in writes:
-                writes.discard(op)
+            writes = self._by_file.setdefault(identity, set())
+            if writes:
+                write.shares_file = True
+                for other in writes:
+                    other.shares_file = True
+            writes.add(write)
+
+    def _discard(self, identity, write):
+        with self._lock:
+            writes = self._by_file.get(identity)
+            if writes is not None and write in writes:
+                writes.discard(write)
                 if not writes:
-                    del self._by_file[op.file.identity]
-            return not op.shares_file
+                    del self._by_file[identity]
+
+
+class _InPlaceWrite:
+    __slots__ = ("shares_file",)
+
+    def __init__(self):
+        self.shares_file = False
 
 
 # One for the process: DeepSpeed's swappers read and write the same files with two handles.

@@ -6,7 +6,8 @@ the device: with the file opened, the operation booked, placed, checked for orde
 completed in Python, a 4 KiB read took ~60 us beyond its ~100 us on the device. When
 nothing of the handle is in flight there is nothing to order it after, and an aligned
 buffer needs no staging: one call into ``_engine.quick_transfer`` opens the file with
-O_DIRECT, moves the bytes straight between the tensor and the file without the GIL, and
+O_DIRECT, moves the bytes straight between the buffer (a CPU tensor, an array) and the
+file without the GIL, and
 closes it. Whatever that call cannot settle (a file to create, grow or refuse, a short
 read, a failed transfer) runs the ordinary way, which says why; both directions are safe
 to repeat, a failed write included, as it never grows the file. What the books did still
@@ -15,45 +16,22 @@ is one of the process's writes in flight (Note [shared growth]), so that a faile
 of the same file on another handle does not cut it away.
 """
 import os
-import sys
 
 from .._engine import quick_transfer
+from .buffers import io_buffer
 from .files import ALIGNMENT
 from .operation import MAX_FILE_END, WRITES
 
 
-class QuickWrite:
-    """A quick write while it runs, as Note [shared growth] sees writes in flight: a
-    failed write of the same file on another handle must not cut back what it wrote."""
-
-    __slots__ = ("file", "shares_file")
-    is_read = False
-
-    def __init__(self, identity):
-        self.file = FileIdentity(identity)
-        self.shares_file = False
-
-
-class FileIdentity:
-    __slots__ = ("identity",)
-
-    def __init__(self, identity):
-        self.identity = identity
-
-
 def quick(buffer, target, file_offset, *, is_read, limit):
     """Move the bytes of a small synchronous operation in one call; False if it did not."""
-    torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(buffer, torch.Tensor)
-            or not isinstance(target, (str, bytes, os.PathLike))
-            or type(file_offset) is not int or file_offset < 0 or file_offset % ALIGNMENT
-            or buffer.layout is not torch.strided or not buffer.is_cpu or buffer.is_nested
-            or buffer.is_quantized or buffer.is_conj() or buffer.is_neg()
-            or not buffer.is_contiguous()):
+    if (not isinstance(target, (str, bytes, os.PathLike)) or type(file_offset) is not int
+            or file_offset < 0 or file_offset % ALIGNMENT):
         return False
-    address, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    if (not 0 < nbytes <= limit or nbytes % ALIGNMENT or address % ALIGNMENT
-            or file_offset > MAX_FILE_END - nbytes):
+    buf = io_buffer(buffer, writable=is_read)   # what it refuses, the ordinary road refuses
+    address, nbytes = buf.address, buf.nbytes
+    if (buf.device is not None or not 0 < nbytes <= limit or nbytes % ALIGNMENT
+            or address % ALIGNMENT or file_offset > MAX_FILE_END - nbytes):
         return False
     path = os.fsencode(target)
     if type(path) is not bytes or b"\0" in path:
@@ -64,12 +42,8 @@ def quick(buffer, target, file_offset, *, is_read, limit):
         info = os.stat(path)
     except (OSError, ValueError):
         return False
-    write = QuickWrite((info.st_dev, info.st_ino))
-    try:
-        WRITES.start(write)
+    with WRITES.in_place((info.st_dev, info.st_ino)):
         # The file must still be the one registered: a name replaced since goes the
         # ordinary way.
         return quick_transfer(False, path, address, nbytes, file_offset, info.st_dev,
                               info.st_ino)
-    finally:
-        WRITES.end(write)
