@@ -8,7 +8,8 @@ large as its staging space, as any handle has after its first large operation. E
 writes a fresh file, overwrites it and reads it back cold. The gap between the two plain rows is the staging space's first
 touch (page allocation, zeroing and locking of up to ``staging_bytes``, Note [staging
 ring]), which the first staged operation of a handle pays inside its own time; a locked
-tensor paid for its pages when it was made.
+tensor paid for its pages when it was made. ``--staging-sizes 16M,32M`` adds plain
+contenders with smaller staging spaces, whose first touch is smaller.
 """
 import argparse
 import json
@@ -31,7 +32,11 @@ JOBS = ("fresh write", "overwrite", "cold read")
 
 def child(folder, size, name):
     """One contender's three jobs, in this (fresh) process; prints their seconds."""
-    contender = peers.NvmeswapContender(size, "locked" if name == "locked" else "plain")
+    handle_args = {}
+    if name.endswith(" staging"):
+        handle_args["staging_bytes"] = parse_size(name.split()[1])
+    contender = peers.NvmeswapContender(size, "locked" if name == "locked" else "plain",
+                                        **handle_args)
     path = os.path.join(folder, "first-use-" + name.replace(" ", "-").replace(",", ""))
     try:
         if name == "plain, staging used":
@@ -52,6 +57,8 @@ def child(folder, size, name):
 
 def main():
     parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--staging-sizes", default="",
+                        help="comma-separated staging_bytes for more plain contenders")
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     os.makedirs(arguments.folder, exist_ok=True)
@@ -59,21 +66,23 @@ def main():
     if arguments.contender:
         child(arguments.folder, size, arguments.contender)
         return
-    seconds = {name: [] for name in CONTENDERS}
+    contenders = CONTENDERS + tuple(f"plain, {staging} staging" for staging
+                                    in filter(None, arguments.staging_sizes.split(",")))
+    seconds = {name: [] for name in contenders}
     for round_number in range(arguments.rounds):
-        shift = round_number % len(CONTENDERS)
-        for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
+        shift = round_number % len(contenders)
+        for name in contenders[shift:] + contenders[:shift]:
             done = subprocess.run([sys.executable, __file__, "--folder", arguments.folder,
                                    "--size", str(size), "--contender", name],
                                   capture_output=True, text=True, check=True)
             seconds[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"round {round_number + 1}/{arguments.rounds}: " + ", ".join(
             f"{name} " + "/".join(f"{size / s / 1e9:.2f}" for s in seconds[name][-1])
-            for name in CONTENDERS) + " GB/s", file=sys.stderr)
+            for name in contenders) + " GB/s", file=sys.stderr)
     print(f"{size / 2**30:.2f} GiB, {arguments.rounds} rounds, fresh process per contender; "
           "GB/s (median), and the median per-round ratio to the locked tensor")
     print(f"{'contender':<22}" + "".join(f"{job:>22}" for job in JOBS))
-    for name in CONTENDERS:
+    for name in contenders:
         cells = []
         for k in range(len(JOBS)):
             rate = statistics.median(size / s[k] / 1e9 for s in seconds[name])
