@@ -28,10 +28,14 @@ class CufilePlacement:
         self.libraries = libraries
         self._config_fd = config_fd
 
+    @property
+    def host_inline_limit(self):
+        return self.host.host_inline_limit
+
     def inline_limit(self, op):
-        if op is not None and op.buffer.device is not None and self.libraries is not None:
+        if op.buffer.device is not None and self.libraries is not None:
             return 0        # cuFile runs in the workers, never in the calling thread
-        return self.host.inline_limit(op)
+        return self.host_inline_limit
 
     def place(self, op):
         buf = op.buffer

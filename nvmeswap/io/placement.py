@@ -27,10 +27,16 @@ class HostPlacement:
         self.staging = StagingSpace(staging_bytes or STAGING_BYTES, parallelism, ALIGNMENT)
         self._copy_streams = {}
 
-    def inline_limit(self, op):
-        """Synchronous operations up to this size run in the calling thread
+    @property
+    def host_inline_limit(self):
+        """Operations on host memory up to this size run in the calling thread
         (Note [small synchronous operations] in io/scheduler.py)."""
         return min(INLINE_LIMIT, self.block_size, self.staging.piece)
+
+    def inline_limit(self, op):
+        """The same limit for ``op``: every buffer this placement takes is reached from
+        host memory."""
+        return self.host_inline_limit
 
     def place(self, op):
         """Choose the memory the workers use, and cut the operation into chunks."""

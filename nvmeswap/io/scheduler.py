@@ -7,6 +7,7 @@ The road of one operation: ``open_operation`` (checks, file) -> ``placement.plac
 async ones moving) -> ``Workforce.send`` -> a worker's engine -> ``_pump`` (responses) ->
 ``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``.
 """
+import contextlib
 import functools
 import itertools
 import os
@@ -246,24 +247,33 @@ class Scheduler:
         """Note [quick synchronous operations]: True if the operation was settled in one
         call. Only with nothing in flight (then there is no order to keep), counted as an
         inline operation so that ``release`` waits for it."""
-        counted = False
-        try:
+        with self._inline_count() as count:
             with deferred_interrupts(), self._cond:
                 self.check_usable()
                 if self._ops:
                     return False
-                self._inline += 1
-                counted = True
+                count()
             return quick(buffer, target, file_offset, is_read=is_read,
-                         limit=self.placement.inline_limit(None))
+                         limit=self.placement.host_inline_limit)
+
+    @contextlib.contextmanager
+    def _inline_count(self):
+        """Counts an operation running in its caller's thread once the block calls the
+        function it yields (under the lock), and uncounts it however the block ends: a
+        Ctrl-C held back until the count was taken included."""
+        counted = False
+
+        def count():
+            nonlocal counted
+            self._inline += 1
+            counted = True
+        try:
+            yield count
         finally:
             if counted:
-                self._end_inline()
-
-    def _end_inline(self):
-        with deferred_interrupts(), self._cond:
-            self._inline -= 1
-            self._cond.notify_all()
+                with deferred_interrupts(), self._cond:
+                    self._inline -= 1
+                    self._cond.notify_all()
 
     def _run_inline(self, op, is_async):
         """Note [small synchronous operations]: an operation of one request runs in the
@@ -274,8 +284,7 @@ class Scheduler:
         request gains nothing from fan-out. ``release`` waits for such operations: they
         borrow the staging space.
         """
-        counted = False     # a Ctrl-C held back until the count is taken still uncounts it
-        try:
+        with self._inline_count() as count:
             with deferred_interrupts(), self._cond:
                 self.check_usable()
                 self._place(op)
@@ -286,8 +295,7 @@ class Scheduler:
                     self._running_pool()
                     self._launch(op, is_async)
                     return
-                self._inline += 1
-                counted = True
+                count()
             region_offset = op.region_offset_of(0)
             if op.staged is not None and not op.is_read:
                 op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
@@ -299,9 +307,6 @@ class Scheduler:
                 if is_async:
                     self._async_ops.append(op)
                 self._complete_chunk(op, 0, *result)
-        finally:
-            if counted:
-                self._end_inline()
 
     def _dispatch(self, op):
         """Hand every chunk of a zero-copy operation out."""
