@@ -6,7 +6,10 @@ Each contender runs in a fresh process: 4 KiB reads at random aligned offsets of
 file (page cache dropped first), started with ``async_pread`` into locked buffers and
 waited for every 256, as an offloading loop over small tensors would. Reported as reads
 per second, the median over rounds, and as ratios to DeepSpeed's aio_handle. fio's
-randread with 128 requests in flight is the device's own rate.
+randread with 128 requests in flight is the device's own rate. "queue alone" is the
+kernel AIO context under nvmeswap's small async operations (``_engine.CallerQueue``)
+driven directly, one ``io_submit`` per read as the handle does, without the handle's
+Python: what the per-operation cost would be if the handle cost nothing.
 """
 import argparse
 import json
@@ -27,6 +30,8 @@ def contender_run(kind, path, ops, seed):
     import numpy as np
     import torch
 
+    if kind == "queue alone":
+        return queue_alone_run(path, ops, seed)
     if kind == "deepspeed":
         from deepspeed.ops.op_builder import AsyncIOBuilder
         handle = AsyncIOBuilder().load(verbose=False).aio_handle(1048576, 128, False, False, 1)
@@ -43,6 +48,32 @@ def contender_run(kind, path, ops, seed):
             handle.async_pread(buffer[k * OP:(k + 1) * OP], path, int(offset))
         assert handle.wait() == len(batch)
     return ops / (time.perf_counter() - start)
+
+
+def queue_alone_run(path, ops, seed):
+    import numpy as np
+
+    from nvmeswap._engine import CallerQueue
+    from nvmeswap.io.regions import SharedRegion
+
+    queue, region = CallerQueue(2 * BATCH), SharedRegion(BATCH * OP)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    offsets = np.random.default_rng(seed).integers(0, os.path.getsize(path) // OP, ops) * OP
+    start = time.perf_counter()
+    for first in range(0, ops, BATCH):
+        batch = offsets[first:first + BATCH]
+        for k, offset in enumerate(batch):
+            assert queue.submit(first + k, 0, True, fd, region.address + k * OP, OP,
+                                int(offset)) == 0
+        done = []
+        while len(done) < len(batch):
+            done += queue.reap(True)
+        # A failed or short read comes back with its errno, or with got != requested.
+        assert all(err == 0 and requested == got for _, _, err, _, requested, got in done)
+    rate = ops / (time.perf_counter() - start)
+    queue.close()
+    os.close(fd)
+    return rate
 
 
 def fio_rate(path, ops):
@@ -71,7 +102,8 @@ def main():
                 f.write(os.urandom(1 << 20))
     import peers
 
-    kinds = ["nvmeswap"] + (["deepspeed"] if peers.deepspeed_available() else [])
+    kinds = ["nvmeswap", "queue alone"] + (["deepspeed"] if peers.deepspeed_available()
+                                           else [])
     rates = {kind: [] for kind in kinds + ["fio"]}
     for round_number in range(args.rounds):
         for kind in kinds[round_number % len(kinds):] + kinds[:round_number % len(kinds)]:
@@ -87,7 +119,7 @@ def main():
           f"{args.rounds} rounds (median reads/s)")
     for kind, values in rates.items():
         if values:
-            line = f"  {kind:<10} {statistics.median(values):>10.0f}"
+            line = f"  {kind:<12} {statistics.median(values):>10.0f}"
             if kind != "deepspeed" and rates.get("deepspeed"):
                 ratios = [a / b for a, b in zip(values, rates["deepspeed"])]
                 line += f"   {statistics.median(ratios):.2f}x DeepSpeed"
