@@ -7,7 +7,6 @@ The road of one operation: ``open_operation`` (checks, file) -> ``placement.plac
 async ones moving) -> ``Workforce.send`` -> a worker's engine -> ``_pump`` (responses) ->
 ``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``.
 """
-import contextlib
 import functools
 import itertools
 import os
@@ -247,7 +246,7 @@ class Scheduler:
         """Note [quick synchronous operations]: True if the operation was settled in one
         call. Only with nothing in flight (then there is no order to keep), counted as an
         inline operation so that ``release`` waits for it."""
-        with self._inline_count() as count:
+        with _InlineCount(self) as count:
             with deferred_interrupts(), self._cond:
                 self.check_usable()
                 if self._ops:
@@ -255,25 +254,6 @@ class Scheduler:
                 count()
             return quick(buffer, target, file_offset, is_read=is_read,
                          limit=self.placement.host_inline_limit)
-
-    @contextlib.contextmanager
-    def _inline_count(self):
-        """Counts an operation running in its caller's thread once the block calls the
-        function it yields (under the lock), and uncounts it however the block ends: a
-        Ctrl-C held back until the count was taken included."""
-        counted = False
-
-        def count():
-            nonlocal counted
-            self._inline += 1
-            counted = True
-        try:
-            yield count
-        finally:
-            if counted:
-                with deferred_interrupts(), self._cond:
-                    self._inline -= 1
-                    self._cond.notify_all()
 
     def _run_inline(self, op, is_async):
         """Note [small synchronous operations]: an operation of one request runs in the
@@ -284,7 +264,7 @@ class Scheduler:
         request gains nothing from fan-out. ``release`` waits for such operations: they
         borrow the staging space.
         """
-        with self._inline_count() as count:
+        with _InlineCount(self) as count:
             with deferred_interrupts(), self._cond:
                 self.check_usable()
                 self._place(op)
@@ -519,6 +499,33 @@ class Scheduler:
         if op.region is not None:
             for region in self.placement.give_back(op):
                 self.unshare(region)
+
+
+class _InlineCount:
+    """An operation running in its caller's thread, counted once the block calls this
+    (under the scheduler's lock) and uncounted however the block ends: a Ctrl-C held
+    back until the count was taken included. ``release`` waits for the count to drop."""
+
+    __slots__ = ("_scheduler", "_counted")
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+        self._counted = False
+
+    def __enter__(self):
+        return self
+
+    def __call__(self):
+        self._scheduler._inline += 1
+        self._counted = True
+
+    def __exit__(self, *exc_info):
+        if self._counted:
+            scheduler = self._scheduler
+            with deferred_interrupts(), scheduler._cond:
+                scheduler._inline -= 1
+                scheduler._cond.notify_all()
+        return False
 
 
 def _all_done(ops):
