@@ -18,8 +18,8 @@ def extension(name, libraries=()):
 
 setup(
     ext_modules=cythonize(
-        [extension("engine"), extension("memory"), extension("cufile", libraries=["dl"]),
-         extension("cuda", libraries=["dl"])],
+        [extension("engine", libraries=["pthread"]), extension("memory"),
+         extension("cufile", libraries=["dl"]), extension("cuda", libraries=["dl"])],
         include_path=["pyx"],
         compiler_directives={"language_level": "3"},
     ),

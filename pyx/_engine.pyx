@@ -8,7 +8,8 @@ buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/io/files.py).
 """
 from libc.stdlib cimport malloc, free
 from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
-from posix.unistd cimport close, read
+from posix.types cimport pid_t
+from posix.unistd cimport close, getpid, read
 from posix.fcntl cimport open as open_file, fcntl, F_SETFL, O_RDONLY, O_WRONLY, O_CLOEXEC
 from posix.fcntl cimport O_NONBLOCK
 from posix.stat cimport struct_stat, fstat, S_ISREG
@@ -20,6 +21,10 @@ from includes.kernel_aio cimport (
     nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
     nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate, nvmeswap_eventfd, IOCB_FLAG_RESFD, O_DIRECT,
     timespec,
+)
+from includes.submitter cimport (
+    nvmeswap_submitter, nvmeswap_submitter_start, nvmeswap_submitter_post,
+    nvmeswap_submitter_drain, nvmeswap_submitter_take_failed, nvmeswap_submitter_stop,
 )
 
 
@@ -317,10 +322,22 @@ cdef class AioEngine:
 cdef class CallerQueue:
     """The calling process's own kernel AIO context, for small operations (Note [caller
     queue] in nvmeswap/io/workforce.py): each request is submitted from the calling thread
+    (``submit``) or handed to the queue's submitting thread (``post``, Note [submitter]),
     and reaped in bulk; ``eventfd`` becomes readable as requests complete.
 
     Each request is one aligned O_DIRECT transfer. The memory of a request in flight must
     stay valid until ``reap`` has returned it; freeing the queue waits for them all.
+
+    Note [submitter]
+    On a virtual machine, io_submit of one request to an idle device costs several times
+    its share of a batch: it exits to the hypervisor to notify the device. A caller
+    starting small reads one by one paid that for each, in its own thread, more than
+    DeepSpeed's threads spent per read. ``post`` hands the request to a thread of the
+    queue's own (C, no GIL; cdeps/submitter.h) and returns: the thread submits what has
+    been posted meanwhile in one call, on another core, while the caller prepares the
+    next request. What the kernel refuses there comes back from ``reap`` as a failed
+    request with its errno, like a failed transfer. The thread starts with the first
+    post and ends with ``close``; where it cannot start, ``post`` submits in the caller.
     """
     cdef aio_context_t ctx
     cdef iocb *slots
@@ -329,6 +346,11 @@ cdef class CallerQueue:
     cdef int n_free
     cdef unsigned long long *op_ids
     cdef unsigned int *chunks
+    cdef int *refused_slots
+    cdef int *refused_errnos
+    cdef nvmeswap_submitter *submitter
+    cdef bint submitter_tried
+    cdef pid_t creator
     cdef readonly int capacity
     cdef readonly int in_flight
     cdef readonly int eventfd
@@ -336,12 +358,17 @@ cdef class CallerQueue:
     def __cinit__(self, int capacity):
         self.ctx = 0
         self.eventfd = -1
+        self.submitter = NULL
+        self.creator = getpid()
         self.slots = <iocb *>malloc(sizeof(iocb) * capacity)
         self.events = <io_event *>malloc(sizeof(io_event) * capacity)
         self.free_slots = <int *>malloc(sizeof(int) * capacity)
         self.op_ids = <unsigned long long *>malloc(sizeof(unsigned long long) * capacity)
         self.chunks = <unsigned int *>malloc(sizeof(unsigned int) * capacity)
-        if not (self.slots and self.events and self.free_slots and self.op_ids and self.chunks):
+        self.refused_slots = <int *>malloc(sizeof(int) * capacity)
+        self.refused_errnos = <int *>malloc(sizeof(int) * capacity)
+        if not (self.slots and self.events and self.free_slots and self.op_ids and self.chunks
+                and self.refused_slots and self.refused_errnos):
             raise MemoryError()
         self.capacity = capacity
         self.in_flight = 0
@@ -356,6 +383,7 @@ cdef class CallerQueue:
         self.ctx = _aio_context(capacity)
 
     def __dealloc__(self):
+        self._stop_submitter()
         if self.ctx:
             nvmeswap_io_destroy(self.ctx)   # waits for the requests still in flight
         if self.eventfd >= 0:
@@ -365,9 +393,13 @@ cdef class CallerQueue:
         free(self.free_slots)
         free(self.op_ids)
         free(self.chunks)
+        free(self.refused_slots)
+        free(self.refused_errnos)
 
     def close(self):
-        """Wait for the requests in flight and free the context; idempotent."""
+        """Submit what is posted, wait for the requests in flight and free the context;
+        idempotent."""
+        self._stop_submitter()
         if self.ctx:
             with nogil:
                 nvmeswap_io_destroy(self.ctx)
@@ -377,17 +409,57 @@ cdef class CallerQueue:
             self.eventfd = -1
         self.in_flight = 0
 
+    cdef void _stop_submitter(self):
+        # In a forked child the thread does not exist: its memory is left as it is.
+        if self.submitter != NULL and getpid() == self.creator:
+            with nogil:
+                nvmeswap_submitter_stop(self.submitter)
+        self.submitter = NULL
+
     def submit(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
                size_t address, size_t nbytes, long long offset):
         """Start one request; return 0, or the errno with which the kernel refused it."""
+        cdef long ret
+        cdef int slot = self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset)
+        if slot < 0:
+            return -slot
+        cdef iocb *cb = &self.slots[slot]
+        with nogil:
+            while True:
+                ret = nvmeswap_io_submit(self.ctx, 1, &cb)
+                if ret != -EINTR:
+                    break
+        if ret != 1:
+            self._give_back(slot)
+            return <int>-ret if ret < 0 else EIO
+        return 0
+
+    def post(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
+             size_t address, size_t nbytes, long long offset):
+        """Hand one request to the submitting thread (Note [submitter]); return 0, or
+        EAGAIN if the queue is full (EINVAL once closed). A refusal by the kernel comes
+        back from ``reap``."""
+        if not self.submitter_tried and self.ctx:
+            self.submitter_tried = True
+            self.submitter = nvmeswap_submitter_start(self.ctx, self.eventfd, self.capacity)
+        if self.submitter == NULL:
+            return self.submit(op_id, chunk, is_read, fd, address, nbytes, offset)
+        cdef int slot = self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset)
+        if slot < 0:
+            return -slot
+        nvmeswap_submitter_post(self.submitter, &self.slots[slot])
+        return 0
+
+    cdef int _take_slot(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+                        int fd, size_t address, size_t nbytes, long long offset):
+        """A slot filled with the request, counted in flight; or -errno."""
         if self.ctx == 0:
-            return EINVAL
+            return -EINVAL
         if self.n_free == 0:
-            return EAGAIN
+            return -EAGAIN
         self.n_free -= 1
         cdef int slot = self.free_slots[self.n_free]
         cdef iocb *cb = &self.slots[slot]
-        cdef long ret
         _clear_iocb(cb)
         cb.aio_data = slot
         cb.aio_lio_opcode = IOCB_CMD_PREAD if is_read else IOCB_CMD_PWRITE
@@ -397,28 +469,25 @@ cdef class CallerQueue:
         cb.aio_offset = offset
         cb.aio_flags = IOCB_FLAG_RESFD
         cb.aio_resfd = self.eventfd
-        with nogil:
-            while True:
-                ret = nvmeswap_io_submit(self.ctx, 1, &cb)
-                if ret != -EINTR:
-                    break
-        if ret != 1:
-            self.free_slots[self.n_free] = slot
-            self.n_free += 1
-            return <int>-ret if ret < 0 else EIO
         self.op_ids[slot] = op_id
         self.chunks[slot] = chunk
         self.in_flight += 1
-        return 0
+        return slot
+
+    cdef void _give_back(self, int slot):
+        self.free_slots[self.n_free] = slot
+        self.n_free += 1
+        self.in_flight -= 1
 
     def reap(self, bint wait_all=False):
         """The requests that have completed, as ``(op_id, chunk, errno, at_offset,
-        requested, got)`` like a worker's responses; with ``wait_all``, every request in
-        flight (GIL released while it waits)."""
+        requested, got)`` like a worker's responses, those the kernel refused to the
+        submitting thread included; with ``wait_all``, every request in flight (GIL
+        released while it waits)."""
         cdef unsigned long long counter
         cdef timespec no_wait
         cdef long ret
-        cdef long min_nr = self.in_flight if wait_all else 0
+        cdef long min_nr
         cdef list done = []
         cdef int i, slot
         cdef Outcome out
@@ -427,6 +496,14 @@ cdef class CallerQueue:
         # its signal arrived, which would leave the eventfd readable for nothing.)
         if self.eventfd >= 0:
             read(self.eventfd, &counter, sizeof(counter))
+        if self.in_flight == 0:
+            return done
+        if self.submitter != NULL:
+            if wait_all:    # then every request left is the kernel's
+                with nogil:
+                    nvmeswap_submitter_drain(self.submitter)
+            self._take_refused(done)
+        min_nr = self.in_flight if wait_all else 0
         if self.in_flight == 0:
             return done
         no_wait.tv_sec = 0
@@ -452,6 +529,18 @@ cdef class CallerQueue:
             min_nr -= ret
             if min_nr <= 0:
                 return done
+
+    cdef void _take_refused(self, list done):
+        cdef int n = nvmeswap_submitter_take_failed(self.submitter, self.refused_slots,
+                                                    self.refused_errnos)
+        cdef int i, slot
+        cdef iocb *cb
+        for i in range(n):
+            slot = self.refused_slots[i]
+            cb = &self.slots[slot]
+            done.append((self.op_ids[slot], self.chunks[slot], self.refused_errnos[i],
+                         cb.aio_offset, cb.aio_nbytes, 0))
+            self._give_back(slot)
 
 
 cdef aio_context_t _aio_context(int nr_events) except? 0:
@@ -485,23 +574,51 @@ def quick_transfer(bint is_read, bytes path, size_t address, size_t nbytes,
     which says why (both directions are safe to repeat).
     """
     cdef const char *name = path
-    cdef int flags = (O_RDONLY if is_read else O_WRONLY) | O_CLOEXEC | O_DIRECT
     cdef int fd
     cdef struct_stat info
     cdef Outcome out
     out.failed = True
     with nogil:
-        # O_NONBLOCK: opening a FIFO must not wait for a peer; fstat refuses it below.
-        fd = open_file(name, flags | O_NONBLOCK)
+        fd = _open_within(name, is_read, offset + <long long>nbytes, device, inode, &info)
         if fd >= 0:
-            if (fstat(fd, &info) == 0 and S_ISREG(info.st_mode)
-                    and (inode == 0 or (info.st_dev == device and info.st_ino == inode))
-                    and offset + <long long>nbytes <= info.st_size
-                    and fcntl(fd, F_SETFL, flags) == 0):
-                out.failed = False
-                _plain_transfer(is_read, fd, <char *>address, nbytes, offset, &out)
+            out.failed = False
+            _plain_transfer(is_read, fd, <char *>address, nbytes, offset, &out)
             close(fd)
     return not out.failed
+
+
+def open_for_direct_read(bytes path, long long end):
+    """Note [quick asynchronous reads] (io/quick.py): ``path`` opened for reading with
+    O_DIRECT, as ``(fd, size, device, inode)``, if it is a regular file of at least
+    ``end`` bytes; else None (nothing is left open). The caller closes the descriptor."""
+    cdef const char *name = path
+    cdef int fd
+    cdef struct_stat info
+    with nogil:
+        fd = _open_within(name, True, end, 0, 0, &info)
+    if fd < 0:
+        return None
+    return (fd, info.st_size, info.st_dev, info.st_ino)
+
+
+cdef int _open_within(const char *name, bint is_read, long long end,
+                      unsigned long long device, unsigned long long inode,
+                      struct_stat *info) noexcept nogil:
+    """``name`` opened with O_DIRECT if it is a regular file that reaches ``end`` (and is
+    the file ``device`` and ``inode`` name, when ``inode`` is given); else -1, nothing
+    left open."""
+    cdef int flags = (O_RDONLY if is_read else O_WRONLY) | O_CLOEXEC | O_DIRECT
+    # O_NONBLOCK: opening a FIFO must not wait for a peer; fstat refuses it below.
+    cdef int fd = open_file(name, flags | O_NONBLOCK)
+    if fd < 0:
+        return -1
+    if (fstat(fd, info) == 0 and S_ISREG(info.st_mode)
+            and (inode == 0 or (info.st_dev == device and info.st_ino == inode))
+            and end <= info.st_size
+            and fcntl(fd, F_SETFL, flags) == 0):
+        return fd
+    close(fd)
+    return -1
 
 
 def preallocate(int fd, long long offset, long long length):

@@ -160,12 +160,86 @@ def test_the_queue_reports_what_the_kernel_says(tmp_path):
             assert queue.submit(k, 0, True, direct, address, 4 * KiB, 0) == (
                 0 if k < 4 else errno.EAGAIN)
         assert len(queue.reap(wait_all=True)) == 4
+        # Posted to the submitting thread: the kernel's refusal comes back as a response.
+        assert queue.post(1, 0, True, direct, address, 8 * KiB, 4 * KiB) == 0
+        assert queue.post(4, 2, False, read_only, address, 4 * KiB, 8 * KiB) == 0
+        assert queue.in_flight == 2
+        assert sorted(queue.reap(wait_all=True)) == [
+            (1, 0, 0, 0, 0, 0), (4, 2, errno.EBADF, 8 * KiB, 4 * KiB, 0)]
+        assert queue.in_flight == 0
+        for k in range(5):
+            assert queue.post(k, 0, True, direct, address, 4 * KiB, 0) == (
+                0 if k < 4 else errno.EAGAIN)
+        assert len(queue.reap(wait_all=True)) == 4
     finally:
         queue.close()
         os.close(direct)
         os.close(read_only)
         del address
     assert queue.submit(1, 0, True, -1, 0, 4 * KiB, 0) == errno.EINVAL     # closed
+    assert queue.post(1, 0, True, -1, 0, 4 * KiB, 0) == errno.EINVAL
+
+
+def _exit_code(pid, within):
+    """The exit code of child ``pid``; killed and failed if it runs past ``within`` s."""
+    import time
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"child {pid} still running after {within} s")
+
+
+def _submitting_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except FileNotFoundError:
+            pass    # ended meanwhile
+    return names.count("nvmeswap-submit")
+
+
+def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
+    """Note [submitter]: one thread, started by the first post, ended by close() after it
+    has submitted what was posted; a forked child drops its copy of the queue without
+    waiting for a thread it does not have."""
+    import mmap
+
+    from nvmeswap._engine import CallerQueue
+
+    path = _file(tmp_path, 256 * KiB)
+    memory = mmap.mmap(-1, 256 * KiB)
+    address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    before = _submitting_threads()
+    queue = CallerQueue(64)
+    try:
+        assert _submitting_threads() == before
+        for k in range(64):
+            assert queue.post(k, 0, True, direct, address + k * 4 * KiB, 4 * KiB,
+                              (63 - k) * 4 * KiB) == 0
+        assert _submitting_threads() == before + 1
+        pid = os.fork()
+        if pid == 0:
+            del queue       # a join here would wait forever
+            os._exit(0)
+        assert _exit_code(pid, within=30) == 0
+        queue.close()       # before reaping: close submits and waits for what is posted
+        assert _submitting_threads() == before
+        data = open(path, "rb").read()
+        for k in range(64):
+            got, offset = memory[k * 4 * KiB:(k + 1) * 4 * KiB], (63 - k) * 4 * KiB
+            assert got == data[offset:offset + 4 * KiB]
+    finally:
+        queue.close()
+        os.close(direct)
+        del address
 
 
 def _kill_and_await(pid):

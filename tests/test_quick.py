@@ -194,3 +194,74 @@ def test_unusual_names_and_offsets_behave_as_on_the_ordinary_road(handle, tmp_pa
     for offset in (1 << 63, 1 << 64, (1 << 63) - 4096):
         with pytest.raises(ValueError, match="file_offset must be between"):
             handle.sync_pread(back, path, offset)
+
+
+def test_small_async_reads_into_locked_memory_take_the_quick_road(handle_factory, tmp_path,
+                                                                  monkeypatch):
+    """Note [quick asynchronous reads]: 4/64/256 KiB async reads at random aligned offsets
+    into locked memory never take the ordinary road, many are in flight at once, and each
+    gets its own bytes; plain buffers and unaligned offsets still go the ordinary way."""
+    import numpy as np
+    from nvmeswap.io.scheduler import Scheduler
+
+    h = handle_factory()
+    path = tmp_path / "f"
+    data = random_bytes(16 * MiB, seed=21)
+    path.write_bytes(data)
+    assert h.sync_pread(torch.empty(MiB, dtype=torch.uint8), path) == 1     # queue made
+    ordinary = []
+    begin = Scheduler._begin
+    monkeypatch.setattr(Scheduler, "_begin",
+                        lambda self, *args, **kwargs: ordinary.append(args[2]) or
+                        begin(self, *args, **kwargs))
+    rng = np.random.default_rng(4)
+    locked = h.new_cpu_locked_tensor(64 * 256 * KiB, torch.empty(0, dtype=torch.uint8))
+    queue, most = h._scheduler.workers.queue, 0
+    for batch in range(5):
+        expected = []
+        for k in range(64):
+            size = int(rng.choice([4 * KiB, 64 * KiB, 256 * KiB]))
+            offset = int(rng.integers(0, (16 * MiB - size) // (4 * KiB))) * 4 * KiB
+            view = locked[k * 256 * KiB:k * 256 * KiB + size]
+            assert h.async_pread(view, str(path), offset) == 0
+            most = max(most, queue.in_flight)
+            expected.append((view, data[offset:offset + size]))
+        assert h.wait() == 64
+        assert all(bytes(view.numpy()) == want for view, want in expected)
+    assert ordinary == [] and most > 1
+    plain = aligned_plain(4 * KiB)
+    h.async_pread(plain, str(path), 8 * KiB)
+    h.async_pread(locked[:4 * KiB], str(path), 512)
+    assert h.wait() == 2 and ordinary == [8 * KiB, 512]
+    assert bytes(plain.numpy()) == data[8 * KiB:12 * KiB]
+    assert bytes(locked[:4 * KiB].numpy()) == data[512:512 + 4 * KiB]
+    assert h.free_cpu_locked_tensor(locked)
+
+
+def test_what_the_quick_async_road_declines_names_its_cause(handle, tmp_path):
+    """Async reads the quick road cannot take raise the ordinary road's errors when they
+    are started (a FIFO without waiting), and a read after a small async write of the same
+    bytes waits for it."""
+    path = tmp_path / "f"
+    path.write_bytes(random_bytes(16 * KiB))
+    locked = handle.new_cpu_locked_tensor(8 * KiB, torch.empty(0, dtype=torch.uint8))
+    handle.sync_pread(locked, path)     # the caller queue is made
+    with pytest.raises(FileNotFoundError) as info:
+        handle.async_pread(locked, str(tmp_path / "missing"))
+    assert info.value.filename == str(tmp_path / "missing")
+    with pytest.raises(nvmeswap.ShortFileError, match="16384 bytes long"):
+        handle.async_pread(locked, str(path), 12 * KiB)
+    with pytest.raises(OSError) as info:
+        handle.async_pread(locked, str(tmp_path))
+    assert info.value.errno == errno.EISDIR
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError, match="a FIFO"):
+        handle.async_pread(locked, str(tmp_path / "fifo"))
+    assert handle.wait() == 0
+    for round_number in range(20):
+        locked[:4 * KiB].fill_(round_number)
+        handle.async_pwrite(locked[:4 * KiB], str(path), 4 * KiB)
+        handle.async_pread(locked[4 * KiB:], str(path), 4 * KiB)
+        assert handle.wait() == 2
+        assert set(locked[4 * KiB:].tolist()) == {round_number}
+    assert handle.free_cpu_locked_tensor(locked)

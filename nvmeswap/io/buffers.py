@@ -52,7 +52,8 @@ def io_buffer(obj, *, writable):
 
 
 def _tensor_buffer(tensor, writable):
-    if tensor.device.type not in ("cpu", "cuda"):
+    # is_cpu / is_cuda: a tenth of the cost of tensor.device (a new object each time).
+    if not (tensor.is_cpu or tensor.is_cuda):
         raise TypeError(f"nvmeswap takes CPU and CUDA tensors; got a tensor on {tensor.device}")
     if tensor.layout is not _torch().strided or tensor.is_nested:
         raise TypeError(f"nvmeswap takes dense tensors; got a {tensor.layout} tensor")
@@ -69,9 +70,8 @@ def _tensor_buffer(tensor, writable):
         # DeepNVMe reads such tensors into a temporary copy and drops the data.
         raise ValueError("the tensor is not contiguous; pass tensor.contiguous() "
                          "(and copy it back after a read)")
-    device = tensor.device if tensor.device.type == "cuda" else None
-    return IoBuffer(tensor, tensor.data_ptr(), tensor.numel() * tensor.element_size(), device,
-                    tensor.untyped_storage())
+    device = tensor.device if tensor.is_cuda else None
+    return IoBuffer(tensor, tensor.data_ptr(), tensor.nbytes, device, tensor.untyped_storage())
 
 
 def _torch():

@@ -13,19 +13,56 @@ to repeat, a failed write included, as it never grows the file. What the books d
 holds: ``close()`` waits for a quick operation as for any inline one, and a quick write
 is one of the process's writes in flight (Note [shared growth]), so that a failed write
 of the same file on another handle does not cut it away.
+
+Note [quick asynchronous reads]
+Many small async reads into locked buffers (an offloading loop over small tensors) go
+to the caller queue (Note [caller queue] in io/workforce.py) one request each. Taken the
+ordinary way - opened, placed, checked for order, handed through the workforce - each
+cost the caller several times what the kernel needs to start it, more than DeepSpeed's
+threads spend per read. One that the caller queue takes as it is (an aligned read of a
+regular file long enough for it, into a locked region, up to the inline limit) is opened
+in one call into ``_engine.open_for_direct_read`` and booked as the ordinary road would
+have booked it, so that everything after its submission (completion, ordering of later
+operations, failures, ``close()``) is the same. Anything else runs the ordinary way.
 """
 import os
 
-from .._engine import quick_transfer
+from .._engine import open_for_direct_read, quick_transfer
 from .buffers import io_buffer
-from .files import ALIGNMENT
-from .operation import MAX_FILE_END, WRITES
+from .files import ALIGNMENT, TargetFile
+from .operation import MAX_FILE_END, WRITES, Operation
+
+
+def quick_read(op_id, buffer, target, file_offset, placement):
+    """Note [quick asynchronous reads]: the operation of a small read the caller queue can
+    take as it is, opened and placed; None if it must go the ordinary way."""
+    if not _aligned_name_and_offset(target, file_offset):
+        return None
+    buf = io_buffer(buffer, writable=True)  # what it refuses, the ordinary road refuses
+    nbytes = buf.nbytes
+    if (buf.device is not None or not 0 < nbytes <= placement.host_inline_limit
+            or nbytes % ALIGNMENT or file_offset > MAX_FILE_END - nbytes):
+        return None
+    region = placement.locked.containing(buf.address, nbytes)
+    path = os.fsencode(target)
+    if region is None or buf.address % ALIGNMENT or type(path) is not bytes or b"\0" in path:
+        return None
+    opened = open_for_direct_read(path, file_offset + nbytes)
+    if opened is None:
+        return None
+    fd, size, device, inode = opened
+    name = os.fsdecode(target)
+    op = Operation(op_id, True, buf, TargetFile(name, name, fd, -1, ALIGNMENT, size,
+                                                (device, inode)), file_offset, False)
+    op.region, op.region_offset = region, buf.address - region.address
+    op.chunks = [(0, nbytes)]
+    op.by_caller = True
+    return op
 
 
 def quick(buffer, target, file_offset, *, is_read, limit):
     """Move the bytes of a small synchronous operation in one call; False if it did not."""
-    if (not isinstance(target, (str, bytes, os.PathLike)) or type(file_offset) is not int
-            or file_offset < 0 or file_offset % ALIGNMENT):
+    if not _aligned_name_and_offset(target, file_offset):
         return False
     buf = io_buffer(buffer, writable=is_read)   # what it refuses, the ordinary road refuses
     address, nbytes = buf.address, buf.nbytes
@@ -46,3 +83,8 @@ def quick(buffer, target, file_offset, *, is_read, limit):
         # ordinary way.
         return quick_transfer(False, path, address, nbytes, file_offset, info.st_dev,
                               info.st_ino)
+
+
+def _aligned_name_and_offset(target, file_offset):
+    return (isinstance(target, (str, bytes, os.PathLike)) and type(file_offset) is int
+            and file_offset >= 0 and file_offset % ALIGNMENT == 0)

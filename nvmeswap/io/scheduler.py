@@ -18,7 +18,7 @@ from ..errors import ValidationError, WorkerDied, caller_stacklevel
 from .interrupts import deferred_interrupts
 from .operation import WRITES, open_operation
 from .ordering import Ordering
-from .quick import quick
+from .quick import quick, quick_read
 from .validate import validate
 from .workforce import GONE, Workforce, chunks_in_flight_limit
 
@@ -71,6 +71,8 @@ class Scheduler:
 
     def submit(self, buffer, target, file_offset, *, is_read, validate):
         """Start an operation that ``collect()`` completes."""
+        if is_read and not validate and self._submit_quick_read(buffer, target, file_offset):
+            return
         self._begin(buffer, target, file_offset, is_read, validate, is_async=True)
 
     def collect(self):
@@ -254,6 +256,32 @@ class Scheduler:
                 count()
             return quick(buffer, target, file_offset, is_read=is_read,
                          limit=self.placement.host_inline_limit)
+
+    def _submit_quick_read(self, buffer, target, file_offset):
+        """Note [quick asynchronous reads]: True if the read went to the caller queue,
+        booked as ``_launch`` books one. Only when it has nothing in flight to wait for
+        and there is room for it."""
+        queue = self.workers.queue
+        if queue is None or self._o_direct is False or not self._has_room():
+            return False
+        with deferred_interrupts():
+            op = quick_read(next(self._op_ids), buffer, target, file_offset, self.placement)
+            if op is None:
+                return False
+            with self._cond:
+                if (self.closed or queue is not self.workers.queue
+                        or self._ordering.conflicts(op) or queue.post(
+                            op.op_id, 0, True, op.file.direct_fd,
+                            op.region.address + op.region_offset, op.buffer.nbytes,
+                            op.file_offset)):
+                    op.file.close()
+                    return False    # the ordinary road waits, or says why
+                op.remaining = 1
+                op.started = op.is_async = True
+                self._ops[op.op_id] = op
+                self._async_ops.append(op)
+                op.waits_for = self._ordering.add(op)
+        return True
 
     def _run_inline(self, op, is_async):
         """Note [small synchronous operations]: an operation of one request runs in the

@@ -143,11 +143,12 @@ class Workforce:
         worker is dead or dying (the pump sees it and fails what is in flight); or the
         errno with which a live worker's socket refused it (ETOOMANYREFS: descriptors in
         flight beyond RLIMIT_NOFILE), the chunk then not counted. An operation of the
-        caller queue's is submitted there (the kernel's refusal is returned likewise); if
-        the queue is full (threads that passed back-pressure at once), to a worker."""
+        caller queue's is posted there (Note [submitter] in pyx/_engine.pyx: a refusal by the
+        kernel comes back as its response); if the queue is full (threads that passed
+        back-pressure at once), to a worker."""
         if op.by_caller:
             start, length = op.chunks[index]
-            refused = self.queue.submit(op.op_id, index, op.is_read, op.file.direct_fd,
+            refused = self.queue.post(op.op_id, index, op.is_read, op.file.direct_fd,
                                         op.region.address + op.region_offset_of(index),
                                         length, op.file_offset + start)
             if refused != errno.EAGAIN or self.pool is None:
