@@ -32,9 +32,13 @@ class Ordering:
     def add(self, op):
         """Count ``op`` in flight; return the earlier operations it must wait for."""
         waits_for = self.conflicts(op)
+        self.track(op)
+        return waits_for
+
+    def track(self, op):
+        """Count ``op`` in flight, known to wait for nothing."""
         reads, writes = self._by_file.setdefault(op.file.identity, (set(), set()))
         (reads if op.is_read else writes).add(op)
-        return waits_for
 
     def remove(self, op):
         in_flight = self._by_file.get(op.file.identity)

@@ -51,7 +51,7 @@ def quick_read(op_id, buffer, target, file_offset, placement):
     if opened is None:
         return None
     fd, size, device, inode = opened
-    name = os.fsdecode(target)
+    name = target if type(target) is str else os.fsdecode(target)
     op = Operation(op_id, True, buf, TargetFile(name, name, fd, -1, ALIGNMENT, size,
                                                 (device, inode)), file_offset, False)
     op.region, op.region_offset = region, buf.address - region.address

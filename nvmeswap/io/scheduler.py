@@ -278,9 +278,10 @@ class Scheduler:
                     return False    # the ordinary road waits, or says why
                 op.remaining = 1
                 op.started = op.is_async = True
+                op.waits_for = set()
                 self._ops[op.op_id] = op
                 self._async_ops.append(op)
-                op.waits_for = self._ordering.add(op)
+                self._ordering.track(op)
         return True
 
     def _run_inline(self, op, is_async):
