@@ -68,9 +68,10 @@ class TargetFile:
 
     def close(self):
         """Close our descriptors (idempotent); the workers hold their own copies."""
-        for fd in self.descriptors():
-            if fd >= 0:
-                os.close(fd)
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+        if self.buffered_fd >= 0:
+            os.close(self.buffered_fd)
         self.direct_fd = self.buffered_fd = -1
 
 

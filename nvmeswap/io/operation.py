@@ -1,5 +1,4 @@
 """One operation: its arguments checked and its file opened, its chunks, and its outcome."""
-import contextlib
 import errno
 import operator
 import resource
@@ -107,17 +106,11 @@ class ConcurrentWrites:
         self._discard(op.file.identity, op)
         return not op.shares_file
 
-    @contextlib.contextmanager
     def in_place(self, identity):
-        """A write inside the file ``identity`` names, while the block runs: it never grows
-        the file, so it has nothing to undo, but a failed write that overlaps it must not
-        cut it away (Note [quick synchronous operations] in io/quick.py)."""
-        write = _InPlaceWrite()
-        try:
-            self._add(identity, write)
-            yield
-        finally:
-            self._discard(identity, write)
+        """A write inside the file ``identity`` names, while the ``with`` block runs: it
+        never grows the file, so it has nothing to undo, but a failed write that overlaps
+        it must not cut it away (Note [quick synchronous operations] in io/quick.py)."""
+        return _InPlaceWrite(self, identity)
 
     def _add(self, identity, write):
         with self._lock:
@@ -138,10 +131,22 @@ class ConcurrentWrites:
 
 
 class _InPlaceWrite:
-    __slots__ = ("shares_file",)
+    """``ConcurrentWrites.in_place``: a class, not a generator: it runs on every quick write."""
 
-    def __init__(self):
+    __slots__ = ("shares_file", "_writes", "_identity")
+
+    def __init__(self, writes, identity):
         self.shares_file = False
+        self._writes = writes
+        self._identity = identity
+
+    def __enter__(self):
+        self._writes._add(self._identity, self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._writes._discard(self._identity, self)
+        return False
 
 
 # One for the process: DeepSpeed's swappers read and write the same files with two handles.

@@ -44,8 +44,8 @@ def quick_read(op_id, buffer, target, file_offset, placement):
             or nbytes % ALIGNMENT or file_offset > MAX_FILE_END - nbytes):
         return None
     region = placement.locked.containing(buf.address, nbytes)
-    path = os.fsencode(target)
-    if region is None or buf.address % ALIGNMENT or type(path) is not bytes or b"\0" in path:
+    path = _encoded(target)
+    if region is None or buf.address % ALIGNMENT or b"\0" in path:
         return None
     opened = open_for_direct_read(path, file_offset + nbytes)
     if opened is None:
@@ -69,8 +69,8 @@ def quick(buffer, target, file_offset, *, is_read, limit):
     if (buf.device is not None or not 0 < nbytes <= limit or nbytes % ALIGNMENT
             or address % ALIGNMENT or file_offset > MAX_FILE_END - nbytes):
         return False
-    path = os.fsencode(target)
-    if type(path) is not bytes or b"\0" in path:
+    path = _encoded(target)
+    if b"\0" in path:
         return False    # C would read a shorter name: the ordinary road refuses it
     if is_read:
         return quick_transfer(True, path, address, nbytes, file_offset)
@@ -88,3 +88,8 @@ def quick(buffer, target, file_offset, *, is_read, limit):
 def _aligned_name_and_offset(target, file_offset):
     return (isinstance(target, (str, bytes, os.PathLike)) and type(file_offset) is int
             and file_offset >= 0 and file_offset % ALIGNMENT == 0)
+
+
+def _encoded(target):
+    # bytes(): a bytes subclass (numpy's bytes_) names the same file.
+    return bytes(os.fsencode(target))

@@ -5,7 +5,9 @@ The road of one operation: ``open_operation`` (checks, file) -> ``placement.plac
 (memory and chunk plan) -> ``_dispatch`` (zero-copy: a request per chunk) or ``_feed``
 (staged: a piece at a time, as the staging space has room; a background thread keeps
 async ones moving) -> ``Workforce.send`` -> a worker's engine -> ``_pump`` (responses) ->
-``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``.
+``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``. Two short roads skip the
+first steps: ``_run_quick`` (a small synchronous operation, settled in one call) and
+``_submit_quick_read`` (a small async read into locked memory, posted to the caller queue).
 """
 import functools
 import itertools

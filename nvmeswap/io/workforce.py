@@ -34,12 +34,12 @@ class Workforce:
     Note [caller queue]: a small operation that O_DIRECT can move whole (aligned offset
     and length, host memory the kernel can reach) is one kernel AIO request; a worker
     adds two process wake-ups and a socket round trip to it, more than the request costs
-    on a fast device. So such asynchronous operations are submitted from the calling
-    thread into the handle's own kernel AIO context and reaped in bulk by whichever thread
-    reads responses; the context's eventfd wakes that thread beside the workers' sockets.
-    Many small reads are then in flight at once, as fio keeps them, at the cost of one
-    system call each. A worker's death does not touch them. Larger operations still fan
-    out to the workers.
+    on a fast device. So such asynchronous operations go into the handle's own kernel AIO
+    context (posted to its submitting thread, Note [submitter] in pyx/_engine.pyx) and are
+    reaped in bulk by whichever thread reads responses; the context's eventfd wakes that
+    thread beside the workers' sockets. Many small reads are then in flight at once, as
+    fio keeps them. A worker's death does not touch them. Larger operations still fan out
+    to the workers.
     """
 
     def __init__(self, placement, parallelism, engine_args):
