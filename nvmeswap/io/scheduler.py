@@ -73,8 +73,11 @@ class Scheduler:
 
     def submit(self, buffer, target, file_offset, *, is_read, validate):
         """Start an operation that ``collect()`` completes."""
-        if is_read and not validate and self._submit_quick_read(buffer, target, file_offset):
-            return
+        if is_read and not validate:
+            if not self._has_room():    # back-pressure first: then it goes the quick road
+                self._wait_until(self._has_room)
+            if self._submit_quick_read(buffer, target, file_offset):
+                return
         self._begin(buffer, target, file_offset, is_read, validate, is_async=True)
 
     def collect(self):
