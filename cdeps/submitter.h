@@ -86,7 +86,6 @@ static int nvmeswap_submit_batch(nvmeswap_submitter *s, int n)
 static void *nvmeswap_submitter_main(void *arg)
 {
     nvmeswap_submitter *s = (nvmeswap_submitter *)arg;
-    pthread_setname_np(pthread_self(), "nvmeswap-submit");
     pthread_mutex_lock(&s->lock);
     for (;;) {
         if (s->n_posted == 0 && !s->stopping) {
@@ -161,8 +160,11 @@ static inline nvmeswap_submitter *nvmeswap_submitter_start(aio_context_t ctx, in
             && s->refused_errnos && pthread_mutex_init(&s->lock, NULL) == 0) {
         if (pthread_cond_init(&s->work, NULL) == 0) {
             if (pthread_cond_init(&s->drained, NULL) == 0) {
-                if (pthread_create(&s->thread, NULL, nvmeswap_submitter_main, s) == 0)
+                if (pthread_create(&s->thread, NULL, nvmeswap_submitter_main, s) == 0) {
+                    /* Named here, not by the thread: the name is there on return. */
+                    pthread_setname_np(s->thread, "nvmeswap-submit");
                     return s;
+                }
                 pthread_cond_destroy(&s->drained);
             }
             pthread_cond_destroy(&s->work);
