@@ -8,7 +8,7 @@ waited for every 256, as an offloading loop over small tensors would. Reported a
 per second, the median over rounds, and as ratios to DeepSpeed's aio_handle. fio's
 randread with 128 requests in flight is the device's own rate. "queue alone" is the
 kernel AIO context under nvmeswap's small async operations (``_engine.CallerQueue``)
-driven directly, one ``io_submit`` per read as the handle does, without the handle's
+driven directly, one ``io_submit`` per read from the calling thread, without the handle's
 Python: what the per-operation cost would be if the handle cost nothing.
 """
 import argparse
