@@ -9,7 +9,8 @@ After it come an overwrite and a cold read (page cache dropped); another process
 nothing but a cold read of that file, the first read of a fresh process.
 
 Bandwidth is in GB/s (1e9 bytes), the median over rounds; ratios are medians of the
-per-round ratios, nvmeswap's rate over the peer's. fio's figure is its best over bs 1M, 4M,
+per-round ratios, nvmeswap's rate over the peer's (the column "rounds" gives the
+lowest and highest of them). fio's figure is its best over bs 1M, 4M,
 8M x numjobs 1, 2, 4 (O_DIRECT libaio; the size is split between the jobs, one file each;
 iodepth keeps 64 MiB in flight per job, fewer if the job is smaller, at most 128). Small
 reads: 4 KiB random ``async_pread`` waited for every 256 (as bench/small_async.py, beside
@@ -191,18 +192,24 @@ def sync_small_rounds(args, kinds):
 
 
 # -- the table -------------------------------------------------------------------------
-def row(measurement, ours, peer, ratio=None, goal=None):
-    """One line of the table; ``peer`` None means the peer is missing, not zero."""
+def row(measurement, ours, peer, ratios=None, goal=None):
+    """One line of the table; ``peer`` None means the peer is missing, not zero.
+
+    The ratio is the median of the per-round ``ratios``; beside it, their lowest and
+    highest, so that a goal missed by a round's noise reads apart from one missed by all.
+    """
     wanted = "-" if goal is None else f">= {goal}"
     if peer is None:
-        return [measurement, ours, "missing", "missing", wanted, "-"]
+        return [measurement, ours, "missing", "missing", "-", wanted, "-"]
+    ratio = statistics.median(ratios)
     met = "-" if goal is None else ("yes" if ratio >= goal else "no")
-    return [measurement, ours, peer, f"{ratio:.2f}x", wanted, met]
+    return [measurement, ours, peer, f"{ratio:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}",
+            wanted, met]
 
 
-def per_round_ratio(ours, theirs, seconds=True):
-    """Median of the per-round ratios of nvmeswap's rate to the peer's."""
-    return statistics.median(t / o if seconds else o / t for o, t in zip(ours, theirs))
+def per_round_ratios(ours, theirs, seconds=True):
+    """nvmeswap's rate over the peer's, round by round."""
+    return [t / o if seconds else o / t for o, t in zip(ours, theirs)]
 
 
 def bandwidth_rows(label, size, seconds, fio):
@@ -217,18 +224,18 @@ def bandwidth_rows(label, size, seconds, fio):
             theirs = seconds.get(peer, {}).get(job)
             rows.append(row(f"{label} {job}: {peer.replace('deepspeed', 'nvmeswap')} "
                             f"/ {peer}", gbs(ours), theirs and gbs(theirs),
-                            theirs and per_round_ratio(ours, theirs), goal))
+                            theirs and per_round_ratios(ours, theirs), goal))
         rows.append(row(f"{label} {job}: nvmeswap plain / nvmeswap locked", gbs(plain),
-                        gbs(locked), per_round_ratio(plain, locked), 0.8))
+                        gbs(locked), per_round_ratios(plain, locked), 0.8))
         if job in JOBS[:3] and fio is not None:  # None: skipped; empty: not installed
             best = max(fio, key=lambda c: statistics.median(size / s for s in fio[c][job]),
                        default=None)
             rows.append(row(f"{label} {job}: nvmeswap locked / fio best", gbs(locked),
                             best and f"{gbs(fio[best][job])} ({best})",
-                            best and per_round_ratio(locked, fio[best][job])))
+                            best and per_round_ratios(locked, fio[best][job])))
     staging = max(seconds["nvmeswap plain"]["staging"])
     rows.append([f"{label}: nvmeswap plain staging held", f"{staging / 2**20:.0f} MiB", "-",
-                 "-", "<= 64 MiB", "yes" if staging <= 64 << 20 else "no"])
+                 "-", "-", "<= 64 MiB", "yes" if staging <= 64 << 20 else "no"])
     return rows
 
 
@@ -245,17 +252,17 @@ def small_rows(async_rates, sync_rates):
             label = "fio randread QD128" if peer == "fio" else peer
             rows.append(row(f"4 KiB async random reads: nvmeswap / {label}", per_second(ours),
                             theirs and per_second(theirs),
-                            theirs and per_round_ratio(ours, theirs, seconds=False), goal))
+                            theirs and per_round_ratios(ours, theirs, seconds=False), goal))
     for op_size, rates in (sync_rates or {}).items():
         ours, theirs = rates["nvmeswap"], rates.get("deepspeed")
         rows.append(row(f"sync {op_size >> 10} KiB random reads: nvmeswap / deepspeed",
                         per_second(ours), theirs and per_second(theirs),
-                        theirs and per_round_ratio(ours, theirs, seconds=False), 1.2))
+                        theirs and per_round_ratios(ours, theirs, seconds=False), 1.2))
     return rows
 
 
 def print_table(rows):
-    header = ["measurement", "nvmeswap", "peer", "ratio", "goal", "met"]
+    header = ["measurement", "nvmeswap", "peer", "ratio", "rounds", "goal", "met"]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for line in [header, ["-" * w for w in widths]] + rows:
         print("  ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}"
