@@ -175,3 +175,74 @@ def test_worker_died_error_does_not_keep_locked_memory_mapped(handle_factory, bi
         assert mappings() == before
     finally:
         gc.enable()
+
+
+def _resident_mappings_kib(pid):
+    """(size, Rss) in KiB of each memfd mapping of process ``pid``."""
+    found, size = [], None
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 6:     # a mapping's header line
+                size = "memfd:nvmeswap" in line
+            elif size and fields[0] == "Size:":
+                size = int(fields[1])
+            elif size and fields[0] == "Rss:":
+                found.append((size, int(fields[1])))
+                size = None
+    return found
+
+
+def test_new_locked_tensor_is_mapped_by_every_worker_before_its_first_transfer(
+        handle_factory, tmp_path):
+    """Note [early mapping]: each worker maps a new locked tensor, every page of it, while
+    the caller fills it; its first transfer then moves the right bytes."""
+    h = handle_factory(intra_op_parallelism=2)
+    nbytes = (8 << 20) + (12 << 10)     # a size no other region of the test has
+    t = h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+    pids = [worker.process.pid for worker in h._scheduler.workers.pool.workers]
+    assert len(pids) == 2
+    wanted = (nbytes >> 10, nbytes >> 10)
+    deadline = time.monotonic() + DEADLINE
+    while not all(wanted in _resident_mappings_kib(pid) for pid in pids):
+        assert time.monotonic() < deadline, "the workers did not map the new tensor"
+        time.sleep(0.01)
+    data = torch.frombuffer(bytearray(random_bytes(nbytes, seed=11)), dtype=torch.uint8)
+    t.copy_(data)
+    assert h.sync_pwrite(t, tmp_path / "f") == 1
+    t.zero_()
+    assert h.sync_pread(t, tmp_path / "f") == 1 and torch.equal(t, data)
+    assert (tmp_path / "f").read_bytes() == data.numpy().tobytes()
+
+
+def test_new_locked_tensors_do_not_wait_for_a_stopped_worker(handle_factory, tmp_path):
+    """Note [early mapping]: sharing a new tensor never waits for a worker's socket, so
+    tensors made while a worker is stopped (its socket full) do not hang; they are mapped
+    on their first transfer instead, and move the right bytes."""
+    h = handle_factory()
+    worker = h._scheduler.workers.pool.workers[0]
+    example = torch.empty(0, dtype=torch.uint8)
+    nbytes = 1 << 20    # past the inline limit: its transfers go to the worker
+    os.kill(worker.process.pid, signal.SIGSTOP)
+    try:
+        outcome, _ = _call_with_deadline(lambda: (
+            [h.new_cpu_locked_tensor(4096, example) for _ in range(3000)],
+            [h.new_cpu_locked_tensor(nbytes, example) for _ in range(2)]))
+    finally:
+        os.kill(worker.process.pid, signal.SIGCONT)
+    assert "error" not in outcome, outcome.get("error")
+    small, big = outcome["value"]
+    regions = [h._placement.locked.containing(t.data_ptr(), t.numel()) for t in big]
+    assert not any(r.region_id in worker.mapped for r in regions), \
+        "3000 map requests fit a stopped worker's socket: the test shows nothing"
+    data = torch.frombuffer(bytearray(random_bytes(2 * nbytes, seed=12)), dtype=torch.uint8)
+    for k, t in enumerate(big):
+        t.copy_(data[k * nbytes:(k + 1) * nbytes])
+        assert h.sync_pwrite(t, tmp_path / "f", k * nbytes) == 1
+    for k, t in enumerate(big):
+        t.zero_()
+        h.async_pread(t, tmp_path / "f", (1 - k) * nbytes)
+    assert h.wait() == 2
+    assert torch.equal(big[0], data[nbytes:]) and torch.equal(big[1], data[:nbytes])
+    assert (tmp_path / "f").read_bytes() == data.numpy().tobytes()
+    assert all(r.region_id in worker.mapped for r in regions)
