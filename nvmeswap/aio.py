@@ -236,7 +236,6 @@ class aio_handle:
         tensor, region = new_locked_tensor(self._placement.locked, num_elem, example,
                                            reserve=self._check_budget)
         self._made[region.region_id] = region.size
-        self._scheduler.share(region)
         return tensor
 
     # -- memory --------------------------------------------------------------------------

@@ -11,15 +11,14 @@ from _check cimport errno_error
 from posix.types cimport off_t
 
 from includes.mman cimport (
-    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_POPULATE, MAP_SHARED, PROT_READ, PROT_WRITE,
+    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE,
     FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, nvmeswap_mlock_on_fault,
 )
 
 
 cdef class Mapping:
     """A read-write ``MAP_SHARED`` mapping of ``size`` bytes at ``offset`` (page-aligned)
-    of a file descriptor, exposed as a buffer; ``populate``: with every page mapped now
-    (MAP_POPULATE), not as each is first touched.
+    of a file descriptor, exposed as a buffer.
 
     The mapping lives until this object is garbage: tensors and arrays made from it
     hold a reference, so freeing a locked tensor never leaves one pointing at nothing.
@@ -30,14 +29,13 @@ cdef class Mapping:
     cdef readonly bint locked
     cdef object __weakref__
 
-    def __cinit__(self, int fd, size_t size, off_t offset=0, bint populate=False):
+    def __cinit__(self, int fd, size_t size, off_t offset=0):
         self.base = NULL
         self.size = size
         self.locked = False
         cdef void *p
-        cdef int flags = MAP_SHARED | (MAP_POPULATE if populate else 0)
         with nogil:
-            p = mmap(NULL, size, PROT_READ | PROT_WRITE, flags, fd, offset)
+            p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
         if p == MAP_FAILED:
             raise errno_error(errno, "mmap")
         self.base = <char *>p

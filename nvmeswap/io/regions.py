@@ -207,13 +207,11 @@ class SharedRegion:
         self.unregister = None      # set by gpu.copies.register_for_device_copies
         _warn_if_refused(self.mapping.lock(lock_on_fault), self.size)
 
-    def map_request(self, populate=False):
-        """The message (and descriptors) that has a worker map this region; ``populate``:
-        with every page mapped now (Note [early mapping] in io/workforce.py)."""
+    def map_request(self):
+        """The message (and descriptors) that has a worker map this region."""
         if self.arena is None:
             raise OSError(errno.EBADF, "the shared region was closed")
-        return (protocol.map_request(self.region_id, self.size, self.offset, populate),
-                [self.arena.fd])
+        return protocol.map_request(self.region_id, self.size, self.offset), [self.arena.fd]
 
     def contains(self, address, nbytes):
         return self.address <= address and address + nbytes <= self.address + self.size

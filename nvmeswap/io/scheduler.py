@@ -113,12 +113,6 @@ class Scheduler:
         finally:
             del first
 
-    def share(self, region):
-        """Have the workers map ``region`` now (Note [early mapping] in io/workforce.py)."""
-        with deferred_interrupts(), self._cond:
-            self.check_usable()
-            self.workers.share(region)
-
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""
         with deferred_interrupts(), self._cond:

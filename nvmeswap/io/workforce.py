@@ -176,27 +176,6 @@ class Workforce:
             return error.errno or errno.EIO
         return 0
 
-    def share(self, region):
-        """Note [early mapping]: have every running worker map ``region`` (a locked
-        tensor just made) now, every page of it, while the caller fills the tensor.
-
-        The first transfer on a region a worker has not mapped sends the mapping first,
-        and the kernel then faults each page of the transfer into the worker's page
-        tables inside the transfer: a cost DeepSpeed's thread, in the process that made
-        the pages, never pays, and the first read of a fresh process showed it (0.72x
-        DeepSpeed's at 64 MiB). Mapped now, the cost is the worker's, off the caller's
-        road; a worker that cannot be reached maps it on its first transfer as before.
-        """
-        for worker in self.pool.workers if self.pool is not None else []:
-            if region.region_id in worker.mapped:
-                continue
-            try:
-                # Never waits: a stopped worker's full socket must not hang the caller.
-                worker.send(*region.map_request(populate=True), wait=False)
-            except OSError:
-                continue    # full, dead or dying: mapped on its first transfer instead
-            worker.mapped.add(region.region_id)
-
     def unmap(self, region):
         """Have every worker that mapped ``region`` unmap it."""
         for worker in self.pool.workers if self.pool is not None else []:

@@ -173,9 +173,8 @@ class Executor:
             return self._run_cufile(request)
         try:
             if request.kind == protocol.MAP:
-                self._regions[request.region_id] = Mapping(
-                    request.fds[0], request.nbytes, request.region_offset,
-                    populate=request.chunk == protocol.POPULATE)
+                self._regions[request.region_id] = Mapping(request.fds[0], request.nbytes,
+                                                           request.region_offset)
             elif request.kind == protocol.UNMAP:
                 self._regions.pop(request.region_id, None)
                 if self._cufile is not None:

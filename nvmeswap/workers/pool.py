@@ -1,5 +1,4 @@
 """The worker processes of one handle: start, talk to, watch, and stop them."""
-import array
 import os
 import select
 import signal
@@ -52,12 +51,8 @@ class Worker:
             raise
         self.mapped = set()
 
-    def send(self, message, fds=(), wait=True):
-        """Send one request; without ``wait``, BlockingIOError if the socket is full."""
-        # sendmsg: socket.send_fds drops its flags before Python 3.12.
-        self.sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                       array.array("i", fds))],
-                          0 if wait else socket.MSG_DONTWAIT)
+    def send(self, message, fds=()):
+        socket.send_fds(self.sock, [message], list(fds))
 
     def kill(self):
         if self.process.poll() is None:

@@ -17,8 +17,6 @@ MAP, UNMAP, READ, WRITE = 1, 2, 3, 4
 # GPUDirect Storage: load cuFile, map a CUDA region by IPC, cuFile I/O on it.
 CUFILE_SETUP, DEVICE_MAP, CUFILE_READ, CUFILE_WRITE = 5, 6, 7, 8
 
-POPULATE = 1   # a MAP's chunk field: map every page of the range now
-
 CUFILE_ERROR = 1 << 16
 CUDA_ERROR = 1 << 20
 
@@ -59,11 +57,10 @@ class Response(NamedTuple):
 
 
 # -- parent -> worker ----------------------------------------------------------------------
-def map_request(region_id, size, offset=0, populate=False):
+def map_request(region_id, size, offset=0):
     """Map ``size`` bytes at ``offset`` (page-aligned) of the memfd sent beside this
-    message as region ``region_id``; a MAP's ``region_offset`` is that offset, and its
-    ``chunk`` is ``POPULATE`` when every page is to be mapped now (Note [early mapping])."""
-    return _REQUEST.pack(MAP, region_id, 0, POPULATE if populate else 0, offset, size, 0, 0)
+    message as region ``region_id``; a MAP's ``region_offset`` is that offset."""
+    return _REQUEST.pack(MAP, region_id, 0, 0, offset, size, 0, 0)
 
 
 def unmap_request(region_id):
