@@ -15,10 +15,11 @@ from .gpu.copies import register_for_device_copies
 from .io.files import ALIGNMENT
 from .io.operation import checked_bool, checked_int
 from .errors import MemoryBudgetError
-from .io import placement
+from .io.limits import DEFAULT as DEFAULT_LIMITS, Limits
 from .io.placement import HostPlacement
 from .io.regions import PAGE, SharedRegion, locked_memory, round_up
 from .io.scheduler import Scheduler
+from .workers.protocol import EngineSettings
 
 MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
@@ -76,7 +77,8 @@ class aio_handle:
                  single_submit: bool = False, overlap_events: bool = False,
                  intra_op_parallelism: int = 1, *, o_direct: bool | None = None,
                  staging_bytes: int | None = None, memory_budget: int | None = None,
-                 share_locked_memory_with: aio_handle | None = None) -> None:
+                 share_locked_memory_with: aio_handle | None = None,
+                 _limits: Limits | None = None) -> None:
         self._block_size = checked_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         # Note [block size]: O_DIRECT requests must cover whole 4 KiB sectors of memory and
         # file, so a smaller (or unaligned) block size asked for is served by the next
@@ -89,9 +91,14 @@ class aio_handle:
         self._overlap_events = checked_bool("overlap_events", overlap_events)
         if o_direct not in (None, True, False):
             raise TypeError(f"o_direct must be None, True or False, got {o_direct!r}")
-        self._staging_bytes = placement.STAGING_BYTES if staging_bytes is None else \
-            round_up(checked_int("staging_bytes", staging_bytes, MIN_STAGING_BYTES, None),
-                     ALIGNMENT)
+        if _limits is not None and not isinstance(_limits, Limits):
+            raise TypeError(f"_limits must be a Limits, got {type(_limits).__name__}")
+        self._limits = limits = _limits or DEFAULT_LIMITS
+        if staging_bytes is not None:
+            limits = self._limits = limits.replace(staging_bytes=round_up(
+                checked_int("staging_bytes", staging_bytes, MIN_STAGING_BYTES, None),
+                ALIGNMENT))
+        self._staging_bytes = limits.staging_bytes
         self._made = {}     # region id -> bytes of the locked tensors this handle made
         self._memory_budget = None
         self.memory_budget = memory_budget
@@ -102,11 +109,11 @@ class aio_handle:
         locked = locked_memory().join()
         try:
             self._placement = self._make_placement(
-                HostPlacement(self._parallelism, engine_block, locked, self._staging_bytes))
-            engine_args = (engine_block, self._queue_depth, int(self._single_submit),
-                           int(self._overlap_events))
-            self._scheduler = Scheduler(self._placement, self._parallelism, engine_args,
-                                        o_direct)
+                HostPlacement(self._parallelism, engine_block, limits, locked))
+            engine = EngineSettings(engine_block, self._queue_depth, self._single_submit,
+                                    self._overlap_events)
+            self._scheduler = Scheduler(self._placement, self._parallelism, engine, o_direct,
+                                        limits)
         except BaseException:
             for region in locked.drain():   # a handle that never was leaves the set
                 region.close()
@@ -234,7 +241,8 @@ class aio_handle:
         self._scheduler.check_usable()
         example = example_tenosr if example_tenosr is not None else example_tensor
         tensor, region = new_locked_tensor(self._placement.locked, num_elem, example,
-                                           reserve=self._check_budget)
+                                           reserve=self._check_budget,
+                                           arena_bytes=self._limits.arena_bytes)
         self._made[region.region_id] = region.size
         return tensor
 
@@ -344,7 +352,8 @@ class aio_handle:
 
 
 def new_locked_tensor(locked: Any, num_elem: int, example: Any, *,
-                      reserve: Any = None) -> tuple:
+                      reserve: Any = None, arena_bytes: int = DEFAULT_LIMITS.arena_bytes
+                      ) -> tuple:
     """A 1-D locked tensor of ``num_elem`` elements of ``example``'s dtype, added to
     ``locked`` (a ``LockedUser``) so that every handle of the process finds it, and the
     region it lives in. ``reserve(nbytes)`` may refuse the size (page-rounded) before
@@ -358,7 +367,7 @@ def new_locked_tensor(locked: Any, num_elem: int, example: Any, *,
     itemsize = torch.empty((), dtype=example.dtype).element_size()
     if reserve is not None:
         reserve(round_up(max(num_elem * itemsize, 1), PAGE))
-    region = SharedRegion(num_elem * itemsize)
+    region = SharedRegion(num_elem * itemsize, arena_bytes=arena_bytes)
     if torch.cuda.is_initialized():
         # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
         register_for_device_copies(region)

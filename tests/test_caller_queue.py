@@ -300,6 +300,7 @@ def test_a_small_read_waiting_for_staging_room_outlives_a_worker_death(handle_fa
     """A small plain read bound for the caller queue waits for staging room held by a
     large write; the worker dies: the write fails, the read gets the room and its bytes."""
     import nvmeswap
+    from nvmeswap.io.roads import Road
     h = handle_factory(staging_bytes=4 * MiB)
     source = _file(tmp_path, MiB)
     h.sync_pread(torch.empty(MiB, dtype=torch.uint8), source)      # the workers are up
@@ -308,7 +309,7 @@ def test_a_small_read_waiting_for_staging_room_outlives_a_worker_death(handle_fa
         h.async_pwrite(torch.ones(16 * MiB, dtype=torch.uint8), str(tmp_path / "big"))
         h.async_pread(small, source, 8 * KiB)
         waiting = h._scheduler._staged_ops[-1]
-        assert waiting.by_caller and waiting.staged.waiting()
+        assert waiting.road is Road.CALLER_QUEUE and waiting.staged.waiting()
         _kill_and_await(_workers(h)[0])
         with pytest.raises(nvmeswap.WorkerDied):
             h.wait()

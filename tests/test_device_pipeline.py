@@ -4,6 +4,7 @@ No GPU is needed: the stand-in device (stand_in_device.py) copies between the te
 and the handle's staging space as the CUDA copier does, so the pieces, the workers and
 the files all run for real. The CUDA copier itself is tested in test_gpu.py, on a GPU.
 """
+import functools
 import threading
 import time
 
@@ -13,16 +14,20 @@ from conftest import random_bytes
 from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
-import nvmeswap.io.placement as placement
+from nvmeswap.io.limits import Limits
 
 KiB, MiB = 1 << 10, 1 << 20
 PIECE = 64 * KiB
 
 
 @pytest.fixture
-def device(monkeypatch):
+def handle_factory(handle_factory):
     # Four pieces of PIECE bytes (two pages of each piece's extent are for alignment).
-    monkeypatch.setattr(placement, "STAGING_BYTES", 4 * (PIECE + 8 * KiB))
+    return functools.partial(handle_factory, _limits=Limits(staging_bytes=4 * (PIECE + 8 * KiB)))
+
+
+@pytest.fixture
+def device(monkeypatch):
     return use_stand_in_device(monkeypatch)
 
 

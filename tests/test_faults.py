@@ -247,19 +247,20 @@ def test_engine_reports_a_failed_request(tmp_path, overlap_events):
     assert err == errno.EFAULT and at_offset == 0 and requested == 1 << 20 and got == 0
 
 
-def test_an_io_error_from_the_kernel_is_oserror_eio(handle, monkeypatch):
+def test_an_io_error_from_the_kernel_is_oserror_eio(handle, handle_factory):
     """A real EIO at the system-call boundary without a device-mapper target: writing to
     page 0 of /proc/self/mem, which is never mapped (vm.mmap_min_addr >= 4096), fails
     with EIO in the kernel. (procfs has no AIO, so a worker's AIO loop is refused: EINVAL;
     small async operations would otherwise run inline, as the synchronous one does.)"""
-    import nvmeswap.io.placement as placement
+    from nvmeswap.io.limits import Limits
+    from nvmeswap.io.roads import ALWAYS_OPEN
     warnings.simplefilter("ignore", nvmeswap.BufferedIOWarning)
     with pytest.raises(OSError) as info:
         handle.sync_pwrite(bytearray(4096), "/proc/self/mem", 0)
     assert info.value.errno == errno.EIO and info.value.filename == "/proc/self/mem"
     assert "write of 4096 bytes at offset 0" in str(info.value)
-    monkeypatch.setattr(placement, "INLINE_LIMIT", 0)
-    handle.async_pwrite(bytearray(4096), "/proc/self/mem", 0)
+    workers_only = handle_factory(_limits=Limits(roads=ALWAYS_OPEN))
+    workers_only.async_pwrite(bytearray(4096), "/proc/self/mem", 0)
     with pytest.raises(OSError) as info:
-        handle.wait()
+        workers_only.wait()
     assert info.value.errno == errno.EINVAL and info.value.filename == "/proc/self/mem"

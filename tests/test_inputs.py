@@ -166,12 +166,14 @@ DESCRIPTOR_LIMIT = """
     sys.path.insert(0, sys.argv[1])
     import numpy as np, torch
     import nvmeswap
-    import nvmeswap.io.placement as placement
-    placement.INLINE_LIMIT = 0      # every operation through the workers and their sockets
+    from nvmeswap.io.limits import Limits
+    from nvmeswap.io.roads import ALWAYS_OPEN
+    workers_only = Limits(roads=ALWAYS_OPEN)    # every operation through the workers' sockets
     folder, limit, parallelism = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     rng = np.random.default_rng(limit + parallelism)
-    with nvmeswap.aio_handle(intra_op_parallelism=parallelism, block_size=65536) as h:
+    with nvmeswap.aio_handle(intra_op_parallelism=parallelism, block_size=65536,
+                             _limits=workers_only) as h:
         locked = h.new_cpu_locked_tensor(1000 * 8192, torch.empty(0, dtype=torch.uint8))
         plain = torch.zeros(1000 * 8192, dtype=torch.uint8)
         for buffer in (locked, plain):

@@ -416,11 +416,12 @@ REFUSED_SENDS = """
     import os, resource, signal, sys
     sys.path.insert(0, sys.argv[1])
     import torch, nvmeswap
-    import nvmeswap.io.placement as placement
-    placement.INLINE_LIMIT = 0      # every operation through the workers and their sockets
+    from nvmeswap.io.limits import Limits
+    from nvmeswap.io.roads import ALWAYS_OPEN
+    workers_only = Limits(roads=ALWAYS_OPEN)    # every operation through the workers' sockets
     folder = sys.argv[2]
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    handles = [nvmeswap.aio_handle() for _ in range(3)]
+    handles = [nvmeswap.aio_handle(_limits=workers_only) for _ in range(3)]
     t = handles[0].new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
     t.copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8))
     workers = [w.process.pid for h in handles for w in h._scheduler.workers.pool.workers]

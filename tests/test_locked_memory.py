@@ -18,6 +18,7 @@ from conftest import random_bytes
 
 import nvmeswap
 from nvmeswap.io import regions
+from nvmeswap.io.limits import Limits
 
 KiB, MiB = 1 << 10, 1 << 20
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
@@ -55,7 +56,7 @@ THOUSAND_TENSORS = """
     sys.path.insert(0, sys.argv[1])
     import numpy as np, psutil, torch
     import nvmeswap
-    from nvmeswap.io import regions
+    from nvmeswap.io.limits import DEFAULT
     folder = sys.argv[2]
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
     rng = random.Random(13)
@@ -116,7 +117,7 @@ THOUSAND_TENSORS = """
         me = psutil.Process()
         workers = me.children()
         assert len(workers) == 2
-        print("bytes", made, regions.ARENA_BYTES)
+        print("bytes", made, DEFAULT.arena_bytes)
         print("memfds", sum("memfd:nvmeswap" in os.readlink(f"/proc/self/fd/{n}")
                             for n in os.listdir("/proc/self/fd")
                             if os.path.exists(f"/proc/self/fd/{n}")))
@@ -173,12 +174,12 @@ def test_freed_region_stays_readable_until_its_tensor_dies(handle, tmp_path):
     assert handle.free_cpu_locked_tensor(again) and handle.free_cpu_locked_tensor(keep)
 
 
-def test_regions_of_several_arenas_and_handles(handle_factory, tmp_path, monkeypatch):
-    monkeypatch.setattr(regions, "ARENA_BYTES", 64 * KiB)
+def test_regions_of_several_arenas_and_handles(handle_factory, tmp_path):
     arenas = regions.arenas()
     before = arenas.count
-    a = handle_factory(intra_op_parallelism=2)
-    b = handle_factory()
+    small_arenas = Limits(arena_bytes=64 * KiB)
+    a = handle_factory(intra_op_parallelism=2, _limits=small_arenas)
+    b = handle_factory(_limits=small_arenas)
     example = torch.empty(0, dtype=torch.uint8)
     small = [(a if i % 2 else b).new_cpu_locked_tensor(16 * KiB - 100 * i, example)
              for i in range(8)]
@@ -228,9 +229,10 @@ EMFILE_CHILD = """
     import torch
     import nvmeswap
     from nvmeswap.io import regions
-    regions.ARENA_BYTES = regions.PAGE      # every region needs an arena of its own
+    from nvmeswap.io.limits import Limits
     example = torch.empty(0, dtype=torch.uint8)
-    with nvmeswap.aio_handle() as h:
+    # Every region needs an arena of its own.
+    with nvmeswap.aio_handle(_limits=Limits(arena_bytes=regions.PAGE)) as h:
         limit = len(os.listdir("/proc/self/fd")) + 16
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))

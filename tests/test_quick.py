@@ -156,16 +156,16 @@ def test_a_quick_write_survives_a_failed_write_that_grew_the_file(handle_factory
 
 def test_close_from_another_thread_waits_for_a_quick_operation(handle_factory, tmp_path,
                                                                monkeypatch):
-    import nvmeswap.io.quick as quick_module
+    import nvmeswap.io.scheduler as scheduler_module
     started = threading.Event()
-    real = quick_module.quick_transfer
+    real = scheduler_module.quick_transfer
 
     def slow_device(*args):
         started.set()
         time.sleep(0.5)
         return real(*args)
 
-    monkeypatch.setattr(quick_module, "quick_transfer", slow_device)
+    monkeypatch.setattr(scheduler_module, "quick_transfer", slow_device)
     h = handle_factory()
     path = tmp_path / "f"
     path.write_bytes(b"\0" * 8 * KiB)

@@ -14,13 +14,12 @@ exported (allocated with cuMemCreate, as torch's expandable segments are) takes 
 road of aio_handle, with one warning.
 """
 from .. import _cuda
-from ..workers import protocol
 
 
 class DeviceRegion:
     """A range of CUDA memory that workers map by IPC (Note [device regions])."""
 
-    read_kind, write_kind = protocol.CUFILE_READ, protocol.CUFILE_WRITE
+    on_device = True
 
     def __init__(self, region_id, owner, address, nbytes, ordinal):
         self.region_id = region_id
@@ -29,10 +28,6 @@ class DeviceRegion:
         self.size = nbytes
         self.ordinal = ordinal
         self.ipc_handle, self.allocation_base, _ = _cuda.export(address, ordinal)
-
-    def map_request(self):
-        return protocol.device_map_request(self.region_id, self.size, self.ipc_handle,
-                                           self.ordinal, self.address - self.allocation_base), []
 
     def contains(self, address, nbytes):
         return self.address <= address and address + nbytes <= self.address + self.size

@@ -1,8 +1,5 @@
 """The chunk plan: how one operation's bytes are cut into chunks for the workers."""
 
-# Below this a chunk costs more in dispatch than it gains in parallelism.
-MIN_CHUNK = 256 << 10
-
 
 def chunk_bounds(file_offset, nbytes, parts, alignment):
     """Split ``[0, nbytes)`` into up to ``parts`` contiguous ``(start, length)`` chunks.
@@ -21,8 +18,8 @@ def chunk_bounds(file_offset, nbytes, parts, alignment):
     return [(start, end - start) for start, end in zip(bounds, bounds[1:])]
 
 
-def plan_chunks(file_offset, nbytes, parallelism, alignment):
+def plan_chunks(file_offset, nbytes, parallelism, alignment, min_chunk):
     """The ``(start, length)`` chunks of a zero-copy operation: up to one per worker, none
-    smaller than ``MIN_CHUNK``. (Staged operations are cut by their staging space.)"""
-    parts = min(parallelism, max(1, nbytes // MIN_CHUNK))
+    smaller than ``min_chunk`` (Limits). (Staged operations are cut by their staging space.)"""
+    parts = min(parallelism, max(1, nbytes // min_chunk))
     return chunk_bounds(file_offset, nbytes, parts, alignment)

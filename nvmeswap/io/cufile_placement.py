@@ -8,7 +8,6 @@ import os
 from ..errors import CudaError, GdsFallbackWarning, warn_once
 from ..gpu.copies import wait_for_queued_work
 from ..gpu.ipc import DeviceRegion
-from ..workers import protocol
 from .chunks import plan_chunks
 from .regions import RegionTable, region_ids
 
@@ -19,14 +18,21 @@ class CufilePlacement:
     ``libraries``: the (cuFile, driver) paths the workers load, or None where cuFile is
     not usable (then CUDA tensors take the host placement's staging ring).
     ``config_fd``: a memfd of cuFile's JSON configuration, or -1; closed by ``release``.
+    Both are what a worker is sent to load cuFile (``cufile``), before its first device
+    region.
     """
 
     def __init__(self, host, libraries, config_fd=-1):
         self.host = host
         self.locked = host.locked
+        self.limits = host.limits
         self.pinned = RegionTable()
         self.libraries = libraries
-        self._config_fd = config_fd
+        self.config_fd = config_fd
+
+    @property
+    def cufile(self):
+        return self if self.libraries is not None else None
 
     @property
     def host_inline_limit(self):
@@ -47,7 +53,7 @@ class CufilePlacement:
         op.region, op.region_offset = region, buf.address - region.address
         op.owns_region = region.region_id not in self.pinned
         op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.host.parallelism,
-                                op.file.alignment)
+                                op.file.alignment, self.limits.min_chunk)
 
     def pin(self, buf):
         """Keep ``buf``'s CUDA memory as a region every worker maps once; False if it cannot
@@ -62,14 +68,6 @@ class CufilePlacement:
         self.pinned.add(region)
         return True
 
-    def map_requests(self, worker, region):
-        requests = self.host.map_requests(worker, region)
-        if isinstance(region, DeviceRegion) and "cufile" not in worker.mapped:
-            worker.mapped.add("cufile")     # load cuFile there before its first device map
-            setup = protocol.cufile_setup_request([os.fsencode(p) for p in self.libraries])
-            requests.insert(0, (setup, [self._config_fd] if self._config_fd >= 0 else []))
-        return requests
-
     def give_back(self, op):
         return self.host.give_back(op)
 
@@ -77,9 +75,9 @@ class CufilePlacement:
         return self.host.bytes_reader(op)
 
     def release(self):
-        if self._config_fd >= 0:
-            os.close(self._config_fd)
-            self._config_fd = -1
+        if self.config_fd >= 0:
+            os.close(self.config_fd)
+            self.config_fd = -1
         return [*self.host.release(), *self.pinned.drain()]
 
     def _cufile_region(self, buf):

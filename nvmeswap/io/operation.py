@@ -10,8 +10,6 @@ from .buffers import io_buffer
 from .files import open_target
 
 MAX_FILE_END = (1 << 63) - 1
-# Writes that grow a file by at least this much preallocate (Note [preallocation]).
-PREALLOCATE_MIN = 1 << 20
 
 
 class Operation:
@@ -19,7 +17,7 @@ class Operation:
 
     __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
                  "staged", "owns_region", "copier", "chunks", "remaining", "error",
-                 "validate", "done", "started", "shares_file", "by_caller", "is_async",
+                 "validate", "done", "started", "shares_file", "road", "is_async",
                  "waits_for")
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
@@ -40,7 +38,7 @@ class Operation:
         self.done = False
         self.started = False    # the scheduler's books hold it: it completes from there
         self.shares_file = False    # Note [shared growth]
-        self.by_caller = False      # in the caller queue, not with the workers
+        self.road = None            # Note [roads]: set when it is routed
         self.is_async = False
         self.waits_for = None       # earlier operations it must follow (Note [ordering])
 
@@ -153,8 +151,11 @@ class _InPlaceWrite:
 WRITES = ConcurrentWrites()
 
 
-def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_direct):
-    """Check the arguments and open the file: everything that can fail before any I/O."""
+def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_direct,
+                   preallocate_min):
+    """Check the arguments and open the file: everything that can fail before any I/O.
+    A write that grows the file by ``preallocate_min`` or more preallocates
+    (Note [preallocation])."""
     buf = io_buffer(buffer, writable=is_read)
     file_offset = checked_int("file_offset", file_offset, 0, MAX_FILE_END - buf.nbytes)
     if buf.nbytes == 0:
@@ -163,7 +164,7 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
                        o_direct=o_direct)
     op = Operation(op_id, is_read, buf, file, file_offset, validate)
     WRITES.start(op)    # before the file grows (Note [shared growth])
-    if not is_read and buf.nbytes >= PREALLOCATE_MIN:
+    if not is_read and buf.nbytes >= preallocate_min:
         try:
             file.preallocate(file_offset + buf.nbytes)
         except BaseException:

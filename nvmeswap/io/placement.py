@@ -11,27 +11,22 @@ from .files import ALIGNMENT
 from .regions import RegionTable
 from .staging import HostCopier, StagedPieces, StagingSpace
 
-# Synchronous operations up to this size (and one block) run in the calling thread.
-INLINE_LIMIT = 256 << 10
-# The default size of a handle's staging space.
-STAGING_BYTES = 64 << 20
 
 
 class HostPlacement:
     """Places operations in host memory the workers share: locked regions or staging."""
 
-    def __init__(self, parallelism, block_size, locked=None, staging_bytes=None):
+    cufile = None   # what a worker needs to load cuFile (CufilePlacement's)
+
+    def __init__(self, parallelism, block_size, limits, locked=None):
         self.parallelism = parallelism
         self.block_size = block_size
+        self.limits = limits
         self.locked = locked if locked is not None else RegionTable()
-        self.staging = StagingSpace(staging_bytes or STAGING_BYTES, parallelism, ALIGNMENT)
+        self.staging = StagingSpace(limits, parallelism, ALIGNMENT)
+        # Operations on host memory up to this size are small (Note [roads]).
+        self.host_inline_limit = min(limits.inline_bytes, block_size, self.staging.piece)
         self._copy_streams = {}
-
-    @property
-    def host_inline_limit(self):
-        """Operations on host memory up to this size run in the calling thread
-        (Note [small synchronous operations] in io/scheduler.py)."""
-        return min(INLINE_LIMIT, self.block_size, self.staging.piece)
 
     def inline_limit(self, op):
         """The same limit for ``op``: every buffer this placement takes is reached from
@@ -46,7 +41,7 @@ class HostPlacement:
             if region is not None and (buf.address - op.file_offset) % alignment == 0:
                 op.region, op.region_offset = region, buf.address - region.address
                 op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.parallelism,
-                                        alignment)
+                                        alignment, self.limits.min_chunk)
                 return
         op.staged = StagedPieces(self.staging, op.file_offset, buf.nbytes, alignment)
         op.region = self.staging.shared_region()
@@ -57,10 +52,6 @@ class HostPlacement:
             # Made in the caller's call: it orders the copies after the work queued so far.
             op.copier = CudaCopier(buf.owner, copy_stream(buf.device, self._copy_streams))
         op.chunks = op.staged.pieces
-
-    def map_requests(self, worker, region):
-        """What a worker must be sent before its first request on ``region``."""
-        return [region.map_request()]
 
     def give_back(self, op):
         """Take back the memory of a finished operation; return regions to unshare."""

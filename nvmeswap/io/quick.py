@@ -1,4 +1,4 @@
-"""Small synchronous operations settled in one call, without the scheduler's books.
+"""The quick roads (Note [roads]): small aligned operations that skip most of the books.
 
 Note [quick synchronous operations]
 A synchronous read or write of one small aligned request spends most of its time outside
@@ -27,27 +27,52 @@ operations, failures, ``close()``) is the same. Anything else runs the ordinary 
 """
 import os
 
-from .._engine import open_for_direct_read, quick_transfer
+from .. import _engine
 from .buffers import io_buffer
 from .files import ALIGNMENT, TargetFile
 from .operation import MAX_FILE_END, WRITES, Operation
 
 
-def quick_read(op_id, buffer, target, file_offset, placement):
-    """Note [quick asynchronous reads]: the operation of a small read the caller queue can
-    take as it is, opened and placed; None if it must go the ordinary way."""
-    if not _aligned_name_and_offset(target, file_offset):
+def candidate(buffer, target, file_offset, *, writable):
+    """``(buffer, encoded path)`` if the operation could take a quick road: a file named
+    by path, host memory, address, offset and length on O_DIRECT blocks; else None."""
+    if not (isinstance(target, (str, bytes, os.PathLike)) and type(file_offset) is int
+            and file_offset >= 0 and file_offset % ALIGNMENT == 0):
         return None
-    buf = io_buffer(buffer, writable=True)  # what it refuses, the ordinary road refuses
+    buf = io_buffer(buffer, writable=writable)  # what it refuses, the ordinary road refuses
     nbytes = buf.nbytes
-    if (buf.device is not None or not 0 < nbytes <= placement.host_inline_limit
-            or nbytes % ALIGNMENT or file_offset > MAX_FILE_END - nbytes):
+    if (buf.device is not None or nbytes == 0 or nbytes % ALIGNMENT
+            or buf.address % ALIGNMENT or file_offset > MAX_FILE_END - nbytes):
         return None
-    region = placement.locked.containing(buf.address, nbytes)
-    path = _encoded(target)
-    if region is None or buf.address % ALIGNMENT or b"\0" in path:
-        return None
-    opened = open_for_direct_read(path, file_offset + nbytes)
+    # bytes(): a bytes subclass (numpy's bytes_) names the same file.
+    path = bytes(os.fsencode(target))
+    if b"\0" in path:
+        return None     # C would read a shorter name: the ordinary road refuses it
+    return buf, path
+
+
+def quick_transfer(buf, path, file_offset, is_read):
+    """Note [quick synchronous operations]: move the bytes in one call; False if that
+    did not settle it."""
+    if is_read:
+        return _engine.quick_transfer(True, path, buf.address, buf.nbytes, file_offset)
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    with WRITES.in_place((info.st_dev, info.st_ino)):
+        # The file must still be the one registered: a name replaced since goes the
+        # ordinary way.
+        return _engine.quick_transfer(False, path, buf.address, buf.nbytes, file_offset,
+                                      info.st_dev, info.st_ino)
+
+
+def open_quick_read(op_id, buf, region, target, path, file_offset):
+    """Note [quick asynchronous reads]: the operation of a read the caller queue can
+    take as it is (``buf`` inside the locked ``region``), opened and placed; None if its
+    file does not qualify."""
+    nbytes = buf.nbytes
+    opened = _engine.open_for_direct_read(path, file_offset + nbytes)
     if opened is None:
         return None
     fd, size, device, inode = opened
@@ -56,40 +81,4 @@ def quick_read(op_id, buffer, target, file_offset, placement):
                                                 (device, inode)), file_offset, False)
     op.region, op.region_offset = region, buf.address - region.address
     op.chunks = [(0, nbytes)]
-    op.by_caller = True
     return op
-
-
-def quick(buffer, target, file_offset, *, is_read, limit):
-    """Move the bytes of a small synchronous operation in one call; False if it did not."""
-    if not _aligned_name_and_offset(target, file_offset):
-        return False
-    buf = io_buffer(buffer, writable=is_read)   # what it refuses, the ordinary road refuses
-    address, nbytes = buf.address, buf.nbytes
-    if (buf.device is not None or not 0 < nbytes <= limit or nbytes % ALIGNMENT
-            or address % ALIGNMENT or file_offset > MAX_FILE_END - nbytes):
-        return False
-    path = _encoded(target)
-    if b"\0" in path:
-        return False    # C would read a shorter name: the ordinary road refuses it
-    if is_read:
-        return quick_transfer(True, path, address, nbytes, file_offset)
-    try:
-        info = os.stat(path)
-    except (OSError, ValueError):
-        return False
-    with WRITES.in_place((info.st_dev, info.st_ino)):
-        # The file must still be the one registered: a name replaced since goes the
-        # ordinary way.
-        return quick_transfer(False, path, address, nbytes, file_offset, info.st_dev,
-                              info.st_ino)
-
-
-def _aligned_name_and_offset(target, file_offset):
-    return (isinstance(target, (str, bytes, os.PathLike)) and type(file_offset) is int
-            and file_offset >= 0 and file_offset % ALIGNMENT == 0)
-
-
-def _encoded(target):
-    # bytes(): a bytes subclass (numpy's bytes_) names the same file.
-    return bytes(os.fsencode(target))

@@ -20,11 +20,9 @@ import weakref
 
 from .._memory import Mapping, punch_hole
 from ..errors import MemoryLockWarning, warn_once
-from ..workers import protocol
+from .limits import DEFAULT
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-# The virtual size of an arena; a larger region gets an arena of its own.
-ARENA_BYTES = 256 << 20
 # Host and device regions share one numbering: a worker's UNMAP names either.
 region_ids = itertools.count(1)
 
@@ -54,6 +52,11 @@ class Extents:
                     self._free[k] = (start + nbytes, length - nbytes)
                 return start
         return None
+
+    def fits(self, nbytes):
+        """Whether ``take(nbytes)`` would find an extent."""
+        nbytes = round_up(nbytes, self.alignment)
+        return any(length >= nbytes for _, length in self._free)
 
     def give(self, start, nbytes):
         """Take back the extent at ``start`` (as long as it was taken)."""
@@ -114,12 +117,13 @@ class Arenas:
         self._lock = threading.Lock()
         self._returned = collections.deque()     # (arena, offset, size), mappings gone
 
-    def map(self, size):
-        """A mapping of a free ``size``-byte range (page multiple) of an arena, and the
-        (arena, offset) of the range; the range comes back when the mapping is gone."""
+    def map(self, size, arena_bytes):
+        """A mapping of a free ``size``-byte range (page multiple) of an arena (a new one
+        is ``arena_bytes`` or ``size``), and the (arena, offset) of the range; the range
+        comes back when the mapping is gone."""
         with self._lock:
             self._settle_locked()
-            arena, offset = self._carve_locked(size)
+            arena, offset = self._carve_locked(size, arena_bytes)
         try:
             mapping = Mapping(arena.fd, size, offset)
         except BaseException:
@@ -138,12 +142,12 @@ class Arenas:
             self._settle_locked()
             return len(self._arenas)
 
-    def _carve_locked(self, size):
+    def _carve_locked(self, size, arena_bytes):
         for arena in self._arenas:
             offset = arena.extents.take(size)
             if offset is not None:
                 return arena, offset
-        arena = Arena(max(size, ARENA_BYTES))
+        arena = Arena(max(size, arena_bytes))
         self._arenas.append(arena)
         return arena, arena.extents.take(size)
 
@@ -194,24 +198,25 @@ class SharedRegion:
     range of an arena (Note [memfd arenas]). ``lock_on_fault``: each page is locked as
     it is first touched, so that making the region costs nothing up front."""
 
-    read_kind, write_kind = protocol.READ, protocol.WRITE
+    on_device = False
 
     __slots__ = ("region_id", "arena", "offset", "mapping", "size", "address", "unregister",
                  "__weakref__")
 
-    def __init__(self, nbytes, lock_on_fault=False):
+    def __init__(self, nbytes, lock_on_fault=False, arena_bytes=DEFAULT.arena_bytes):
         self.region_id = next(region_ids)
         self.size = round_up(max(nbytes, 1), PAGE)
-        self.mapping, self.arena, self.offset = arenas().map(self.size)
+        self.mapping, self.arena, self.offset = arenas().map(self.size, arena_bytes)
         self.address = self.mapping.address
         self.unregister = None      # set by gpu.copies.register_for_device_copies
         _warn_if_refused(self.mapping.lock(lock_on_fault), self.size)
 
-    def map_request(self):
-        """The message (and descriptors) that has a worker map this region."""
+    @property
+    def fd(self):
+        """The memfd a worker maps this region from (at ``offset``)."""
         if self.arena is None:
             raise OSError(errno.EBADF, "the shared region was closed")
-        return protocol.map_request(self.region_id, self.size, self.offset), [self.arena.fd]
+        return self.arena.fd
 
     def contains(self, address, nbytes):
         return self.address <= address and address + nbytes <= self.address + self.size

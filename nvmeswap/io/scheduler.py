@@ -1,13 +1,14 @@
-"""The scheduler: places each operation, hands its chunks to the workers, reads their
-responses, and completes operations for ``wait()``. Both handles run on it.
+"""The scheduler: routes each operation, hands its requests to the workers or the
+caller queue, reads their responses, and completes operations for ``wait()``. Both
+handles run on it.
 
-The road of one operation: ``open_operation`` (checks, file) -> ``placement.place``
-(memory and chunk plan) -> ``_dispatch`` (zero-copy: a request per chunk) or ``_feed``
-(staged: a piece at a time, as the staging space has room; a background thread keeps
-async ones moving) -> ``Workforce.send`` -> a worker's engine -> ``_pump`` (responses) ->
-``_complete_chunk`` -> ``_finish`` -> ``run`` or ``collect``. Two short roads skip the
-first steps: ``_run_quick`` (a small synchronous operation, settled in one call) and
-``_submit_quick_read`` (a small async read into locked memory, posted to the caller queue).
+The road of one operation (Note [roads] in io/roads.py): ``_try_quick`` (a quick road,
+or none) -> ``open_operation`` (checks, file) -> ``placement.place`` (memory and chunk
+plan) -> ``route`` -> ``_book`` (the books, Note [ordering]) -> ``_dispatch`` (a request
+per chunk) or ``_feed`` (staged: a piece at a time as the staging space has room; a
+background thread keeps async ones moving) -> ``Workforce.send`` -> a worker's engine or
+the caller queue -> ``_pump`` (responses) -> ``_complete_chunk`` -> ``_finish`` ->
+``run`` or ``collect``.
 """
 import functools
 import itertools
@@ -20,7 +21,8 @@ from ..errors import ValidationError, WorkerDied, caller_stacklevel
 from .interrupts import deferred_interrupts
 from .operation import WRITES, open_operation
 from .ordering import Ordering
-from .quick import quick, quick_read
+from .quick import candidate, open_quick_read, quick_transfer
+from .roads import Facts, Memory, Road, WORKER_ROADS, route
 from .validate import validate
 from .workforce import GONE, Workforce, chunks_in_flight_limit
 
@@ -31,9 +33,10 @@ class Scheduler:
     Holds no reference to the handle, so a finalizer can release it (``release``).
     """
 
-    def __init__(self, placement, parallelism, engine_args, o_direct):
+    def __init__(self, placement, parallelism, engine_settings, o_direct, limits):
         self.placement = placement
-        self.workers = Workforce(placement, parallelism, engine_args)
+        self.limits = limits
+        self.workers = Workforce(placement, parallelism, engine_settings, limits)
         self.closed = False
         self.creator_pid = os.getpid()
         self._o_direct = o_direct
@@ -46,8 +49,8 @@ class Scheduler:
         self._staged_ops = []   # staged operations in flight, oldest first
         self._ordering = Ordering()
         self._held = []         # started operations that wait for earlier ones, in order
-        self._max_chunks = chunks_in_flight_limit()
-        self._inline = 0        # synchronous operations running in their callers' threads
+        self._max_chunks = chunks_in_flight_limit(limits)
+        self._inline = 0        # operations running in their callers' threads
         with self._cond:
             self._running_pool()
 
@@ -57,8 +60,7 @@ class Scheduler:
 
         Interrupted while it runs, the operation goes on, and its error is dropped.
         """
-        if not (validate or self._o_direct is False) and self._run_quick(
-                buffer, target, file_offset, is_read):
+        if not validate and self._try_quick(buffer, target, file_offset, is_read, False):
             return 1
         op = self._begin(buffer, target, file_offset, is_read, validate, is_async=False)
         self._wait_until(op.is_done)
@@ -74,9 +76,9 @@ class Scheduler:
     def submit(self, buffer, target, file_offset, *, is_read, validate):
         """Start an operation that ``collect()`` completes."""
         if is_read and not validate:
-            if not self._has_room():    # back-pressure first: then it goes the quick road
+            if not self._has_room():    # back-pressure first: then it may go a quick road
                 self._wait_until(self._has_room)
-            if self._submit_quick_read(buffer, target, file_offset):
+            if self._try_quick(buffer, target, file_offset, True, True):
                 return
         self._begin(buffer, target, file_offset, is_read, validate, is_async=True)
 
@@ -168,9 +170,58 @@ class Scheduler:
                               ResourceWarning, stacklevel=caller_stacklevel())
 
     # -- the road of one operation -----------------------------------------------------
+    def _try_quick(self, buffer, target, file_offset, is_read, is_async):
+        """A quick road (Note [roads]): True if the operation was settled (synchronous)
+        or booked (an asynchronous read); False if it goes the ordinary way."""
+        found = None if self._o_direct is False else candidate(buffer, target, file_offset,
+                                                               writable=is_read)
+        if found is None:
+            return False
+        buf, path = found
+        region = self.placement.locked.containing(buf.address, buf.nbytes)
+        if not is_async:
+            return self._run_quick(buf, region, path, file_offset, is_read)
+        return (route(self._quick_facts(buf, region, True, True), self.limits.roads)
+                is Road.QUICK_READ and self._submit_quick_read(buf, region, target, path,
+                                                                file_offset))
+
+    def _quick_facts(self, buf, region, is_async, is_read):
+        return Facts(False, is_async, is_read, buf.nbytes, self.placement.host_inline_limit,
+                     True, Memory.HOST if region is None else Memory.LOCKED, bool(self._ops),
+                     self._queue_room())
+
+    def _run_quick(self, buf, region, path, file_offset, is_read):
+        """Note [quick synchronous operations]: True if the operation was settled in one
+        call. Routed under the lock (nothing in flight: then there is no order to keep),
+        counted as an inline operation so that ``release`` waits for it."""
+        with _InlineCount(self) as count:
+            with deferred_interrupts(), self._cond:
+                self.check_usable()
+                if route(self._quick_facts(buf, region, False, is_read),
+                         self.limits.roads) is not Road.QUICK_SYNC:
+                    return False
+                count()
+            return quick_transfer(buf, path, file_offset, is_read)
+
+    def _submit_quick_read(self, buf, region, target, path, file_offset):
+        """Note [quick asynchronous reads]: True if the read was booked for the caller
+        queue. Its file is opened first; it is booked only if there is still room for it
+        and nothing in flight that it must follow, else it goes the ordinary way."""
+        with deferred_interrupts():
+            op = open_quick_read(next(self._op_ids), buf, region, target, path, file_offset)
+            if op is None:
+                return False
+            with self._cond:
+                if self.closed or not self._queue_room() or self._ordering.conflicts(op):
+                    op.file.close()
+                    return False
+                op.road = Road.QUICK_READ
+                self._book(op, is_async=True)
+        return True
+
     def _begin(self, buffer, target, file_offset, is_read, validate, is_async):
-        """Open, place and start one operation. If anything fails before it has started
-        (Ctrl-C included: Note [deferred interrupts]), nothing of it is left behind."""
+        """Open, place, route and start one operation. If anything fails before it has
+        started (Ctrl-C included: Note [deferred interrupts]), nothing of it is left."""
         # Back-pressure, before anything is opened: every chunk in flight holds
         # descriptors in a worker, every staged operation waiting for room holds its own.
         if not self._has_room():
@@ -179,14 +230,9 @@ class Scheduler:
         try:
             with deferred_interrupts():
                 op = open_operation(next(self._op_ids), buffer, target, file_offset,
-                                    is_read=is_read, validate=validate, o_direct=self._o_direct)
-            # An async operation runs inline only when none is in flight (else it would
-            # make its caller wait for them) and the caller queue cannot take it.
-            if op.buffer.nbytes <= self.placement.inline_limit(op) and not (
-                    is_async and (self._ops or self.workers.may_take_in_caller(op))):
-                self._run_inline(op, is_async)
-            else:
-                self._start(op, is_async)
+                                    is_read=is_read, validate=validate, o_direct=self._o_direct,
+                                    preallocate_min=self.limits.preallocate_min)
+            self._start(op, is_async)
         except BaseException:
             if op is not None and not op.started:
                 self._abandon(op)
@@ -197,32 +243,77 @@ class Scheduler:
         return (self.workers.chunks_in_flight + len(self._staged_ops) + len(self._held)
                 < self._max_chunks)
 
+    def _queue_room(self):
+        # Held and staged operations may each still post one request (Note [roads]).
+        return self.workers.queue_room(len(self._held) + len(self._staged_ops))
+
+    def _facts(self, op, is_async):
+        """What ``route`` needs of a placed operation (under the lock)."""
+        buf, alignment = op.buffer, op.file.alignment
+        inline_limit = self.placement.inline_limit(op)
+        if op.staged is not None:
+            memory = Memory.HOST if buf.device is None else Memory.DEVICE
+        else:
+            memory = Memory.CUFILE if op.region.on_device else Memory.LOCKED
+        return Facts(True, is_async, op.is_read, buf.nbytes, inline_limit,
+                     op.file_offset % alignment == 0 and buf.nbytes % alignment == 0,
+                     memory, bool(self._ops), self._queue_room(),
+                     # Asked only where it can matter: it walks the operations in flight.
+                     conflicts=buf.nbytes <= inline_limit and bool(self._ordering.conflicts(op)),
+                     staging_room=op.staged is None or op.staged.can_start_next())
+
     def _start(self, op, is_async):
-        """Place the operation and hand its chunks to the workers."""
-        with deferred_interrupts(), self._cond:
-            self.check_usable()
-            self._running_pool()    # before registering: it may fail what is out
-            self._place(op)
-            self._launch(op, is_async)
+        """Place and route the operation; book it, or run it in the calling thread."""
+        with _InlineCount(self) as count:
+            with deferred_interrupts(), self._cond:
+                self.check_usable()
+                self.placement.place(op)
+                op.road = route(self._facts(op, is_async), self.limits.roads)
+                if op.road is not Road.INLINE:
+                    self._running_pool()    # before booking: it may fail what is out
+                    self._book(op, is_async)
+                    return
+                count()
+                if op.staged is not None:
+                    op.staged.start_next()      # the room its facts saw
+            result = self._run_inline(op)
+            with deferred_interrupts(), self._cond:
+                self._book(op, is_async)
+                self._complete_chunk(op, 0, *result)
 
-    def _place(self, op):
-        self.placement.place(op)
-        if self.workers.takes_in_caller(op):      # Note [caller queue]
-            op.by_caller = True
-            if op.staged is None:
-                op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
-        op.remaining = len(op.chunks)
+    def _run_inline(self, op):
+        """Note [small synchronous operations]: an operation of one request runs in the
+        calling thread (Note [roads] says when). A round trip to a worker costs two
+        process wake-ups, more than the request itself on a fast device, and one request
+        gains nothing from fan-out. ``release`` waits for such operations: they may
+        borrow the staging space.
+        """
+        region_offset = op.region_offset_of(0)
+        if op.staged is not None and not op.is_read:
+            op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
+        return transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
+                                  op.region.address + region_offset, op.buffer.nbytes,
+                                  op.file_offset, op.file.alignment)
 
-    def _launch(self, op, is_async):
-        """Register a placed operation and send what can go now, or hold it until the
-        earlier operations it conflicts with have finished (Note [ordering]); under the
-        lock."""
-        self._ops[op.op_id] = op
+    def _book(self, op, is_async):
+        """Enter a routed operation in the books, under the lock: the one booking of every
+        road. An inline one has moved its bytes already; any other starts now, or is held
+        until the earlier operations it conflicts with have finished (Note [ordering])."""
         op.started = True
         op.is_async = is_async
         if is_async:
             self._async_ops.append(op)
-        op.waits_for = self._ordering.add(op)
+        if op.road is Road.CALLER_QUEUE and op.staged is None:
+            op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
+        op.remaining = len(op.chunks)
+        if op.road is Road.INLINE:
+            return
+        self._ops[op.op_id] = op
+        if op.road is Road.QUICK_READ:
+            op.waits_for = set()    # checked before it was booked
+            self._ordering.track(op)
+        else:
+            op.waits_for = self._ordering.add(op)
         if not op.waits_for:
             self._go(op)
             return
@@ -249,85 +340,12 @@ class Scheduler:
                 self._held.remove(op)
                 self._go(op)
 
-    def _run_quick(self, buffer, target, file_offset, is_read):
-        """Note [quick synchronous operations]: True if the operation was settled in one
-        call. Only with nothing in flight (then there is no order to keep), counted as an
-        inline operation so that ``release`` waits for it."""
-        with _InlineCount(self) as count:
-            with deferred_interrupts(), self._cond:
-                self.check_usable()
-                if self._ops:
-                    return False
-                count()
-            return quick(buffer, target, file_offset, is_read=is_read,
-                         limit=self.placement.host_inline_limit)
-
-    def _submit_quick_read(self, buffer, target, file_offset):
-        """Note [quick asynchronous reads]: True if the read went to the caller queue,
-        booked as ``_launch`` books one. Only when it has nothing in flight to wait for
-        and there is room for it."""
-        queue = self.workers.queue
-        if queue is None or self._o_direct is False or not self._has_room():
-            return False
-        with deferred_interrupts():
-            op = quick_read(next(self._op_ids), buffer, target, file_offset, self.placement)
-            if op is None:
-                return False
-            with self._cond:
-                if (self.closed or queue is not self.workers.queue
-                        or self._ordering.conflicts(op) or queue.post(
-                            op.op_id, 0, True, op.file.direct_fd,
-                            op.region.address + op.region_offset, op.buffer.nbytes,
-                            op.file_offset)):
-                    op.file.close()
-                    return False    # the ordinary road waits, or says why
-                op.remaining = 1
-                op.started = op.is_async = True
-                op.waits_for = set()
-                self._ops[op.op_id] = op
-                self._async_ops.append(op)
-                self._ordering.track(op)
-        return True
-
-    def _run_inline(self, op, is_async):
-        """Note [small synchronous operations]: an operation of one request runs in the
-        calling thread: a synchronous one unless it must follow an operation in flight
-        (Note [ordering]), an asynchronous one when nothing is in flight and the caller
-        queue cannot take it (Note [caller queue]). A round trip to a worker costs
-        two process wake-ups, more than the request itself on a fast device, and one
-        request gains nothing from fan-out. ``release`` waits for such operations: they
-        borrow the staging space.
-        """
-        with _InlineCount(self) as count:
-            with deferred_interrupts(), self._cond:
-                self.check_usable()
-                self._place(op)
-                if self._ordering.conflicts(op) or (op.staged is not None
-                                                    and op.staged.start_next() is None):
-                    # It must follow an operation in flight (Note [ordering]), or the
-                    # staging space is lent out: it waits like any operation.
-                    self._running_pool()
-                    self._launch(op, is_async)
-                    return
-                count()
-            region_offset = op.region_offset_of(0)
-            if op.staged is not None and not op.is_read:
-                op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
-            result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
-                                        op.region.address + region_offset, op.buffer.nbytes,
-                                        op.file_offset, op.file.alignment)
-            with deferred_interrupts(), self._cond:
-                op.started = True
-                if is_async:
-                    self._async_ops.append(op)
-                self._complete_chunk(op, 0, *result)
-
     def _dispatch(self, op):
         """Hand every chunk of a zero-copy operation out."""
         for index in range(len(op.chunks)):
             if not self._sent(op, index):
                 break
-        if not op.by_caller:    # the workers hold their own copies of the descriptors
+        if op.road in WORKER_ROADS:     # the workers hold their own copies of the descriptors
             op.file.close()
 
     def _sent(self, op, index):
@@ -487,7 +505,7 @@ class Scheduler:
         staging room get it. With ``everything`` (closing), the caller queue's fail too,
         once the kernel has finished their requests."""
         failing = [op for op in self._ops.values()
-                   if everything or not op.by_caller or op in self._held]
+                   if everything or op.road in WORKER_ROADS or op in self._held]
         for op in failing:      # all first: none of them may be started by another's end
             if op.error is None:
                 op.error = WorkerDied(f"{death}: {op.describe()}")

@@ -6,11 +6,6 @@ from .chunks import chunk_bounds
 from .regions import Extents, SharedRegion, round_up
 
 
-# An operation smaller than the staging space is still cut into a few pieces.
-PIPELINE_PIECES = 4
-MIN_PIECE = 1 << 20
-
-
 class StagingSpace:
     """Note [staging ring]: the one staging region of a handle, lent out piece by piece.
 
@@ -26,8 +21,9 @@ class StagingSpace:
     first staged operation and freed with the handle.
     """
 
-    def __init__(self, nbytes, parallelism, alignment):
-        self.nbytes = round_up(max(nbytes, 8 * alignment), alignment)
+    def __init__(self, limits, parallelism, alignment):
+        self.limits = limits
+        self.nbytes = round_up(max(limits.staging_bytes, 8 * alignment), alignment)
         # Enough pieces in flight for every worker and one being copied, at least four.
         self.piece = max(alignment, (self.nbytes // max(4, 2 * parallelism)) // alignment
                          * alignment - 2 * alignment)
@@ -38,7 +34,8 @@ class StagingSpace:
         if self.region is None:
             # Locked page by page as pieces first touch it: an operation smaller than
             # the space pays only for what it uses.
-            self.region = SharedRegion(self.nbytes, lock_on_fault=True)
+            self.region = SharedRegion(self.nbytes, lock_on_fault=True,
+                                       arena_bytes=self.limits.arena_bytes)
         return self.region
 
     def close(self):
@@ -57,9 +54,11 @@ class StagedPieces:
 
     def __init__(self, space, file_offset, nbytes, alignment):
         self.space = space
-        # At least PIPELINE_PIECES pieces where they can be MIN_PIECE or more: the first
+        # A few pieces even where one would do (Limits.pipeline_pieces): the first
         # piece's copy is the one that nothing overlaps.
-        count = max(-(-nbytes // space.piece), min(PIPELINE_PIECES, nbytes // MIN_PIECE))
+        limits = space.limits
+        count = max(-(-nbytes // space.piece),
+                    min(limits.pipeline_pieces, nbytes // limits.min_piece))
         self.pieces = chunk_bounds(file_offset, nbytes, count, alignment)
         self._phase = file_offset % alignment
         self._extent_of = {}    # piece index -> (start, length) in the space
@@ -77,6 +76,11 @@ class StagedPieces:
         self._extent_of[index] = (start, length)
         self.started += 1
         return index
+
+    def can_start_next(self):
+        """Whether ``start_next`` would find room for the next piece now."""
+        return self.started < len(self.pieces) and self.space.extents.fits(
+            self.pieces[self.started][1] + (self._phase if self.started == 0 else 0))
 
     def waiting(self):
         """Whether pieces wait for room in the staging space."""

@@ -3,52 +3,50 @@ stopped), chunks handed out in turn with the regions they need mapped first, reg
 unmapped, and the chunks in flight counted; and the caller's own queue for small
 operations. Called with the scheduler's lock held."""
 import errno
+import os
 import resource
 import select
 
 from .._engine import CallerQueue
 from ..workers import protocol
 from ..workers.pool import WorkerPool
+from .roads import CALLER_ROADS
 
 GONE = -1
 _DEATH = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
 
-# Started operations wait while this many chunks are with the workers.
-MAX_CHUNKS_IN_FLIGHT = 128
-# Descriptors a process keeps for itself besides those of chunks in flight.
-_RESERVED_FDS = 32
 
-
-def chunks_in_flight_limit():
+def chunks_in_flight_limit(limits):
     """Each chunk in flight holds up to two file descriptors in a worker, and a worker
     inherits our RLIMIT_NOFILE: beyond it the kernel would drop descriptors sent to it."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return MAX_CHUNKS_IN_FLIGHT
-    return max(1, min(MAX_CHUNKS_IN_FLIGHT, (soft - _RESERVED_FDS) // 2))
+        return limits.max_chunks_in_flight
+    return max(1, min(limits.max_chunks_in_flight, (soft - limits.reserved_fds) // 2))
 
 
 class Workforce:
-    """One handle's workers and caller queue, as the scheduler uses them.
+    """One handle's workers and caller queue, as the scheduler uses them; the one place
+    that builds the messages its workers are sent.
 
     Note [caller queue]: a small operation that O_DIRECT can move whole (aligned offset
     and length, host memory the kernel can reach) is one kernel AIO request; a worker
     adds two process wake-ups and a socket round trip to it, more than the request costs
     on a fast device. So such asynchronous operations go into the handle's own kernel AIO
-    context (posted to its submitting thread, Note [submitter] in pyx/_engine.pyx) and are
-    reaped in bulk by whichever thread reads responses; the context's eventfd wakes that
-    thread beside the workers' sockets. Many small reads are then in flight at once, as
-    fio keeps them. A worker's death does not touch them. Larger operations still fan out
-    to the workers.
+    context (posted to its submitting thread, Note [submitter]) and are reaped in bulk by
+    whichever thread reads responses; the context's eventfd wakes that thread beside the
+    workers' sockets. Many small reads are then in flight at once, as fio keeps them. A
+    worker's death does not touch them. Larger operations still fan out to the workers.
     """
 
-    def __init__(self, placement, parallelism, engine_args):
+    def __init__(self, placement, parallelism, engine_settings, limits):
         self.pool = None
         self.queue = None       # the CallerQueue, made with the first pool
         self._with_workers = 0
         self._placement = placement
         self._parallelism = parallelism
-        self._engine_args = engine_args
+        self._engine_settings = engine_settings
+        self._limits = limits
         self._next = 0
 
     @property
@@ -58,22 +56,19 @@ class Workforce:
     def running(self):
         """The current pool, started if there is none."""
         if self.pool is None:
-            self.pool = WorkerPool(self._parallelism, self._engine_args)
+            self.pool = WorkerPool(self._parallelism, self._engine_settings)
             self._next = 0
             if self.queue is None:  # after the workers: theirs must fit under fs.aio-max-nr
-                self.queue = _caller_queue()
+                self.queue = _caller_queue(self._limits)
             if self.queue is not None:
                 self.pool.also_wake(self.queue.eventfd)
         return self.pool
 
-    def takes_in_caller(self, op):
-        """Whether ``op`` (placed: host memory) goes to the caller queue (Note [caller queue])."""
-        return self.may_take_in_caller(op) and op.region.read_kind == protocol.READ
-
-    def may_take_in_caller(self, op):
-        """``takes_in_caller`` as far as it can be told before placement."""
-        return (self.queue is not None and op.buffer.nbytes <= self._placement.inline_limit(op)
-                and _o_direct_whole(op))
+    def queue_room(self, may_post):
+        """Whether the caller queue can take one more request while ``may_post`` booked
+        operations may still post one each (Note [roads]: a post never finds it full)."""
+        queue = self.queue
+        return queue is not None and queue.in_flight + may_post < queue.capacity
 
     def poll(self, pool):
         """Block until ``pool`` or the caller queue has something to say."""
@@ -139,42 +134,57 @@ class Workforce:
             raise
 
     def send(self, op, index):
-        """Send chunk ``index`` of ``op`` to the next worker. Returns 0; ``GONE`` if that
-        worker is dead or dying (the pump sees it and fails what is in flight); or the
-        errno with which a live worker's socket refused it (ETOOMANYREFS: descriptors in
-        flight beyond RLIMIT_NOFILE), the chunk then not counted. An operation of the
-        caller queue's is posted there (Note [submitter] in pyx/_engine.pyx: a refusal by the
-        kernel comes back as its response); if the queue is full (threads that passed
-        back-pressure at once), to a worker."""
-        if op.by_caller:
-            start, length = op.chunks[index]
-            refused = self.queue.post(op.op_id, index, op.is_read, op.file.direct_fd,
-                                        op.region.address + op.region_offset_of(index),
-                                        length, op.file_offset + start)
-            if refused != errno.EAGAIN or self.pool is None:
-                return refused
-            op.by_caller = False
+        """Send chunk ``index`` of ``op`` where its road goes (Note [roads]). Returns 0;
+        ``GONE`` if its worker is dead or dying (the pump sees it and fails what is in
+        flight); or the errno with which the caller queue or a live worker's socket
+        refused it (ETOOMANYREFS: descriptors in flight beyond RLIMIT_NOFILE), the chunk
+        then not counted. A refusal by the kernel of a posted request comes back from
+        the queue as its response (Note [submitter])."""
+        start, length = op.chunks[index]
+        if op.road in CALLER_ROADS:
+            return self.queue.post(op.op_id, index, op.is_read, op.file.direct_fd,
+                                   op.region.address + op.region_offset_of(index),
+                                   length, op.file_offset + start)
         workers = self.pool.workers
         worker = workers[self._next]
         self._next = (self._next + 1) % len(workers)
-        start, length = op.chunks[index]
         region = op.region
+        on_device = region.on_device
+        if op.is_read:
+            kind = protocol.CUFILE_READ if on_device else protocol.READ
+        else:
+            kind = protocol.CUFILE_WRITE if on_device else protocol.WRITE
         self._with_workers += 1
         try:
             if region.region_id not in worker.mapped:
-                for message, fds in self._placement.map_requests(worker, region):
-                    worker.send(message, fds)
-                worker.mapped.add(region.region_id)
+                self._map(worker, region)
             worker.send(protocol.transfer_request(
-                region.read_kind if op.is_read else region.write_kind, region.region_id,
-                op.op_id, index, op.region_offset_of(index), length, op.file_offset + start,
-                op.file.alignment), op.file.descriptors())
+                kind, region.region_id, op.op_id, index, op.region_offset_of(index), length,
+                op.file_offset + start, op.file.alignment), op.file.descriptors())
         except OSError as error:
             if worker.process.poll() is not None or error.errno in _DEATH:
                 return GONE
             self._with_workers -= 1
             return error.errno or errno.EIO
         return 0
+
+    def _map(self, worker, region):
+        """Have ``worker`` map ``region`` before its first request on it (a device region:
+        cuFile loaded there first, Note [device regions])."""
+        if region.on_device:
+            if "cufile" not in worker.mapped:
+                cufile = self._placement.cufile
+                worker.send(protocol.cufile_setup_request(
+                    [os.fsencode(path) for path in cufile.libraries]),
+                    [cufile.config_fd] if cufile.config_fd >= 0 else [])
+                worker.mapped.add("cufile")
+            worker.send(protocol.device_map_request(
+                region.region_id, region.size, region.ipc_handle, region.ordinal,
+                region.address - region.allocation_base))
+        else:
+            worker.send(protocol.map_request(region.region_id, region.size, region.offset),
+                        [region.fd])
+        worker.mapped.add(region.region_id)
 
     def unmap(self, region):
         """Have every worker that mapped ``region`` unmap it."""
@@ -187,19 +197,12 @@ class Workforce:
                     pass    # a dead worker maps nothing; the pump will see its death
 
 
-def _caller_queue():
+def _caller_queue(limits):
     """The handle's caller queue, or None where the kernel refuses another AIO context
     (fs.aio-max-nr): small operations then go to the workers like the rest."""
     try:
-        # Back-pressure keeps fewer than MAX_CHUNKS_IN_FLIGHT out; twice that leaves room
-        # for threads that passed it at once.
-        return CallerQueue(2 * MAX_CHUNKS_IN_FLIGHT)
+        # Back-pressure keeps fewer than max_chunks_in_flight out; twice that leaves
+        # room for threads that passed it at once.
+        return CallerQueue(2 * limits.max_chunks_in_flight)
     except OSError:
         return None
-
-
-def _o_direct_whole(op):
-    """O_DIRECT can move all of ``op`` in one request: its file range is aligned (its
-    memory then is too: placement keeps memory and file at the same phase)."""
-    alignment = op.file.alignment
-    return op.file_offset % alignment == 0 and op.buffer.nbytes % alignment == 0

@@ -18,7 +18,10 @@ from .._memory import Mapping
 from . import protocol
 
 
-def main(sock_fd, parent_pid, block_size, queue_depth, single_submit, overlap_events):
+def main(argv):
+    """``argv``: our socket's descriptor, the parent's pid, then ``EngineSettings``."""
+    sock_fd, parent_pid = int(argv[0]), int(argv[1])
+    settings = protocol.EngineSettings.from_argv(argv[2:])
     _exit_with_parent(parent_pid)
     _raise_descriptor_limit()
     # Ctrl-C goes to the whole process group; the parent decides what it means. (It was
@@ -27,7 +30,7 @@ def main(sock_fd, parent_pid, block_size, queue_depth, single_submit, overlap_ev
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sock = socket.socket(fileno=sock_fd)
     try:
-        engine = AioEngine(block_size, queue_depth, single_submit, overlap_events)
+        engine = AioEngine(*settings)
     except OSError as error:
         sock.send(protocol.ready_response(error.errno))
         return

@@ -12,7 +12,7 @@ from . import protocol
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from nvmeswap.workers.main import main; main(*map(int, sys.argv[2:8]))")
+         "from nvmeswap.workers.main import main; main(sys.argv[2:])")
 STARTUP_TIMEOUT = 60.0
 STOP_GRACE = 1.0
 
@@ -23,7 +23,7 @@ class Worker:
     ``mapped`` holds the regions (and set-ups) the worker has been sent, so each is sent once.
     """
 
-    def __init__(self, engine_args):
+    def __init__(self, engine_settings):
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Ctrl-C goes to the whole process group: the worker starts with SIGINT blocked
         # and ignores it before unblocking, so a Ctrl-C at start-up cannot kill it; ours
@@ -32,7 +32,7 @@ class Worker:
         try:
             # -I: the worker sees our nvmeswap, not whatever the current directory holds.
             command = [sys.executable, "-I", "-c", _BOOT, _PACKAGE_ROOT, str(child_end.fileno()),
-                       str(os.getpid()), *map(str, engine_args)]
+                       str(os.getpid()), *engine_settings.to_argv()]
             self.process = subprocess.Popen(command, pass_fds=[child_end.fileno()],
                                             stdin=subprocess.DEVNULL)
         except BaseException:
@@ -67,11 +67,11 @@ class Worker:
 class WorkerPool:
     """``size`` workers with identical engines; one generation, replaced whole if one dies."""
 
-    def __init__(self, size, engine_args):
+    def __init__(self, size, engine_settings):
         self.workers = []
         try:
             for _ in range(size):
-                self.workers.append(Worker(engine_args))
+                self.workers.append(Worker(engine_settings))
             self._await_ready()
         except BaseException:
             self.kill()

@@ -34,6 +34,23 @@ _READY_OP = 0
 _FD_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
+class EngineSettings(NamedTuple):
+    """A worker's kernel AIO engine, as the handle was asked for it; passed on the
+    worker's command line."""
+    block_size: int
+    queue_depth: int
+    single_submit: bool
+    overlap_events: bool
+
+    def to_argv(self):
+        return [str(int(value)) for value in self]
+
+    @classmethod
+    def from_argv(cls, argv):
+        block_size, queue_depth, single_submit, overlap_events = map(int, argv)
+        return cls(block_size, queue_depth, bool(single_submit), bool(overlap_events))
+
+
 class Request(NamedTuple):
     kind: int
     region_id: int

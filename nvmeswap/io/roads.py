@@ -1,0 +1,104 @@
+"""Which road an operation takes: every rule in one pure function.
+
+Note [roads]
+An operation's bytes move on one of these roads. ``route`` takes the first row whose
+condition holds (and that the handle's ``Limits.roads`` allows), twice: before the file
+is opened (a quick road, or OPEN: open it, place it, then ask again) and once the
+operation is opened and placed. "Small" is at most the placement's inline limit
+(``Limits.inline_bytes``, the block size and a staging piece; 0 for cuFile memory);
+"aligned" is address, offset and length on O_DIRECT blocks.
+
+| condition                                   | road         | what it saves            | measured by                |
+|---------------------------------------------|--------------|--------------------------|----------------------------|
+| sync, small, aligned, host memory, nothing  | QUICK_SYNC   | opening, booking and     | bench/peers_table.py       |
+| of the handle in flight                     |              | placing in Python: ~60us | (sync 4 KiB / 64 KiB rows) |
+| async read, small, aligned, locked memory,  | QUICK_READ   | opening and placing in   | bench/small_async.py       |
+| caller queue has room                       |              | Python, per read         |                            |
+| otherwise, before the file is opened        | OPEN         |                          |                            |
+| CUDA memory that cuFile takes               | CUFILE       | the host copy            | bench/studies/gpu_roads.py |
+| small, asked by its caller, nothing to      | INLINE       | two process wake-ups and | bench/peers_table.py       |
+| follow, staging room; sync, or async with   |              | a socket round trip      | (sync rows)                |
+| nothing in flight the queue cannot take     |              |                          |                            |
+| small, aligned, host memory, queue has room | CALLER_QUEUE | the same, and many       | bench/small_async.py       |
+|                                             |              | requests in flight       |                            |
+| everything else                             | WORKERS      | (fan-out to processes)   | bench/peers_table.py       |
+
+QUICK_READ and CALLER_QUEUE go to the handle's own kernel AIO context (Note [caller
+queue]); WORKERS and CUFILE to the worker processes. A road decided is final: the
+caller queue's room counts every booked operation that may still post to it, so a
+post never finds it full. Memory is the placement's to choose: on INLINE, CALLER_QUEUE
+and WORKERS a buffer outside locked memory goes through a staging piece (Note [staging
+ring]).
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class Road(enum.Enum):
+    QUICK_SYNC = "quick sync"   # Note [quick synchronous operations]
+    QUICK_READ = "quick read"   # Note [quick asynchronous reads]
+    OPEN = "open"               # not decided yet: open and place the operation, then route
+    INLINE = "inline"           # Note [small synchronous operations]
+    CALLER_QUEUE = "caller queue"   # Note [caller queue]
+    WORKERS = "workers"
+    CUFILE = "cufile"           # Note [device regions]
+
+
+ALL_ROADS = frozenset(Road)
+#: The roads no handle can be kept off: every operation can take one of them.
+ALWAYS_OPEN = frozenset({Road.OPEN, Road.WORKERS, Road.CUFILE})
+#: The roads whose requests the worker processes move, and those the caller queue moves.
+WORKER_ROADS = frozenset({Road.WORKERS, Road.CUFILE})
+CALLER_ROADS = frozenset({Road.QUICK_READ, Road.CALLER_QUEUE})
+
+
+class Memory(enum.Enum):
+    LOCKED = "locked"   # host memory the workers and the kernel reach as it is
+    HOST = "host"       # other host memory: staged
+    DEVICE = "device"   # CUDA memory copied through host staging
+    CUFILE = "cufile"   # CUDA memory the workers' cuFile moves
+
+
+class Facts(NamedTuple):
+    """What ``route`` looks at. Before the file is opened, ``opened`` is False and the
+    facts that need the file (``conflicts``, ``staging_room``) are False."""
+    opened: bool
+    is_async: bool
+    is_read: bool
+    nbytes: int
+    inline_limit: int
+    aligned: bool       # address, offset, length on O_DIRECT blocks (before opening: and
+                        # a path named, O_DIRECT allowed, no validation asked)
+    memory: Memory
+    busy: bool          # the handle has operations in flight
+    queue_room: bool    # the caller queue exists and can take one more request
+    conflicts: bool = False     # it must follow an operation in flight (Note [ordering])
+    staging_room: bool = False  # no staging needed, or a piece of it is free now
+    caller_present: bool = True     # routed in its caller's thread
+
+
+def route(facts: Facts, roads: frozenset = ALL_ROADS) -> Road:
+    """The road of an operation (Note [roads]); only roads in ``roads`` are taken."""
+    small = 0 < facts.nbytes <= facts.inline_limit
+    host = facts.memory is not Memory.CUFILE
+    if not facts.opened:
+        if small and facts.aligned:
+            if not facts.is_async:
+                if not facts.busy and facts.memory in (Memory.LOCKED, Memory.HOST) \
+                        and Road.QUICK_SYNC in roads:
+                    return Road.QUICK_SYNC
+            elif facts.is_read and facts.memory is Memory.LOCKED and facts.queue_room \
+                    and Road.QUICK_READ in roads:
+                return Road.QUICK_READ
+        return Road.OPEN
+    if not host:
+        return Road.CUFILE
+    to_queue = (small and facts.aligned and facts.queue_room
+                and Road.CALLER_QUEUE in roads)
+    if (small and facts.caller_present and not facts.conflicts and facts.staging_room
+            and Road.INLINE in roads
+            and (not facts.is_async or not (facts.busy or to_queue))):
+        return Road.INLINE
+    return Road.CALLER_QUEUE if to_queue else Road.WORKERS
