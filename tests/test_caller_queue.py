@@ -292,7 +292,7 @@ def test_conflicting_operations_run_in_the_order_they_were_started(handle_factor
         with open(path, "rb") as f:
             assert f.read() == new
         assert h.free_cpu_locked_tensor(locked)
-        assert not h._scheduler._held
+        assert not h._scheduler.books.held
 
 
 def test_a_small_read_waiting_for_staging_room_outlives_a_worker_death(handle_factory,
@@ -308,7 +308,7 @@ def test_a_small_read_waiting_for_staging_room_outlives_a_worker_death(handle_fa
     with _stopped_workers(h):
         h.async_pwrite(torch.ones(16 * MiB, dtype=torch.uint8), str(tmp_path / "big"))
         h.async_pread(small, source, 8 * KiB)
-        waiting = h._scheduler._staged_ops[-1]
+        waiting = h._scheduler.books.staged_ops[-1]
         assert waiting.road is Road.CALLER_QUEUE and waiting.staged.waiting()
         _kill_and_await(_workers(h)[0])
         with pytest.raises(nvmeswap.WorkerDied):

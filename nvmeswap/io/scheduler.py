@@ -17,14 +17,13 @@ import threading
 import warnings
 
 from .._engine import transfer_in_caller
-from ..errors import ValidationError, WorkerDied, caller_stacklevel
+from ..errors import WorkerDied, caller_stacklevel
+from .books import Books
 from .interrupts import deferred_interrupts
-from .operation import WRITES, open_operation
-from .ordering import Ordering
+from .operation import open_operation
 from .quick import candidate, open_quick_read, quick_transfer
-from .roads import Facts, Memory, Road, WORKER_ROADS, route
-from .validate import validate
-from .workforce import GONE, Workforce, chunks_in_flight_limit
+from .roads import Facts, Memory, Road, route
+from .workforce import Workforce, chunks_in_flight_limit
 
 
 class Scheduler:
@@ -41,14 +40,8 @@ class Scheduler:
         self.creator_pid = os.getpid()
         self._o_direct = o_direct
         self._cond = threading.Condition()
-        self._pumping_thread = None     # the thread reading responses, if any
-        self._ops = {}
-        self._async_ops = []
+        self.books = Books(placement, self.workers, self._cond)
         self._op_ids = itertools.count(1)
-        self._driving = False
-        self._staged_ops = []   # staged operations in flight, oldest first
-        self._ordering = Ordering()
-        self._held = []         # started operations that wait for earlier ones, in order
         self._max_chunks = chunks_in_flight_limit(limits)
         self._inline = 0        # operations running in their callers' threads
         with self._cond:
@@ -63,7 +56,7 @@ class Scheduler:
         if not validate and self._try_quick(buffer, target, file_offset, is_read, False):
             return 1
         op = self._begin(buffer, target, file_offset, is_read, validate, is_async=False)
-        self._wait_until(op.is_done)
+        self.books.wait_until(op.is_done)
         error = op.error
         if error is None:
             return 1
@@ -77,7 +70,7 @@ class Scheduler:
         """Start an operation that ``collect()`` completes."""
         if is_read and not validate:
             if not self._has_room():    # back-pressure first: then it may go a quick road
-                self._wait_until(self._has_room)
+                self.books.wait_until(self._has_room)
             if self._try_quick(buffer, target, file_offset, True, True):
                 return
         self._begin(buffer, target, file_offset, is_read, validate, is_async=True)
@@ -90,14 +83,14 @@ class Scheduler:
         interrupted wait gives its operations back, for the next ``collect()`` to count.
         """
         with deferred_interrupts(), self._cond:
-            ops, self._async_ops = self._async_ops, []
+            ops, self.books.async_ops = self.books.async_ops, []
         if not ops:
             return 0
         try:
-            self._wait_until(functools.partial(_all_done, ops))
+            self.books.wait_until(functools.partial(_all_done, ops))
         except BaseException:
             with deferred_interrupts(), self._cond:
-                self._async_ops[:0] = ops
+                self.books.async_ops[:0] = ops
             raise
         failed = [op.error for op in ops if op.error is not None]
         if not failed:
@@ -117,9 +110,7 @@ class Scheduler:
 
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""
-        with deferred_interrupts(), self._cond:
-            self.workers.unmap(region)
-        region.close()
+        self.books.unshare(region)
 
     def check_usable(self):
         if self.closed:
@@ -142,17 +133,17 @@ class Scheduler:
         if os.getpid() != self.creator_pid:
             return
         try:
-            if self._ops and self._pumping_thread != threading.get_ident():
-                self._wait_until(lambda: not self._ops)
+            if self.books.ops and self.books.pumping_thread != threading.get_ident():
+                self.books.wait_until(lambda: not self.books.ops)
             with self._cond:
                 while self._inline:     # they use the staging space: let them finish
                     self._cond.wait()
         finally:
             with deferred_interrupts(), self._cond:
-                if self._ops:       # interrupted, or dropped from inside our own pump
+                if self.books.ops:       # interrupted, or dropped from inside our own pump
                     self.workers.kill()     # first: then nothing of theirs touches our memory
-                    self._fail_all(WorkerDied("the handle was closed with operations in "
-                                              "flight"), everything=True)
+                    self.books.fail_all(WorkerDied("the handle was closed with operations "
+                                                   "in flight"), everything=True)
             try:
                 self.workers.stop()
             finally:
@@ -163,7 +154,7 @@ class Scheduler:
 
     def _warn_uncollected(self):
         with self._cond:
-            ops, self._async_ops = self._async_ops, []
+            ops, self.books.async_ops = self.books.async_ops, []
         for op in ops:
             if op.error is not None:
                 warnings.warn(f"an operation nobody waited for failed: {op.error}",
@@ -187,8 +178,8 @@ class Scheduler:
 
     def _quick_facts(self, buf, region, is_async, is_read):
         return Facts(False, is_async, is_read, buf.nbytes, self.placement.host_inline_limit,
-                     True, Memory.HOST if region is None else Memory.LOCKED, bool(self._ops),
-                     self._queue_room())
+                     True, Memory.HOST if region is None else Memory.LOCKED,
+                     bool(self.books.ops), self._queue_room())
 
     def _run_quick(self, buf, region, path, file_offset, is_read):
         """Note [quick synchronous operations]: True if the operation was settled in one
@@ -212,11 +203,11 @@ class Scheduler:
             if op is None:
                 return False
             with self._cond:
-                if self.closed or not self._queue_room() or self._ordering.conflicts(op):
+                if self.closed or not self._queue_room() or self.books.ordering.conflicts(op):
                     op.file.close()
                     return False
                 op.road = Road.QUICK_READ
-                self._book(op, is_async=True)
+                self.books.book(op, is_async=True)
         return True
 
     def _begin(self, buffer, target, file_offset, is_read, validate, is_async):
@@ -225,7 +216,7 @@ class Scheduler:
         # Back-pressure, before anything is opened: every chunk in flight holds
         # descriptors in a worker, every staged operation waiting for room holds its own.
         if not self._has_room():
-            self._wait_until(self._has_room)
+            self.books.wait_until(self._has_room)
         op = None
         try:
             with deferred_interrupts():
@@ -235,21 +226,22 @@ class Scheduler:
             self._start(op, is_async)
         except BaseException:
             if op is not None and not op.started:
-                self._abandon(op)
+                self.books.abandon(op)
             raise
         return op
 
     def _has_room(self):
-        return (self.workers.chunks_in_flight + len(self._staged_ops) + len(self._held)
+        books = self.books
+        return (self.workers.chunks_in_flight + len(books.staged_ops) + len(books.held)
                 < self._max_chunks)
 
     def _queue_room(self):
         # Held and staged operations may each still post one request (Note [roads]).
-        return self.workers.queue_room(len(self._held) + len(self._staged_ops))
+        return self.workers.queue_room(len(self.books.held) + len(self.books.staged_ops))
 
     def _facts(self, op, is_async):
         """What ``route`` needs of a placed operation (under the lock)."""
-        buf, alignment = op.buffer, op.file.alignment
+        buf, alignment, books = op.buffer, op.file.alignment, self.books
         inline_limit = self.placement.inline_limit(op)
         if op.staged is not None:
             memory = Memory.HOST if buf.device is None else Memory.DEVICE
@@ -257,9 +249,9 @@ class Scheduler:
             memory = Memory.CUFILE if op.region.on_device else Memory.LOCKED
         return Facts(True, is_async, op.is_read, buf.nbytes, inline_limit,
                      op.file_offset % alignment == 0 and buf.nbytes % alignment == 0,
-                     memory, bool(self._ops), self._queue_room(),
+                     memory, bool(books.ops), self._queue_room(),
                      # Asked only where it can matter: it walks the operations in flight.
-                     conflicts=buf.nbytes <= inline_limit and bool(self._ordering.conflicts(op)),
+                     conflicts=buf.nbytes <= inline_limit and bool(books.ordering.conflicts(op)),
                      staging_room=op.staged is None or op.staged.can_start_next())
 
     def _start(self, op, is_async):
@@ -271,15 +263,15 @@ class Scheduler:
                 op.road = route(self._facts(op, is_async), self.limits.roads)
                 if op.road is not Road.INLINE:
                     self._running_pool()    # before booking: it may fail what is out
-                    self._book(op, is_async)
+                    self.books.book(op, is_async)
                     return
                 count()
                 if op.staged is not None:
                     op.staged.start_next()      # the room its facts saw
             result = self._run_inline(op)
             with deferred_interrupts(), self._cond:
-                self._book(op, is_async)
-                self._complete_chunk(op, 0, *result)
+                self.books.book(op, is_async)
+                self.books.complete_chunk(op, 0, *result)
 
     def _run_inline(self, op):
         """Note [small synchronous operations]: an operation of one request runs in the
@@ -295,263 +287,11 @@ class Scheduler:
                                   op.region.address + region_offset, op.buffer.nbytes,
                                   op.file_offset, op.file.alignment)
 
-    def _book(self, op, is_async):
-        """Enter a routed operation in the books, under the lock: the one booking of every
-        road. An inline one has moved its bytes already; any other starts now, or is held
-        until the earlier operations it conflicts with have finished (Note [ordering])."""
-        op.started = True
-        op.is_async = is_async
-        if is_async:
-            self._async_ops.append(op)
-        if op.road is Road.CALLER_QUEUE and op.staged is None:
-            op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
-        op.remaining = len(op.chunks)
-        if op.road is Road.INLINE:
-            return
-        self._ops[op.op_id] = op
-        if op.road is Road.QUICK_READ:
-            op.waits_for = set()    # checked before it was booked
-            self._ordering.track(op)
-        else:
-            op.waits_for = self._ordering.add(op)
-        if not op.waits_for:
-            self._go(op)
-            return
-        self._held.append(op)
-        if is_async and not self._driving:
-            self._drive_in_background()     # so that it starts without waiting for wait()
-
-    def _go(self, op):
-        if op.staged is None:
-            self._dispatch(op)
-            return
-        self._staged_ops.append(op)
-        self._feed(op)
-        if op.is_async and not op.done and op.staged.waiting() and not self._driving:
-            self._drive_in_background()
-
-    def _release_held(self, finished):
-        """``finished`` is done: start the held operations that waited only for it."""
-        for op in list(self._held):
-            if op not in self._held:
-                continue        # started or finished by a nested call (its send failed)
-            op.waits_for.discard(finished)
-            if not op.waits_for and op.error is None:
-                self._held.remove(op)
-                self._go(op)
-
-    def _dispatch(self, op):
-        """Hand every chunk of a zero-copy operation out."""
-        for index in range(len(op.chunks)):
-            if not self._sent(op, index):
-                break
-        if op.road in WORKER_ROADS:     # the workers hold their own copies of the descriptors
-            op.file.close()
-
-    def _sent(self, op, index):
-        """Send one chunk; False if it could not go. A live worker's refusal fails the
-        chunk and the chunks not sent after it; a dead worker is the pump's to handle."""
-        refused = self.workers.send(op, index)
-        if refused == 0:
-            return True
-        if refused != GONE:
-            start, length = op.chunks[index]
-            if op.error is None:
-                op.error = op.transfer_error(refused, op.file_offset + start, length, 0)
-            self._give_up(op, index)
-        return False
-
-    def _give_up(self, op, index):
-        """Chunks ``index`` on will never be answered: count them out."""
-        if op.staged is None:
-            self._count_out(op, len(op.chunks) - index)
-            return
-        op.staged.finish(index)
-        self._count_out(op, 1 + op.staged.cancel_rest())
-        self._feed_staged()     # the room it held may be what another one waits for
-
-    def _count_out(self, op, chunks):
-        """``chunks`` of ``op`` are done with (answered, or never to be); finish it after
-        its last."""
-        op.remaining -= chunks
-        if op.remaining == 0 and not op.done:
-            self._finish(op)
-
-    def _feed(self, op):
-        """Start a staged operation's next pieces while the staging space has room
-        (Note [staging ring])."""
-        while not op.done and op.error is None:
-            index = op.staged.start_next()
-            if index is None:
-                return
-            if not op.is_read:
-                start, length = op.chunks[index]
-                try:
-                    op.copier.to_region(start, length, op.region,
-                                        op.staged.region_offset(index))
-                except Exception as error:
-                    op.error = op.copy_error(error)
-                    self._give_up(op, index)
-                    return
-            if not self._sent(op, index):
-                return
-        if op.error is not None and not op.done:
-            # A piece failed (a read's copy, say): the pieces not started never will be.
-            self._count_out(op, op.staged.cancel_rest())
-
-    def _feed_staged(self):
-        """Room in the staging space: the oldest staged operations take it first."""
-        for op in list(self._staged_ops):
-            self._feed(op)
-
-    def _drive_in_background(self):
-        """Note [staging ring]: an async staged operation can have more pieces than the
-        staging space holds, and only a thread reading responses frees room; without one
-        it would stall until ``wait()``. The thread ends when no such operation is left.
-        """
-        self._driving = True
-
-        def drive():
-            try:
-                self._wait_until(self._staged_work_done)
-            except BaseException:
-                with self._cond:
-                    self._driving = False
-                raise
-
-        threading.Thread(target=drive, name="nvmeswap-staging", daemon=True).start()
-
-    def _staged_work_done(self):
-        # Decided under the lock that _start holds, so no operation is left undriven.
-        done = not self._staged_ops and not self._held
-        if done:
-            self._driving = False
-        return done
-
     def _running_pool(self):
         """The current workers; a set with a member that died while idle is replaced."""
-        if not self._ops and self._pumping_thread is None:
+        if not self.books.ops and self.books.pumping_thread is None:
             self.workers.replace_if_dead()
         return self.workers.running()
-
-    # -- responses ---------------------------------------------------------------------
-    def _wait_until(self, finished):
-        """Block (GIL released) until ``finished()``; one thread at a time reads responses."""
-        while True:
-            with deferred_interrupts(), self._cond:
-                if finished():
-                    return
-                pumping = self._pumping_thread is None
-                if pumping:
-                    pool = self.workers.pool
-                    self._pumping_thread = threading.get_ident()
-            if not pumping:
-                with self._cond:
-                    if self._pumping_thread is not None:
-                        self._cond.wait()   # where an interrupt loses nothing
-                continue
-            try:
-                self._pump(pool)
-            finally:
-                with deferred_interrupts(), self._cond:
-                    self._pumping_thread = None
-                    self._cond.notify_all()
-
-    def _pump(self, pool):
-        """Read the workers' responses and complete their chunks (Note [deferred interrupts])."""
-        events = self.workers.poll(pool)
-        with deferred_interrupts(), self._cond:
-            try:
-                responses = self.workers.read(pool, events)
-            except WorkerDied as death:
-                self._fail_pool(pool, death)
-                return
-            except OSError:
-                if pool is not self.workers.pool:
-                    return      # killed under us (close): its descriptors are gone
-                raise
-            self._complete(responses)
-
-    def _complete(self, responses):
-        for response in responses:
-            op = self._ops.get(response.op_id)
-            if op is not None:
-                self._complete_chunk(op, response.chunk, response.error, response.at_offset,
-                                     response.requested, response.got)
-
-    def _complete_chunk(self, op, chunk, err, at_offset, requested, got):
-        start, length = op.chunks[chunk]
-        if err or got != requested:
-            if op.error is None:
-                op.error = op.transfer_error(err, at_offset, requested, got)
-        elif op.copier is not None and op.is_read and op.error is None:
-            try:
-                op.copier.from_region(start, length, op.region, op.region_offset_of(chunk))
-            except Exception as error:
-                op.error = op.copy_error(error)
-        if op.staged is not None:
-            op.staged.finish(chunk)
-            self._feed_staged()
-        self._count_out(op, 1)
-
-    def _fail_pool(self, pool, death):
-        """A worker died: kill its siblings, fail everything in flight, restart on next use."""
-        if self.workers.discard(pool):
-            self._fail_all(death)
-
-    def _fail_all(self, death, everything=False):
-        """Fail every operation with the workers, or held: the workers are gone. The
-        caller queue's go on (they complete from the kernel), and those waiting for
-        staging room get it. With ``everything`` (closing), the caller queue's fail too,
-        once the kernel has finished their requests."""
-        failing = [op for op in self._ops.values()
-                   if everything or op.road in WORKER_ROADS or op in self._held]
-        for op in failing:      # all first: none of them may be started by another's end
-            if op.error is None:
-                op.error = WorkerDied(f"{death}: {op.describe()}")
-        if everything:
-            self._complete(self.workers.drain_queue())
-        for op in failing:
-            if not op.done:
-                self._finish(op)
-        if not everything:
-            self._feed_staged()
-
-    def _finish(self, op):
-        if self._ops.pop(op.op_id, None) is not None:
-            self._ordering.remove(op)
-            if op in self._held:
-                self._held.remove(op)
-        if op.staged is not None and op in self._staged_ops:
-            self._staged_ops.remove(op)
-        if op.error is None and op.validate:
-            try:
-                validate(op, self.placement.bytes_reader(op))
-            except (ValidationError, OSError) as error:
-                op.error = error
-        if WRITES.end(op) and op.error is not None:
-            op.file.undo_growth(op.file_offset + op.buffer.nbytes)
-        self._release_memory(op)
-        op.buffer = op.region = op.copier = None
-        op.done = True
-        if self._held:
-            self._release_held(op)
-
-    def _abandon(self, op):
-        """Give back what an operation that never started holds."""
-        with deferred_interrupts(), self._cond:
-            if WRITES.end(op):
-                op.file.undo_growth(op.file_offset + op.buffer.nbytes)  # preallocated
-            op.done = True
-            self._release_memory(op)
-            self._feed_staged()     # the room it held may be what another one waits for
-
-    def _release_memory(self, op):
-        op.file.close()
-        if op.region is not None:
-            for region in self.placement.give_back(op):
-                self.unshare(region)
-
 
 class _InlineCount:
     """An operation running in its caller's thread, counted once the block calls this

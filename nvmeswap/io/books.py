@@ -1,0 +1,291 @@
+"""The operations of one handle in flight, from booking to their end: sent where their
+road goes, fed through the staging space, held for the ones they must follow, completed
+from the responses, failed when workers die. Called with the scheduler's lock held
+(``cond``), but for ``wait_until``, which takes it.
+"""
+import threading
+
+from ..errors import ValidationError, WorkerDied
+from .interrupts import deferred_interrupts
+from .operation import WRITES
+from .ordering import Ordering
+from .roads import WORKER_ROADS, Road
+from .validate import validate
+from .workforce import GONE
+
+
+class Books:
+    """What is in flight: operations by id, the asynchronous ones nobody has collected,
+    those held for earlier ones (Note [ordering]), the staged ones, and the thread
+    reading responses."""
+
+    def __init__(self, placement, workers, cond):
+        self.placement = placement
+        self.workers = workers
+        self.cond = cond
+        self.ops = {}
+        self.async_ops = []
+        self.held = []          # booked operations that wait for earlier ones, in order
+        self.staged_ops = []    # staged operations in flight, oldest first
+        self.ordering = Ordering()
+        self.pumping_thread = None  # the thread reading responses, if any
+        self._driving = False
+
+    def unshare(self, region):
+        """Have the workers unmap ``region`` and drop our descriptor of it."""
+        with deferred_interrupts(), self.cond:
+            self.workers.unmap(region)
+        region.close()
+
+    def book(self, op, is_async):
+        """Enter a routed operation in the books, under the lock: the one booking of every
+        road. An inline one has moved its bytes already; any other starts now, or is held
+        until the earlier operations it conflicts with have finished (Note [ordering])."""
+        op.started = True
+        op.is_async = is_async
+        if is_async:
+            self.async_ops.append(op)
+        if op.road is Road.CALLER_QUEUE and op.staged is None:
+            op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
+        op.remaining = len(op.chunks)
+        if op.road is Road.INLINE:
+            return
+        self.ops[op.op_id] = op
+        if op.road is Road.QUICK_READ:
+            op.waits_for = set()    # checked before it was booked
+            self.ordering.track(op)
+        else:
+            op.waits_for = self.ordering.add(op)
+        if not op.waits_for:
+            self._go(op)
+            return
+        self.held.append(op)
+        if is_async and not self._driving:
+            self._drive_in_background()     # so that it starts without waiting for wait()
+
+    def _go(self, op):
+        if op.staged is None:
+            self._dispatch(op)
+            return
+        self.staged_ops.append(op)
+        self._feed(op)
+        if op.is_async and not op.done and op.staged.waiting() and not self._driving:
+            self._drive_in_background()
+
+    def _release_held(self, finished):
+        """``finished`` is done: start the held operations that waited only for it."""
+        for op in list(self.held):
+            if op not in self.held:
+                continue        # started or finished by a nested call (its send failed)
+            op.waits_for.discard(finished)
+            if not op.waits_for and op.error is None:
+                self.held.remove(op)
+                self._go(op)
+
+    def _dispatch(self, op):
+        """Hand every chunk of a zero-copy operation out."""
+        for index in range(len(op.chunks)):
+            if not self._sent(op, index):
+                break
+        if op.road in WORKER_ROADS:     # the workers hold their own copies of the descriptors
+            op.file.close()
+
+    def _sent(self, op, index):
+        """Send one chunk; False if it could not go. A live worker's refusal fails the
+        chunk and the chunks not sent after it; a dead worker is the pump's to handle."""
+        refused = self.workers.send(op, index)
+        if refused == 0:
+            return True
+        if refused != GONE:
+            start, length = op.chunks[index]
+            if op.error is None:
+                op.error = op.transfer_error(refused, op.file_offset + start, length, 0)
+            self._give_up(op, index)
+        return False
+
+    def _give_up(self, op, index):
+        """Chunks ``index`` on will never be answered: count them out."""
+        if op.staged is None:
+            self._count_out(op, len(op.chunks) - index)
+            return
+        op.staged.finish(index)
+        self._count_out(op, 1 + op.staged.cancel_rest())
+        self.feed_staged()     # the room it held may be what another one waits for
+
+    def _count_out(self, op, chunks):
+        """``chunks`` of ``op`` are done with (answered, or never to be); finish it after
+        its last."""
+        op.remaining -= chunks
+        if op.remaining == 0 and not op.done:
+            self._finish(op)
+
+    def _feed(self, op):
+        """Start a staged operation's next pieces while the staging space has room
+        (Note [staging ring])."""
+        while not op.done and op.error is None:
+            index = op.staged.start_next()
+            if index is None:
+                return
+            if not op.is_read:
+                start, length = op.chunks[index]
+                try:
+                    op.copier.to_region(start, length, op.region,
+                                        op.staged.region_offset(index))
+                except Exception as error:
+                    op.error = op.copy_error(error)
+                    self._give_up(op, index)
+                    return
+            if not self._sent(op, index):
+                return
+        if op.error is not None and not op.done:
+            # A piece failed (a read's copy, say): the pieces not started never will be.
+            self._count_out(op, op.staged.cancel_rest())
+
+    def feed_staged(self):
+        """Room in the staging space: the oldest staged operations take it first."""
+        for op in list(self.staged_ops):
+            self._feed(op)
+
+    def _drive_in_background(self):
+        """Note [staging ring]: an async staged operation can have more pieces than the
+        staging space holds, and only a thread reading responses frees room; without one
+        it would stall until ``wait()``. The thread ends when no such operation is left.
+        """
+        self._driving = True
+
+        def drive():
+            try:
+                self.wait_until(self._staged_work_done)
+            except BaseException:
+                with self.cond:
+                    self._driving = False
+                raise
+
+        threading.Thread(target=drive, name="nvmeswap-staging", daemon=True).start()
+
+    def _staged_work_done(self):
+        # Decided under the lock that booking holds, so no operation is left undriven.
+        done = not self.staged_ops and not self.held
+        if done:
+            self._driving = False
+        return done
+
+    # -- responses ---------------------------------------------------------------------
+    def wait_until(self, finished):
+        """Block (GIL released) until ``finished()``; one thread at a time reads responses."""
+        while True:
+            with deferred_interrupts(), self.cond:
+                if finished():
+                    return
+                pumping = self.pumping_thread is None
+                if pumping:
+                    pool = self.workers.pool
+                    self.pumping_thread = threading.get_ident()
+            if not pumping:
+                with self.cond:
+                    if self.pumping_thread is not None:
+                        self.cond.wait()   # where an interrupt loses nothing
+                continue
+            try:
+                self._pump(pool)
+            finally:
+                with deferred_interrupts(), self.cond:
+                    self.pumping_thread = None
+                    self.cond.notify_all()
+
+    def _pump(self, pool):
+        """Read the workers' responses and complete their chunks (Note [deferred interrupts])."""
+        events = self.workers.poll(pool)
+        with deferred_interrupts(), self.cond:
+            try:
+                responses = self.workers.read(pool, events)
+            except WorkerDied as death:
+                self._fail_pool(pool, death)
+                return
+            except OSError:
+                if pool is not self.workers.pool:
+                    return      # killed under us (close): its descriptors are gone
+                raise
+            self.complete(responses)
+
+    def complete(self, responses):
+        for response in responses:
+            op = self.ops.get(response.op_id)
+            if op is not None:
+                self.complete_chunk(op, response.chunk, response.error, response.at_offset,
+                                     response.requested, response.got)
+
+    def complete_chunk(self, op, chunk, err, at_offset, requested, got):
+        start, length = op.chunks[chunk]
+        if err or got != requested:
+            if op.error is None:
+                op.error = op.transfer_error(err, at_offset, requested, got)
+        elif op.copier is not None and op.is_read and op.error is None:
+            try:
+                op.copier.from_region(start, length, op.region, op.region_offset_of(chunk))
+            except Exception as error:
+                op.error = op.copy_error(error)
+        if op.staged is not None:
+            op.staged.finish(chunk)
+            self.feed_staged()
+        self._count_out(op, 1)
+
+    def _fail_pool(self, pool, death):
+        """A worker died: kill its siblings, fail everything in flight, restart on next use."""
+        if self.workers.discard(pool):
+            self.fail_all(death)
+
+    def fail_all(self, death, everything=False):
+        """Fail every operation with the workers, or held: the workers are gone. The
+        caller queue's go on (they complete from the kernel), and those waiting for
+        staging room get it. With ``everything`` (closing), the caller queue's fail too,
+        once the kernel has finished their requests."""
+        failing = [op for op in self.ops.values()
+                   if everything or op.road in WORKER_ROADS or op in self.held]
+        for op in failing:      # all first: none of them may be started by another's end
+            if op.error is None:
+                op.error = WorkerDied(f"{death}: {op.describe()}")
+        if everything:
+            self.complete(self.workers.drain_queue())
+        for op in failing:
+            if not op.done:
+                self._finish(op)
+        if not everything:
+            self.feed_staged()
+
+    def _finish(self, op):
+        if self.ops.pop(op.op_id, None) is not None:
+            self.ordering.remove(op)
+            if op in self.held:
+                self.held.remove(op)
+        if op.staged is not None and op in self.staged_ops:
+            self.staged_ops.remove(op)
+        if op.error is None and op.validate:
+            try:
+                validate(op, self.placement.bytes_reader(op))
+            except (ValidationError, OSError) as error:
+                op.error = error
+        if WRITES.end(op) and op.error is not None:
+            op.file.undo_growth(op.file_offset + op.buffer.nbytes)
+        self._release_memory(op)
+        op.buffer = op.region = op.copier = None
+        op.done = True
+        if self.held:
+            self._release_held(op)
+
+    def abandon(self, op):
+        """Give back what an operation that never started holds."""
+        with deferred_interrupts(), self.cond:
+            if WRITES.end(op):
+                op.file.undo_growth(op.file_offset + op.buffer.nbytes)  # preallocated
+            op.done = True
+            self._release_memory(op)
+            self.feed_staged()     # the room it held may be what another one waits for
+
+    def _release_memory(self, op):
+        op.file.close()
+        if op.region is not None:
+            for region in self.placement.give_back(op):
+                self.unshare(region)
+
+
