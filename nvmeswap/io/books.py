@@ -7,7 +7,7 @@ import threading
 
 from ..errors import ValidationError, WorkerDied
 from .interrupts import deferred_interrupts
-from .operation import WRITES
+from .operation import writes
 from .ordering import Ordering
 from .roads import WORKER_ROADS, Road
 from .validate import validate
@@ -265,7 +265,7 @@ class Books:
                 validate(op, self.placement.bytes_reader(op))
             except (ValidationError, OSError) as error:
                 op.error = error
-        if WRITES.end(op) and op.error is not None:
+        if writes().end(op) and op.error is not None:
             op.file.undo_growth(op.file_offset + op.buffer.nbytes)
         self._release_memory(op)
         op.buffer = op.region = op.copier = None
@@ -276,7 +276,7 @@ class Books:
     def abandon(self, op):
         """Give back what an operation that never started holds."""
         with deferred_interrupts(), self.cond:
-            if WRITES.end(op):
+            if writes().end(op):
                 op.file.undo_growth(op.file_offset + op.buffer.nbytes)  # preallocated
             op.done = True
             self._release_memory(op)

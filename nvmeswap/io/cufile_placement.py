@@ -9,7 +9,8 @@ from ..errors import CudaError, GdsFallbackWarning, warn_once
 from ..gpu.copies import wait_for_queued_work
 from ..gpu.ipc import DeviceRegion
 from .chunks import plan_chunks
-from .regions import RegionTable, region_ids
+from .process_state import region_ids
+from .regions import RegionTable
 
 
 class CufilePlacement:

@@ -8,6 +8,7 @@ from ..errors import os_error, short_file_error
 from ..workers.protocol import error_from_code
 from .buffers import io_buffer
 from .files import open_target
+from .process_state import shared
 
 MAX_FILE_END = (1 << 63) - 1
 
@@ -147,8 +148,10 @@ class _InPlaceWrite:
         return False
 
 
-# One for the process: DeepSpeed's swappers read and write the same files with two handles.
-WRITES = ConcurrentWrites()
+def writes():
+    """The process's writes in flight (Note [process state]): DeepSpeed's swappers read
+    and write the same files with two handles."""
+    return shared(ConcurrentWrites)
 
 
 def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_direct,
@@ -163,12 +166,12 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
     file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
                        o_direct=o_direct)
     op = Operation(op_id, is_read, buf, file, file_offset, validate)
-    WRITES.start(op)    # before the file grows (Note [shared growth])
+    writes().start(op)    # before the file grows (Note [shared growth])
     if not is_read and buf.nbytes >= preallocate_min:
         try:
             file.preallocate(file_offset + buf.nbytes)
         except BaseException:
-            WRITES.end(op)
+            writes().end(op)
             file.close()
             raise
     return op

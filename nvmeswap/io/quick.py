@@ -30,7 +30,7 @@ import os
 from .. import _engine
 from .buffers import io_buffer
 from .files import ALIGNMENT, TargetFile
-from .operation import MAX_FILE_END, WRITES, Operation
+from .operation import MAX_FILE_END, Operation, writes
 
 
 def candidate(buffer, target, file_offset, *, writable):
@@ -60,7 +60,7 @@ def quick_transfer(buf, path, file_offset, is_read):
         info = os.stat(path)
     except (OSError, ValueError):
         return False
-    with WRITES.in_place((info.st_dev, info.st_ino)):
+    with writes().in_place((info.st_dev, info.st_ino)):
         # The file must still be the one registered: a name replaced since goes the
         # ordinary way.
         return _engine.quick_transfer(False, path, buf.address, buf.nbytes, file_offset,

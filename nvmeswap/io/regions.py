@@ -12,7 +12,6 @@ range comes back.
 import bisect
 import collections
 import errno
-import itertools
 import os
 import resource
 import threading
@@ -21,10 +20,9 @@ import weakref
 from .._memory import Mapping, punch_hole
 from ..errors import MemoryLockWarning, warn_once
 from .limits import DEFAULT
+from .process_state import region_ids, shared
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-# Host and device regions share one numbering: a worker's UNMAP names either.
-region_ids = itertools.count(1)
 
 
 def round_up(n, multiple):
@@ -175,22 +173,9 @@ class Arenas:
                 os.close(arena.fd)
 
 
-def _one_per_process(make):
-    """A function returning the process's one ``make()`` (made afresh in a forked child,
-    which must never use its parent's memfds or workers)."""
-    made = []
-    lock = threading.Lock()
-
-    def get():
-        with lock:
-            if not made or made[0].creator_pid != os.getpid():
-                made[:] = [make()]
-            return made[0]
-
-    return get
-
-
-arenas = _one_per_process(Arenas)
+def arenas():
+    """The process's arenas (Note [process state])."""
+    return shared(Arenas)
 
 
 class SharedRegion:
@@ -390,4 +375,6 @@ class LockedUser:
         return self.memory.leave(self)
 
 
-locked_memory = _one_per_process(LockedMemory)
+def locked_memory():
+    """The process's locked set (Note [process state])."""
+    return shared(LockedMemory)

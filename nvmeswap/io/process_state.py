@@ -1,0 +1,39 @@
+"""The state every handle of a process shares, in one fork-safe place.
+
+Note [process state]
+Some state belongs to the process, not to a handle: the memfd arenas (Note [memfd
+arenas]), the locked set (Note [process-wide locked memory]), the writes in flight
+(Note [shared growth]) and the numbering of regions. Each is made on first use by
+``shared(kind)``. A forked child starts with none of its parent's (it must never use the
+parent's memfds or workers), and the lock that guards them is made afresh in the child,
+so a fork while another thread held it cannot leave the child stuck.
+"""
+import itertools
+import os
+import threading
+
+_instances = {}
+_lock = threading.Lock()
+# Host and device regions share one numbering: a worker's UNMAP names either. (A forked
+# child going on with its parent's count is harmless: ids stay unique in each process.)
+region_ids = itertools.count(1)
+
+
+def shared(kind):
+    """The process's one ``kind()``, made on first use."""
+    made = _instances.get(kind)
+    if made is None:
+        with _lock:
+            made = _instances.get(kind)
+            if made is None:
+                made = _instances[kind] = kind()
+    return made
+
+
+def _forget_in_child():
+    global _lock
+    _lock = threading.Lock()
+    _instances.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
