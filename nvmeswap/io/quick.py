@@ -7,10 +7,10 @@ completed in Python, a 4 KiB read took ~60 us beyond its ~100 us on the device. 
 nothing of the handle is in flight there is nothing to order it after, and an aligned
 buffer needs no staging: one call into ``_engine.quick_transfer`` opens the file with
 O_DIRECT, moves the bytes straight between the buffer (a CPU tensor, an array) and the
-file without the GIL, and closes it. Whatever that call cannot settle (a file to create, grow or refuse, a short
-read, a failed transfer) runs the ordinary way, which says why; both directions are safe
-to repeat, a failed write included, as it never grows the file. What the books did still
-holds: ``close()`` waits for a quick operation as for any inline one, and a quick write
+file without the GIL, and closes it. Whatever that call cannot settle (a file to create,
+grow or refuse, a short read, a failed transfer) runs the ordinary way, which says why;
+both directions are safe to repeat, a failed write included, as it never grows the
+file. What the books did still holds: ``close()`` waits for a quick operation as for any inline one, and a quick write
 is one of the process's writes in flight (Note [shared growth]), so that a failed write
 of the same file on another handle does not cut it away.
 

@@ -8,27 +8,29 @@ operation is opened and placed. "Small" is at most the placement's inline limit
 (``Limits.inline_bytes``, the block size and a staging piece; 0 for cuFile memory);
 "aligned" is address, offset and length on O_DIRECT blocks.
 
-| condition                                   | road         | what it saves            | measured by                |
-|---------------------------------------------|--------------|--------------------------|----------------------------|
-| sync, small, aligned, host memory, nothing  | QUICK_SYNC   | opening, booking and     | bench/peers_table.py       |
-| of the handle in flight                     |              | placing in Python: ~60us | (sync 4 KiB / 64 KiB rows) |
-| async read, small, aligned, locked memory,  | QUICK_READ   | opening and placing in   | bench/small_async.py       |
-| caller queue has room                       |              | Python, per read         |                            |
-| otherwise, before the file is opened        | OPEN         |                          |                            |
-| CUDA memory that cuFile takes               | CUFILE       | the host copy            | bench/studies/gpu_roads.py |
-| small, asked by its caller, nothing to      | INLINE       | two process wake-ups and | bench/peers_table.py       |
-| follow, staging room; sync, or async with   |              | a socket round trip      | (sync rows)                |
-| nothing in flight the queue cannot take     |              |                          |                            |
-| small, aligned, host memory, queue has room | CALLER_QUEUE | the same, and many       | bench/small_async.py       |
-|                                             |              | requests in flight       |                            |
-| everything else                             | WORKERS      | (fan-out to processes)   | bench/peers_table.py       |
+| condition                                | road         | saves            | measured by       |
+|------------------------------------------|--------------|------------------|-------------------|
+| sync, small, aligned, host memory,       | QUICK_SYNC   | opening, booking | peers_table.py    |
+| nothing of the handle in flight          |              | in Python: ~60us | (sync rows)       |
+| async read, small, aligned, locked       | QUICK_READ   | opening, placing | small_async.py    |
+| memory, the caller queue has room        |              | in Python        |                   |
+| otherwise, before the file is opened     | OPEN         |                  |                   |
+| CUDA memory that cuFile takes            | CUFILE       | the host copy    | studies/gpu_roads |
+| small, nothing to follow, staging room;  | INLINE       | two process      | peers_table.py    |
+| sync, or async with nothing in flight    |              | wake-ups and a   | (sync rows)       |
+| and the caller queue unable to take it   |              | socket trip      |                   |
+| small, aligned, host memory, the caller  | CALLER_QUEUE | the same; many   | small_async.py    |
+| queue has room                           |              | reads in flight  |                   |
+| everything else                          | WORKERS      | (fans out)       | peers_table.py    |
 
-QUICK_READ and CALLER_QUEUE go to the handle's own kernel AIO context (Note [caller
-queue]); WORKERS and CUFILE to the worker processes. A road decided is final: the
-caller queue's room counts every booked operation that may still post to it, so a
-post never finds it full. Memory is the placement's to choose: on INLINE, CALLER_QUEUE
-and WORKERS a buffer outside locked memory goes through a staging piece (Note [staging
-ring]).
+(Scripts under bench/.) QUICK_READ and CALLER_QUEUE go to the handle's own kernel AIO
+context (Note [caller queue]); WORKERS and CUFILE to the worker processes. A quick road
+may still decline (its file does not qualify, or it must follow an operation in
+flight): the operation is then opened the ordinary way. Any other road decided is
+final: the caller queue's room counts every booked operation that may still post to
+it, so a post never finds it full. Memory is the placement's to choose: on INLINE,
+CALLER_QUEUE and WORKERS a buffer outside locked memory goes through a staging piece
+(Note [staging ring]).
 """
 from __future__ import annotations
 
