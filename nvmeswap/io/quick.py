@@ -10,9 +10,9 @@ O_DIRECT, moves the bytes straight between the buffer (a CPU tensor, an array) a
 file without the GIL, and closes it. Whatever that call cannot settle (a file to create,
 grow or refuse, a short read, a failed transfer) runs the ordinary way, which says why;
 both directions are safe to repeat, a failed write included, as it never grows the
-file. What the books did still holds: ``close()`` waits for a quick operation as for any inline one, and a quick write
-is one of the process's writes in flight (Note [shared growth]), so that a failed write
-of the same file on another handle does not cut it away.
+file. What the books did still holds: ``close()`` waits for a quick operation as for
+any inline one, and a quick write is one of the process's writes in flight (Note [shared
+growth]), so that a failed write of the same file on another handle does not cut it away.
 
 Note [quick asynchronous reads]
 Many small async reads into locked buffers (an offloading loop over small tensors) go
