@@ -12,20 +12,17 @@ from typing import Any, Mapping, Union
 
 from .config import handle_arguments
 from .gpu.copies import register_for_device_copies
-from .io.files import ALIGNMENT
 from .io.operation import checked_bool, checked_int
 from .errors import MemoryBudgetError
 from .io import placement
 from .io.placement import HostPlacement
-from .io.regions import PAGE, SharedRegion, locked_memory, round_up
+from .io.regions import SharedRegion, locked_memory
 from .io.scheduler import Scheduler
+from .units import ALIGNMENT, PAGE, SECTOR, round_up
 
 MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
 MIN_STAGING_BYTES = 1 << 20
-# DeepNVMe's get_alignment(): O_DIRECT's sector size times the parallelism; the sizes its
-# FastFileWriter and swappers make their buffers multiples of.
-SECTOR = 512
 
 Buffer = Any            # a torch tensor, a numpy array, or any buffer-protocol object
 Target = Union[str, bytes, "os.PathLike[str]", int]     # a file name, or an open fd

@@ -228,7 +228,8 @@ EMFILE_CHILD = """
     import torch
     import nvmeswap
     from nvmeswap.io import regions
-    regions.ARENA_BYTES = regions.PAGE      # every region needs an arena of its own
+    from nvmeswap.units import PAGE
+    regions.ARENA_BYTES = PAGE      # every region needs an arena of its own
     example = torch.empty(0, dtype=torch.uint8)
     with nvmeswap.aio_handle() as h:
         limit = len(os.listdir("/proc/self/fd")) + 16

@@ -20,17 +20,13 @@ import weakref
 
 from .._memory import Mapping, punch_hole
 from ..errors import MemoryLockWarning, warn_once
+from ..units import PAGE, round_up
 from ..workers import protocol
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 # The virtual size of an arena; a larger region gets an arena of its own.
 ARENA_BYTES = 256 << 20
 # Host and device regions share one numbering: a worker's UNMAP names either.
 region_ids = itertools.count(1)
-
-
-def round_up(n, multiple):
-    return -(-n // multiple) * multiple
 
 
 class Extents:
