@@ -11,22 +11,20 @@ import weakref
 from typing import Any, Mapping, Union
 
 from .config import handle_arguments
-from .gpu.copies import register_for_device_copies
-from .io.files import ALIGNMENT
-from .io.operation import checked_bool, checked_int
 from .errors import MemoryBudgetError
-from .io.limits import DEFAULT as DEFAULT_LIMITS, Limits
+from .io.limits import DEFAULT as DEFAULT_LIMITS
+from .io.limits import Limits
+from .io.operation import checked_bool, checked_int
 from .io.placement import HostPlacement
-from .io.regions import PAGE, SharedRegion, locked_memory, round_up
+from .io.regions import locked_memory
 from .io.scheduler import Scheduler
+from .locked_tensors import free_locked_tensor, is_locked, new_locked_tensor
+from .units import ALIGNMENT, SECTOR, round_up
 from .workers.protocol import EngineSettings
 
 MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
 MIN_STAGING_BYTES = 1 << 20
-# DeepNVMe's get_alignment(): O_DIRECT's sector size times the parallelism; the sizes its
-# FastFileWriter and swappers make their buffers multiples of.
-SECTOR = 512
 
 Buffer = Any            # a torch tensor, a numpy array, or any buffer-protocol object
 Target = Union[str, bytes, "os.PathLike[str]", int]     # a file name, or an open fd
@@ -349,64 +347,6 @@ class aio_handle:
         self._scheduler.check_usable()
         self._scheduler.submit(buffer, target, file_offset, is_read=is_read, validate=validate)
         return 0
-
-
-def new_locked_tensor(locked: Any, num_elem: int, example: Any, *,
-                      reserve: Any = None, arena_bytes: int = DEFAULT_LIMITS.arena_bytes
-                      ) -> tuple:
-    """A 1-D locked tensor of ``num_elem`` elements of ``example``'s dtype, added to
-    ``locked`` (a ``LockedUser``) so that every handle of the process finds it, and the
-    region it lives in. ``reserve(nbytes)`` may refuse the size (page-rounded) before
-    anything is allocated."""
-    import torch
-
-    if not isinstance(example, torch.Tensor):
-        raise TypeError("new_cpu_locked_tensor() needs an example tensor for the dtype, got "
-                        f"{type(example).__name__}")
-    num_elem = checked_int("num_elem", num_elem, 0, None)
-    itemsize = torch.empty((), dtype=example.dtype).element_size()
-    if reserve is not None:
-        reserve(round_up(max(num_elem * itemsize, 1), PAGE))
-    region = SharedRegion(num_elem * itemsize, arena_bytes=arena_bytes)
-    if torch.cuda.is_initialized():
-        # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
-        register_for_device_copies(region)
-    locked.add(region)
-    tensor = torch.frombuffer(region.mapping, dtype=torch.uint8)
-    return tensor[: num_elem * itemsize].view(example.dtype), region
-
-
-def free_locked_tensor(locked: Any, tensor: Any, *, address: int | None = None) -> bool:
-    """Take the region holding ``tensor`` (or starting at ``address``) out of the set,
-    unmapped from the workers of every user; False if there is none."""
-    if address is None:
-        region = locked.pop_containing(_data_ptr(tensor))
-    else:
-        region = locked.pop_starting_at(address)
-    if region is None:
-        return False
-    locked.memory.free(region)
-    return True
-
-
-def is_locked(locked: Any, buffer: Any) -> bool:
-    """Whether ``buffer`` lies in the process's locked set, or torch pinned it."""
-    address = _data_ptr(buffer)
-    nbytes = buffer.numel() * buffer.element_size() if hasattr(buffer, "numel") else 0
-    if locked.containing(address, nbytes) is not None:
-        return True
-    is_pinned = getattr(buffer, "is_pinned", None)
-    try:
-        return bool(is_pinned()) if callable(is_pinned) else False
-    except RuntimeError:      # a torch without any accelerator may refuse the question
-        return False
-
-
-def _data_ptr(tensor):
-    data_ptr = getattr(tensor, "data_ptr", None)
-    if not callable(data_ptr):
-        raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
-    return data_ptr()
 
 
 def _target(filename, fd):

@@ -29,10 +29,11 @@ import threading
 import types
 from typing import Any
 
-from .aio import aio_handle, free_locked_tensor, is_locked, new_locked_tensor
+from .aio import aio_handle
 from .gds import gds_handle
 from .gpu.discovery import gds_available
 from .io.regions import locked_memory
+from .locked_tensors import free_locked_tensor, is_locked, new_locked_tensor
 
 ENVIRONMENT_SWITCH = "NVMESWAP_DEEPSPEED"
 STARTUP_FILE = "nvmeswap-deepspeed.pth"

@@ -1,10 +1,16 @@
 """The exceptions and warnings nvmeswap raises, and the one place errno becomes an exception."""
+import errno
 import os
 import sys
 import warnings
 
 _warned = set()
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+# The code spaces of an error code from a worker: an errno (below CUFILE_ERROR), or one of
+# these plus cuFile's or the CUDA driver's own code.
+CUFILE_ERROR = 1 << 16
+CUDA_ERROR = 1 << 20
 
 
 class WorkerDied(RuntimeError):
@@ -113,5 +119,31 @@ def os_error(err, filename, detail=""):
 
 def short_file_error(filename, message):
     error = ShortFileError(f"{filename}: {message}")
+    error.filename = filename
+    return error
+
+
+def error_code(error):
+    """The response code for an exception raised in a worker."""
+    if isinstance(error, CuFileError):
+        return CUFILE_ERROR + error.code
+    if isinstance(error, CudaError):
+        return CUDA_ERROR + error.code
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    return errno.EIO
+
+
+def error_from_code(code, filename, detail):
+    """The exception for a response's error code, naming ``filename``."""
+    if code >= CUDA_ERROR:
+        from ._cuda import error_name
+
+        error = CudaError(code - CUDA_ERROR, f"{filename}: CUDA IPC for the {detail}",
+                          error_name(code - CUDA_ERROR))
+    elif code >= CUFILE_ERROR:
+        error = CuFileError(code - CUFILE_ERROR, f"{filename}: cuFile {detail}")
+    else:
+        return os_error(code, filename, detail)
     error.filename = filename
     return error

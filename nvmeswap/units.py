@@ -1,4 +1,5 @@
-"""Byte counts as people write them (4096, 64K, 1M, 1G) and the units nvmeswap prints.
+"""Byte counts as people write them (4096, 64K, 1M, 1G), the units nvmeswap prints, and the
+block sizes it aligns memory and files to.
 
 Note [units]: every size given to nvmeswap counts in powers of 1024, as ds_io's do:
 ``K``/``KiB``/``KB`` = 2^10, ``M`` = 2^20, ``G`` = 2^30, ``T`` = 2^40 bytes. Speeds in
@@ -6,6 +7,7 @@ nvmeswap's own tables are GB/s with GB = 10^9 bytes (as fio and drive makers cou
 ``Task``/``E2E`` lines kept for scripts written for ds_io use ds_io's GB = 2^30 bytes.
 Each output says which it uses.
 """
+import os
 
 _SCALE = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -15,6 +17,18 @@ GB = 10**9
 DS_IO_GB = 1 << 30
 #: One line for help texts.
 SIZE_HELP = "K, M, G, T (also KiB, MB, ...) are powers of 1024, as in ds_io"
+
+#: The O_DIRECT block: memory addresses, file offsets and lengths of direct I/O align to it.
+ALIGNMENT = 4096
+#: The size of a memory page: shared regions and locked tensors are whole pages.
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: A disk sector, O_DIRECT's unit in DeepNVMe: its get_alignment() is this times the parallelism.
+SECTOR = 512
+
+
+def round_up(n, multiple):
+    """The least multiple of ``multiple`` that is at least ``n``."""
+    return -(-n // multiple) * multiple
 
 
 def parse_size(text):

@@ -147,14 +147,22 @@ def test_a_driver_library_without_every_function_is_refused(tmp_path):
 
 
 def test_worker_error_codes_become_named_exceptions():
-    from nvmeswap.workers import protocol
-    from nvmeswap.workers.protocol import error_from_code as transfer_error
+    from nvmeswap.errors import CUDA_ERROR, CUFILE_ERROR, error_code, error_from_code
 
-    cufile = transfer_error(protocol.CUFILE_ERROR + 5024, "/f", "read of 4096 bytes at offset 0")
+    cufile = error_from_code(CUFILE_ERROR + 5024, "/f", "read of 4096 bytes at offset 0")
     assert isinstance(cufile, nvmeswap.CuFileError) and cufile.filename == "/f"
+    assert cufile.name == "CU_FILE_MEMORY_NOT_REGISTERED"
     assert str(cufile) == ("/f: cuFile read of 4096 bytes at offset 0 failed: "
                            "CU_FILE_MEMORY_NOT_REGISTERED")
-    cuda = transfer_error(protocol.CUDA_ERROR + 400, "/f", "write of 1 bytes at offset 0")
+    cuda = error_from_code(CUDA_ERROR + 400, "/f", "write of 1 bytes at offset 0")
     assert isinstance(cuda, nvmeswap.CudaError) and cuda.code == 400 and cuda.filename == "/f"
-    plain = transfer_error(errno.ENOSPC, "/f", "write")
+    assert str(cuda) == f"/f: CUDA IPC for the write of 1 bytes at offset 0 failed: {cuda.name}"
+    plain = error_from_code(errno.ENOSPC, "/f", "write")
     assert type(plain) is OSError and plain.errno == errno.ENOSPC and plain.filename == "/f"
+    missing = error_from_code(errno.ENOENT, "/f", "read")
+    assert type(missing) is FileNotFoundError and missing.errno == errno.ENOENT
+    assert missing.filename == "/f" and missing.strerror == f"{os.strerror(errno.ENOENT)} (read)"
+    # A worker's code comes back to the same code: the two directions agree.
+    for code in (CUFILE_ERROR + 5024, CUDA_ERROR + 400, errno.ENOSPC, errno.ENOENT):
+        assert error_code(error_from_code(code, "/f", "read")) == code
+    assert error_code(ValueError("not an OSError")) == errno.EIO

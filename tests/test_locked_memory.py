@@ -230,9 +230,10 @@ EMFILE_CHILD = """
     import nvmeswap
     from nvmeswap.io import regions
     from nvmeswap.io.limits import Limits
+    from nvmeswap.units import PAGE
     example = torch.empty(0, dtype=torch.uint8)
     # Every region needs an arena of its own.
-    with nvmeswap.aio_handle(_limits=Limits(arena_bytes=regions.PAGE)) as h:
+    with nvmeswap.aio_handle(_limits=Limits(arena_bytes=PAGE)) as h:
         limit = len(os.listdir("/proc/self/fd")) + 16
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))

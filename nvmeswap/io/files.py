@@ -15,8 +15,7 @@ import stat
 
 from .._engine import preallocate
 from ..errors import BufferedIOWarning, os_error, short_file_error, warn_once
-
-ALIGNMENT = 4096
+from ..units import ALIGNMENT
 
 
 class TargetFile:

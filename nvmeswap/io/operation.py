@@ -4,8 +4,7 @@ import operator
 import resource
 import threading
 
-from ..errors import os_error, short_file_error
-from ..workers.protocol import error_from_code
+from ..errors import error_from_code, os_error, short_file_error
 from .buffers import io_buffer
 from .files import open_target
 from .process_state import shared

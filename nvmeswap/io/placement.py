@@ -6,8 +6,8 @@ memory, a CUDA tensor) is copied through the handle's staging space, piece by pi
 of this one (io/cufile_placement.py).
 """
 from ..gpu.copies import CudaCopier, copy_stream, register_for_device_copies
+from ..units import ALIGNMENT
 from .chunks import plan_chunks
-from .files import ALIGNMENT
 from .regions import RegionTable
 from .staging import HostCopier, StagedPieces, StagingSpace
 

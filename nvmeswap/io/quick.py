@@ -28,8 +28,9 @@ operations, failures, ``close()``) is the same. Anything else runs the ordinary 
 import os
 
 from .. import _engine
+from ..units import ALIGNMENT
 from .buffers import io_buffer
-from .files import ALIGNMENT, TargetFile
+from .files import TargetFile
 from .operation import MAX_FILE_END, Operation, writes
 
 

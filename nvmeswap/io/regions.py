@@ -19,14 +19,9 @@ import weakref
 
 from .._memory import Mapping, punch_hole
 from ..errors import MemoryLockWarning, warn_once
+from ..units import PAGE, round_up
 from .limits import DEFAULT
 from .process_state import region_ids, shared
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def round_up(n, multiple):
-    return -(-n // multiple) * multiple
 
 
 class Extents:

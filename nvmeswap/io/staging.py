@@ -2,8 +2,9 @@
 lent out piece by piece, and the host copier that fills and empties it.
 """
 from .._memory import copy_memory
+from ..units import round_up
 from .chunks import chunk_bounds
-from .regions import Extents, SharedRegion, round_up
+from .regions import Extents, SharedRegion
 
 
 class StagingSpace:

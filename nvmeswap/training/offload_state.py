@@ -22,8 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..io.files import ALIGNMENT
-from ..io.regions import round_up
+from ..units import ALIGNMENT, round_up
 from .swap import SwapState
 
 # Tensors with fewer elements (Adam's ``step``) stay in memory; larger ones are swapped.

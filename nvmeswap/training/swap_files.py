@@ -9,8 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from ..io.files import ALIGNMENT
-from ..io.regions import round_up
+from ..units import ALIGNMENT, round_up
 
 # Long enough to recognise the key; short enough that a name never nears NAME_MAX (255).
 NAME_PREFIX = 64

@@ -2,7 +2,7 @@
 with cuFile.
 
 Loaded only when a gds_handle sends CUFILE_SETUP, so an aio worker never touches CUDA.
-Every failure is answered as an error code (workers/protocol.py), so the parent raises
+Every failure is answered as an error code (errors.error_code), so the parent raises
 it with its name and file.
 """
 import errno
@@ -10,7 +10,7 @@ import os
 
 from .. import _cuda, _cufile
 from .._engine import direct_split
-from ..errors import CudaError, CuFileError
+from ..errors import CudaError, CuFileError, error_code
 from . import protocol
 
 # Unaligned heads and tails go through host memory this much at a time.
@@ -52,7 +52,7 @@ class CufileIO:
             _cuda.initialize()
             _cufile.driver_open()
         except Exception as error:
-            self._setup_error = protocol.error_code(error)
+            self._setup_error = error_code(error)
             return
         self._setup_error = 0
 
@@ -65,7 +65,7 @@ class CufileIO:
             _cuda.use_device(ordinal)
             base = self._open_allocation(ipc_handle)
         except Exception as error:
-            self._regions[region_id] = protocol.error_code(error)
+            self._regions[region_id] = error_code(error)
             return
         mapping = self._regions[region_id] = DeviceMapping(ipc_handle, ordinal, base + offset)
         try:
@@ -101,7 +101,7 @@ class CufileIO:
         try:
             _cuda.use_device(mapping.ordinal)
         except CudaError as error:
-            return protocol.error_code(error), file_offset, nbytes, 0
+            return error_code(error), file_offset, nbytes, 0
         for start, stop, buffered in pieces:
             if start == stop:
                 continue
@@ -113,7 +113,7 @@ class CufileIO:
                     got = _with_cufile(is_read, fds[0], mapping.address,
                                        region_offset + (start - file_offset), stop - start, start)
             except Exception as error:
-                return protocol.error_code(error), start, stop - start, 0
+                return error_code(error), start, stop - start, 0
             if got != stop - start:
                 return 0, start, stop - start, got
         return 0, file_offset, nbytes, nbytes

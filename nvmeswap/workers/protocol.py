@@ -1,24 +1,18 @@
-"""Every message between a handle and its workers, and every error code, packed and unpacked here.
+"""Every message between a handle and its workers, packed and unpacked here.
 
 One request or response is one datagram of a few dozen bytes on a SEQPACKET socket;
 descriptors (files, memfds) travel beside it as SCM_RIGHTS. No pickling, so a chunk
 costs microseconds. Error codes in a response are an errno, or ``CUFILE_ERROR`` /
-``CUDA_ERROR`` plus the library's own code.
+``CUDA_ERROR`` plus the library's own code (errors.py maps them both ways).
 """
 import array
-import errno
 import socket
 import struct
 from typing import NamedTuple
 
-from ..errors import CudaError, CuFileError, os_error
-
 MAP, UNMAP, READ, WRITE = 1, 2, 3, 4
 # GPUDirect Storage: load cuFile, map a CUDA region by IPC, cuFile I/O on it.
 CUFILE_SETUP, DEVICE_MAP, CUFILE_READ, CUFILE_WRITE = 5, 6, 7, 8
-
-CUFILE_ERROR = 1 << 16
-CUDA_ERROR = 1 << 20
 
 # kind, region id, op id, chunk index, region offset, nbytes, file offset, alignment
 _REQUEST = struct.Struct("<BxxxIQIxxxxQQqQ")
@@ -145,29 +139,3 @@ def receive_with_fds(sock, size, flags=0):
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     return data, list(fds), bool(message_flags & socket.MSG_CTRUNC)
 
-
-# -- error codes ----------------------------------------------------------------------------
-def error_code(error):
-    """The response code for an exception raised in a worker."""
-    if isinstance(error, CuFileError):
-        return CUFILE_ERROR + error.code
-    if isinstance(error, CudaError):
-        return CUDA_ERROR + error.code
-    if isinstance(error, OSError) and error.errno:
-        return error.errno
-    return errno.EIO
-
-
-def error_from_code(code, filename, detail):
-    """The exception for a response's error code, naming ``filename``."""
-    if code >= CUDA_ERROR:
-        from .._cuda import error_name
-
-        error = CudaError(code - CUDA_ERROR, f"{filename}: CUDA IPC for the {detail}",
-                          error_name(code - CUDA_ERROR))
-    elif code >= CUFILE_ERROR:
-        error = CuFileError(code - CUFILE_ERROR, f"{filename}: cuFile {detail}")
-    else:
-        return os_error(code, filename, detail)
-    error.filename = filename
-    return error
