@@ -17,7 +17,7 @@ import os
 import time
 
 import torch
-from nvmeswap._engine import transfer_in_caller
+from nvmeswap._transfers import transfer_in_caller
 
 import nvmeswap
 

@@ -13,8 +13,8 @@ import os
 import statistics
 import time
 
-from nvmeswap._engine import AioEngine
 from nvmeswap._memory import Mapping, buffer_address
+from nvmeswap._queues import AioEngine
 
 
 def main():

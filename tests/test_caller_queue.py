@@ -138,7 +138,7 @@ def test_the_queue_reports_what_the_kernel_says(tmp_path):
     import errno
     import mmap
 
-    from nvmeswap._engine import CallerQueue
+    from nvmeswap._queues import CallerQueue
 
     path = _file(tmp_path, 64 * KiB)
     memory = mmap.mmap(-1, 64 * KiB)
@@ -211,7 +211,7 @@ def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
     waiting for a thread it does not have."""
     import mmap
 
-    from nvmeswap._engine import CallerQueue
+    from nvmeswap._queues import CallerQueue
 
     path = _file(tmp_path, 256 * KiB)
     memory = mmap.mmap(-1, 256 * KiB)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import random_bytes
-from nvmeswap._engine import AioEngine
 from nvmeswap._memory import buffer_address
+from nvmeswap._queues import AioEngine
 
 MiB = 1 << 20
 

@@ -231,8 +231,8 @@ def test_engine_reports_a_failed_request(tmp_path, overlap_events):
     its errno and offset, after every other request in flight has been reaped."""
     import mmap
 
-    from nvmeswap._engine import AioEngine
     from nvmeswap._memory import buffer_address
+    from nvmeswap._queues import AioEngine
     path = tmp_path / "f"
     path.write_bytes(random_bytes(8 << 20))
     engine = AioEngine(1 << 20, 8, False, overlap_events)

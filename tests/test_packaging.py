@@ -76,7 +76,8 @@ def test_sdist_carries_tests_examples_and_bench(sdist):
                   if p.suffix in (".py", ".md") and "__pycache__" not in p.parts}
         assert wanted and wanted <= sdist["names"], wanted - sdist["names"]
     for needed in ("LICENSE", "README.md", "setup.py", "pyproject.toml",
-                   "cdeps/kernel_aio.h", "pyx/_engine.pyx"):
+                   "cdeps/kernel_aio.h", "pyx/_queues.pyx", "pyx/_transfers.pyx",
+                   "pyx/_transfer_steps.pxd"):
         assert needed in sdist["names"]
 
 

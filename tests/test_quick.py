@@ -11,7 +11,7 @@ import torch
 from conftest import random_bytes
 
 import nvmeswap
-from nvmeswap._engine import quick_transfer
+from nvmeswap._transfers import quick_transfer
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -13,7 +13,7 @@ import fcntl
 import os
 import stat
 
-from .._engine import preallocate
+from .._transfers import preallocate
 from ..errors import BufferedIOWarning, os_error, short_file_error, warn_once
 
 ALIGNMENT = 4096

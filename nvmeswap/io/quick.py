@@ -5,7 +5,7 @@ A synchronous read or write of one small aligned request spends most of its time
 the device: with the file opened, the operation booked, placed, checked for order and
 completed in Python, a 4 KiB read took ~60 us beyond its ~100 us on the device. When
 nothing of the handle is in flight there is nothing to order it after, and an aligned
-buffer needs no staging: one call into ``_engine.quick_transfer`` opens the file with
+buffer needs no staging: one call into ``_transfers.quick_transfer`` opens the file with
 O_DIRECT, moves the bytes straight between the buffer (a CPU tensor, an array) and the
 file without the GIL, and closes it. Whatever that call cannot settle (a file to create, grow or refuse, a short
 read, a failed transfer) runs the ordinary way, which says why; both directions are safe
@@ -21,13 +21,13 @@ ordinary way - opened, placed, checked for order, handed through the workforce -
 cost the caller several times what the kernel needs to start it, more than DeepSpeed's
 threads spend per read. One that the caller queue takes as it is (an aligned read of a
 regular file long enough for it, into a locked region, up to the inline limit) is opened
-in one call into ``_engine.open_for_direct_read`` and booked as the ordinary road would
+in one call into ``_transfers.open_for_direct_read`` and booked as the ordinary road would
 have booked it, so that everything after its submission (completion, ordering of later
 operations, failures, ``close()``) is the same. Anything else runs the ordinary way.
 """
 import os
 
-from .._engine import open_for_direct_read, quick_transfer
+from .._transfers import open_for_direct_read, quick_transfer
 from .buffers import io_buffer
 from .files import ALIGNMENT, TargetFile
 from .operation import MAX_FILE_END, WRITES, Operation

@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 
-from .._engine import transfer_in_caller
+from .._transfers import transfer_in_caller
 from ..errors import ValidationError, WorkerDied, caller_stacklevel
 from .interrupts import deferred_interrupts
 from .operation import WRITES, open_operation

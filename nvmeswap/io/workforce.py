@@ -6,7 +6,7 @@ import errno
 import resource
 import select
 
-from .._engine import CallerQueue
+from .._queues import CallerQueue
 from ..workers import protocol
 from ..workers.pool import WorkerPool
 
@@ -35,7 +35,7 @@ class Workforce:
     and length, host memory the kernel can reach) is one kernel AIO request; a worker
     adds two process wake-ups and a socket round trip to it, more than the request costs
     on a fast device. So such asynchronous operations go into the handle's own kernel AIO
-    context (posted to its submitting thread, Note [submitter] in pyx/_engine.pyx) and are
+    context (posted to its submitting thread, Note [submitter] in pyx/_queues.pyx) and are
     reaped in bulk by whichever thread reads responses; the context's eventfd wakes that
     thread beside the workers' sockets. Many small reads are then in flight at once, as
     fio keeps them. A worker's death does not touch them. Larger operations still fan out
@@ -143,7 +143,7 @@ class Workforce:
         worker is dead or dying (the pump sees it and fails what is in flight); or the
         errno with which a live worker's socket refused it (ETOOMANYREFS: descriptors in
         flight beyond RLIMIT_NOFILE), the chunk then not counted. An operation of the
-        caller queue's is posted there (Note [submitter] in pyx/_engine.pyx: a refusal by the
+        caller queue's is posted there (Note [submitter] in pyx/_queues.pyx: a refusal by the
         kernel comes back as its response); if the queue is full (threads that passed
         back-pressure at once), to a worker."""
         if op.by_caller:

@@ -9,7 +9,7 @@ import errno
 import os
 
 from .. import _cuda, _cufile
-from .._engine import direct_split
+from .._transfers import direct_split
 from ..errors import CudaError, CuFileError
 from . import protocol
 

@@ -13,8 +13,8 @@ import signal
 import socket
 import threading
 
-from .._engine import AioEngine
 from .._memory import Mapping
+from .._queues import AioEngine
 from . import protocol
 
 
@@ -60,7 +60,7 @@ def _exit_with_parent(parent_pid):
 
 def _serve(sock, executor):
     """Run requests in order until the parent closes the socket; transfers run at once
-    (Note [concurrent transfers] in pyx/_engine.pyx), anything else between them.
+    (Note [concurrent transfers] in pyx/_queues.pyx), anything else between them.
 
     Requests are read as soon as they arrive, even while responses wait to be sent,
     so that neither side can block the other with a full socket buffer.

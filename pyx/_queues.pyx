@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The kernel AIO engine: one worker's transfer loop, run without the GIL.
+"""The kernel AIO queues: a worker's transfer loop (``AioEngine``, run without the GIL)
+and the calling process's own queue for small requests (``CallerQueue``).
 
 A transfer moves ``nbytes`` between memory at ``address`` and a file at ``offset``.
 Its aligned middle goes through kernel AIO on the O_DIRECT descriptor in requests of
@@ -10,32 +11,19 @@ from libc.stdlib cimport malloc, free
 from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
 from posix.types cimport pid_t
 from posix.unistd cimport close, getpid, read
-from posix.fcntl cimport open as open_file, fcntl, F_SETFL, O_RDONLY, O_WRONLY, O_CLOEXEC
-from posix.fcntl cimport O_NONBLOCK
-from posix.stat cimport struct_stat, fstat, S_ISREG
 
 from _check cimport errno_error
+from _transfer_steps cimport Outcome, _aio_context, _clear_iocb, _fail, _failed, _move_edges
 
 from includes.kernel_aio cimport (
     aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
-    nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
-    nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate, nvmeswap_eventfd, IOCB_FLAG_RESFD, O_DIRECT,
-    timespec,
+    nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents, nvmeswap_eventfd,
+    IOCB_FLAG_RESFD, timespec,
 )
 from includes.submitter cimport (
     nvmeswap_submitter, nvmeswap_submitter_start, nvmeswap_submitter_post,
     nvmeswap_submitter_drain, nvmeswap_submitter_take_failed, nvmeswap_submitter_stop,
 )
-
-
-cdef struct Outcome:
-    # The first failure: its errno (0 for a short transfer), where it happened, and
-    # how many of the bytes requested there came back.
-    bint failed
-    int err
-    long long at_offset
-    long long requested
-    long long got
 
 
 cdef struct Transfer:
@@ -541,194 +529,3 @@ cdef class CallerQueue:
             done.append((self.op_ids[slot], self.chunks[slot], self.refused_errnos[i],
                          cb.aio_offset, cb.aio_nbytes, 0))
             self._give_back(slot)
-
-
-cdef aio_context_t _aio_context(int nr_events) except? 0:
-    """A new kernel AIO context for ``nr_events`` requests in flight."""
-    cdef aio_context_t ctx = 0
-    cdef long ret = nvmeswap_io_setup(nr_events, &ctx)
-    if ret < 0:
-        raise errno_error(<int>-ret, "io_setup")
-    return ctx
-
-
-def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t address,
-                       size_t nbytes, long long offset, size_t alignment):
-    """``AioEngine.transfer`` with plain pread/pwrite in the calling thread, GIL released.
-
-    For operations of one request, where a round trip to a worker costs more than it gains.
-    """
-    return _transfer(is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
-
-
-def quick_transfer(bint is_read, bytes path, size_t address, size_t nbytes,
-                   long long offset, unsigned long long device=0,
-                   unsigned long long inode=0):
-    """Note [quick synchronous operations] (io/quick.py): open ``path`` with O_DIRECT,
-    move ``nbytes`` at ``offset`` with pread/pwrite, close; all without the GIL.
-
-    Returns True when the bytes moved. False means nothing was settled here: the file
-    could not be opened this way, is not a regular file, is too short (a read) or
-    would grow (a write), is not the file ``device`` and ``inode`` name (when ``inode``
-    is given), or the transfer failed; the caller runs the operation the ordinary way,
-    which says why (both directions are safe to repeat).
-    """
-    cdef const char *name = path
-    cdef int fd
-    cdef struct_stat info
-    cdef Outcome out
-    out.failed = True
-    with nogil:
-        fd = _open_within(name, is_read, offset + <long long>nbytes, device, inode, &info)
-        if fd >= 0:
-            out.failed = False
-            _plain_transfer(is_read, fd, <char *>address, nbytes, offset, &out)
-            close(fd)
-    return not out.failed
-
-
-def open_for_direct_read(bytes path, long long end):
-    """Note [quick asynchronous reads] (io/quick.py): ``path`` opened for reading with
-    O_DIRECT, as ``(fd, size, device, inode)``, if it is a regular file of at least
-    ``end`` bytes; else None (nothing is left open). The caller closes the descriptor."""
-    cdef const char *name = path
-    cdef int fd
-    cdef struct_stat info
-    with nogil:
-        fd = _open_within(name, True, end, 0, 0, &info)
-    if fd < 0:
-        return None
-    return (fd, info.st_size, info.st_dev, info.st_ino)
-
-
-cdef int _open_within(const char *name, bint is_read, long long end,
-                      unsigned long long device, unsigned long long inode,
-                      struct_stat *info) noexcept nogil:
-    """``name`` opened with O_DIRECT if it is a regular file that reaches ``end`` (and is
-    the file ``device`` and ``inode`` name, when ``inode`` is given); else -1, nothing
-    left open."""
-    cdef int flags = (O_RDONLY if is_read else O_WRONLY) | O_CLOEXEC | O_DIRECT
-    # O_NONBLOCK: opening a FIFO must not wait for a peer; fstat refuses it below.
-    cdef int fd = open_file(name, flags | O_NONBLOCK)
-    if fd < 0:
-        return -1
-    if (fstat(fd, info) == 0 and S_ISREG(info.st_mode)
-            and (inode == 0 or (info.st_dev == device and info.st_ino == inode))
-            and end <= info.st_size
-            and fcntl(fd, F_SETFL, flags) == 0):
-        return fd
-    close(fd)
-    return -1
-
-
-def preallocate(int fd, long long offset, long long length):
-    """fallocate(2) without glibc's fallback of writing zeros; returns 0 or the errno."""
-    cdef long ret
-    with nogil:
-        ret = nvmeswap_fallocate(fd, offset, length)
-    return <int>-ret if ret < 0 else 0
-
-
-cdef tuple _transfer(bint is_read, int direct_fd, int buffered_fd, size_t address,
-                     size_t nbytes, long long offset, size_t alignment):
-    """The edges, then the aligned middle with pread/pwrite on the direct descriptor."""
-    cdef Outcome out
-    cdef long long middle_start, middle_end
-    _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &out,
-                &middle_start, &middle_end)
-    if not out.failed and middle_end > middle_start:
-        with nogil:
-            _plain_transfer(is_read, direct_fd, <char *>address + (middle_start - offset),
-                            middle_end - middle_start, middle_start, &out)
-    if not out.failed:
-        return (0, 0, 0, 0)
-    return (out.err, out.at_offset, out.requested, out.got)
-
-
-cdef void _move_edges(bint is_read, int buffered_fd, size_t address, size_t nbytes,
-                      long long offset, size_t alignment, Outcome *out,
-                      long long *middle_start, long long *middle_end):
-    """Check a transfer's alignment, move its unaligned head and tail through the
-    buffered descriptor (Note [O_DIRECT tail]), and say where its aligned middle is."""
-    cdef long long end = offset + <long long>nbytes
-    out.failed = False
-    out.err = 0
-    middle_start[0] = middle_end[0] = offset
-    if alignment == 0 or (address - <size_t>offset) % alignment:
-        _fail(out, EINVAL, offset, nbytes, 0)
-        return
-    _split(offset, end, <long long>alignment, middle_start, middle_end)
-    if (middle_start[0] > offset or middle_end[0] < end) and buffered_fd < 0:
-        _fail(out, EINVAL, offset, nbytes, 0)
-        return
-    with nogil:
-        if middle_start[0] > offset:
-            _plain_transfer(is_read, buffered_fd, <char *>address, middle_start[0] - offset,
-                            offset, out)
-        if not out.failed and end > middle_end[0]:
-            _plain_transfer(is_read, buffered_fd, <char *>address + (middle_end[0] - offset),
-                            end - middle_end[0], middle_end[0], out)
-
-
-def direct_split(long long offset, long long nbytes, long long alignment):
-    """``(middle_start, middle_end)``: the file range of ``[offset, offset + nbytes)`` that
-    O_DIRECT can move; the head before it and the tail after it (each under one block)
-    go through the buffered descriptor (Note [O_DIRECT tail]). Used by both workers."""
-    cdef long long middle_start, middle_end
-    _split(offset, offset + nbytes, alignment, &middle_start, &middle_end)
-    return middle_start, middle_end
-
-
-cdef inline void _split(long long offset, long long end, long long a, long long *middle_start,
-                        long long *middle_end) noexcept nogil:
-    middle_start[0] = min(end, (offset + a - 1) // a * a)
-    middle_end[0] = max(middle_start[0], end // a * a)
-
-
-cdef inline bint _failed(io_event *event, iocb *cb, Outcome *out) noexcept nogil:
-    """Whether a completed request failed or came back short; if so, ``out`` says how."""
-    cdef long long expected = <long long>cb.aio_nbytes
-    if event.res == expected:
-        return False
-    if event.res < 0:
-        _fail(out, <int>-event.res, cb.aio_offset, expected, 0)
-    else:
-        _fail(out, 0, cb.aio_offset, expected, event.res)
-    return True
-
-
-cdef inline void _clear_iocb(iocb *cb) noexcept nogil:
-    cdef char *p = <char *>cb
-    cdef size_t i
-    for i in range(sizeof(iocb)):
-        p[i] = 0
-
-
-cdef inline void _fail(Outcome *out, int err, long long at, long long requested,
-                       long long got) noexcept nogil:
-    out.failed = True
-    out.err = err
-    out.at_offset = at
-    out.requested = requested
-    out.got = got
-
-
-cdef void _plain_transfer(bint is_read, int fd, char *buf, long long nbytes,
-                          long long offset, Outcome *out) noexcept nogil:
-    """pread/pwrite until done; a read that meets end of file is a short transfer."""
-    cdef long long done = 0
-    cdef long ret
-    while done < nbytes:
-        if is_read:
-            ret = nvmeswap_pread(fd, buf + done, nbytes - done, offset + done)
-        else:
-            ret = nvmeswap_pwrite(fd, buf + done, nbytes - done, offset + done)
-        if ret == -EINTR:
-            continue
-        if ret < 0:
-            _fail(out, <int>-ret, offset + done, nbytes - done, 0)
-            return
-        if ret == 0:
-            _fail(out, 0, offset + done, nbytes - done, 0)
-            return
-        done += ret
