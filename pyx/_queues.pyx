@@ -6,14 +6,21 @@ A transfer moves ``nbytes`` between memory at ``address`` and a file at ``offset
 Its aligned middle goes through kernel AIO on the O_DIRECT descriptor in requests of
 ``block_size`` bytes; an unaligned head or tail goes through plain pread/pwrite on a
 buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/io/files.py).
+
+Results cross into Python as in nvmeswap._transfers: a failure of the call itself raises
+``OSError`` (pyx/_check.pxd's ``errno_error``, naming the system call), and no function
+returns an errno; each transfer or request ends in a ``Completion``, a refusal by the
+kernel included. Misuse is a ``ValueError`` or ``RuntimeError``; a full caller queue is a
+False return (the request goes to a worker instead).
 """
 from libc.stdlib cimport malloc, free
-from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
+from libc.errno cimport EAGAIN, EINTR, EIO
 from posix.types cimport pid_t
-from posix.unistd cimport close, getpid, read
+from posix.unistd cimport close, getpid, read, write
 
 from _check cimport errno_error
 from _transfer_steps cimport Outcome, _aio_context, _clear_iocb, _fail, _failed, _move_edges
+from nvmeswap._transfers cimport completion
 
 from includes.kernel_aio cimport (
     aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
@@ -27,6 +34,8 @@ from includes.submitter cimport (
 
 
 cdef struct Transfer:
+    unsigned long long op_id
+    unsigned int chunk
     bint is_read
     int fd
     char *buf           # the O_DIRECT middle: its memory, length and file offset
@@ -129,24 +138,30 @@ cdef class AioEngine:
         """Whether ``begin`` must wait for a transfer to end."""
         return self.n_order == self.max_transfers
 
-    def transfer(self, bint is_read, int direct_fd, int buffered_fd, size_t address,
-                 size_t nbytes, long long offset, size_t alignment):
-        """Move the bytes; return ``(errno, at_offset, requested, got)``, errno 0 on success.
+    def transfer(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+                 int direct_fd, int buffered_fd, size_t address, size_t nbytes,
+                 long long offset, size_t alignment):
+        """Move the bytes; return the transfer's ``Completion``.
 
-        Blocks until this transfer has ended; only for an engine with nothing else in
+        Blocks until the transfer has ended; only for an engine with nothing else in
         progress. ``alignment`` is 1 when ``direct_fd`` is not O_DIRECT; otherwise
         ``address - offset`` must be a multiple of it.
         """
-        index = self.begin(is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
+        if self.n_order:
+            raise RuntimeError("transfer needs an engine with nothing in progress")
+        self.begin(op_id, chunk, is_read, direct_fd, buffered_fd, address, nbytes, offset,
+                   alignment)
         while True:
-            for ended in self.advance(True):
-                if ended[0] == index:
-                    return ended[1:]
+            ended = self.advance(True)
+            if ended:
+                return ended[0]
 
-    def begin(self, bint is_read, int direct_fd, int buffered_fd, size_t address,
-              size_t nbytes, long long offset, size_t alignment):
-        """Start a transfer (Note [concurrent transfers]); return its index, which
-        ``advance`` reports when it has ended. The caller keeps the memory mapped until then.
+    def begin(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+              int direct_fd, int buffered_fd, size_t address, size_t nbytes,
+              long long offset, size_t alignment):
+        """Start a transfer (Note [concurrent transfers]); ``advance`` returns its
+        ``Completion``, carrying ``op_id`` and ``chunk``, when it has ended. The caller
+        keeps the memory mapped until then.
 
         The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
         ``buffered_fd``; the aligned middle through kernel AIO in ``advance``.
@@ -158,6 +173,8 @@ cdef class AioEngine:
             index += 1
         cdef Transfer *t = &self.transfers[index]
         cdef long long middle_start, middle_end
+        t.op_id = op_id
+        t.chunk = chunk
         t.is_read = is_read
         t.total = t.prepared = t.completed = 0
         _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &t.out,
@@ -171,12 +188,11 @@ cdef class AioEngine:
         self.used[index] = True
         self.order[self.n_order] = index
         self.n_order += 1
-        return index
 
     def advance(self, bint block):
         """Start requests while slots are free; with ``block``, wait for completions
-        first if requests are in flight. Returns the transfers that have ended, as
-        ``(index, errno, at_offset, requested, got)`` (errno 0 on success)."""
+        first if requests are in flight. Returns the ``Completion`` of each transfer that
+        has ended, oldest first."""
         cdef long ret = 0
         with nogil:
             self._start_requests()
@@ -200,11 +216,8 @@ cdef class AioEngine:
             t = &self.transfers[index]
             if t.completed == t.prepared and (t.prepared == t.total or t.out.failed):
                 self.used[index] = False
-                if t.out.failed:
-                    ended.append((index, t.out.err, t.out.at_offset, t.out.requested,
-                                  t.out.got))
-                else:
-                    ended.append((index, 0, 0, 0, 0))
+                ended.append(completion(t.op_id, t.chunk, t.out.err, t.out.at_offset,
+                                        t.out.requested, t.out.got))
             else:
                 self.order[kept] = index
                 kept += 1
@@ -336,6 +349,7 @@ cdef class CallerQueue:
     cdef unsigned int *chunks
     cdef int *refused_slots
     cdef int *refused_errnos
+    cdef int n_refused          # refused to ``submit``, at the front of refused_*
     cdef nvmeswap_submitter *submitter
     cdef bint submitter_tried
     cdef pid_t creator
@@ -360,6 +374,7 @@ cdef class CallerQueue:
             raise MemoryError()
         self.capacity = capacity
         self.in_flight = 0
+        self.n_refused = 0
         self.n_free = capacity
         cdef int i
         for i in range(capacity):
@@ -395,7 +410,7 @@ cdef class CallerQueue:
         if self.eventfd >= 0:
             close(self.eventfd)
             self.eventfd = -1
-        self.in_flight = 0
+        self.in_flight = self.n_refused = 0
 
     cdef void _stop_submitter(self):
         # In a forked child the thread does not exist: its memory is left as it is.
@@ -406,11 +421,12 @@ cdef class CallerQueue:
 
     def submit(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
                size_t address, size_t nbytes, long long offset):
-        """Start one request; return 0, or the errno with which the kernel refused it."""
+        """Start one request from the calling thread; False if the queue is full. A refusal
+        by the kernel comes back from ``reap``."""
         cdef long ret
         cdef int slot = self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset)
         if slot < 0:
-            return -slot
+            return False
         cdef iocb *cb = &self.slots[slot]
         with nogil:
             while True:
@@ -418,15 +434,13 @@ cdef class CallerQueue:
                 if ret != -EINTR:
                     break
         if ret != 1:
-            self._give_back(slot)
-            return <int>-ret if ret < 0 else EIO
-        return 0
+            self._refused(slot, <int>-ret if ret < 0 else EIO)
+        return True
 
     def post(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
              size_t address, size_t nbytes, long long offset):
-        """Hand one request to the submitting thread (Note [submitter]); return 0, or
-        EAGAIN if the queue is full (EINVAL once closed). A refusal by the kernel comes
-        back from ``reap``."""
+        """Hand one request to the submitting thread (Note [submitter]); False if the queue
+        is full. A refusal by the kernel comes back from ``reap``."""
         if not self.submitter_tried and self.ctx:
             self.submitter_tried = True
             self.submitter = nvmeswap_submitter_start(self.ctx, self.eventfd, self.capacity)
@@ -434,17 +448,17 @@ cdef class CallerQueue:
             return self.submit(op_id, chunk, is_read, fd, address, nbytes, offset)
         cdef int slot = self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset)
         if slot < 0:
-            return -slot
+            return False
         nvmeswap_submitter_post(self.submitter, &self.slots[slot])
-        return 0
+        return True
 
     cdef int _take_slot(self, unsigned long long op_id, unsigned int chunk, bint is_read,
-                        int fd, size_t address, size_t nbytes, long long offset):
-        """A slot filled with the request, counted in flight; or -errno."""
+                        int fd, size_t address, size_t nbytes, long long offset) except -2:
+        """A slot filled with the request, counted in flight; -1 if none is free."""
         if self.ctx == 0:
-            return -EINVAL
+            raise ValueError("the caller queue is closed")
         if self.n_free == 0:
-            return -EAGAIN
+            return -1
         self.n_free -= 1
         cdef int slot = self.free_slots[self.n_free]
         cdef iocb *cb = &self.slots[slot]
@@ -467,17 +481,26 @@ cdef class CallerQueue:
         self.n_free += 1
         self.in_flight -= 1
 
+    cdef void _refused(self, int slot, int err):
+        """Keep a request the kernel refused to ``submit`` for ``reap``, as the submitting
+        thread keeps those it was refused, and wake the thread reading completions."""
+        cdef unsigned long long one = 1
+        self.refused_slots[self.n_refused] = slot
+        self.refused_errnos[self.n_refused] = err
+        self.n_refused += 1
+        write(self.eventfd, &one, sizeof(one))
+
     def reap(self, bint wait_all=False):
-        """The requests that have completed, as ``(op_id, chunk, errno, at_offset,
-        requested, got)`` like a worker's responses, those the kernel refused to the
-        submitting thread included; with ``wait_all``, every request in flight (GIL
-        released while it waits)."""
+        """The ``Completion`` of each request that has ended, those the kernel refused
+        included; with ``wait_all``, of every request in flight (GIL released while it
+        waits)."""
         cdef unsigned long long counter
         cdef timespec no_wait
         cdef long ret
         cdef long min_nr
         cdef list done = []
         cdef int i, slot
+        cdef iocb *cb
         cdef Outcome out
         # The counter first: a completion after it has been read signals again. (Read
         # even with nothing in flight: the last completion may have been reaped before
@@ -486,11 +509,10 @@ cdef class CallerQueue:
             read(self.eventfd, &counter, sizeof(counter))
         if self.in_flight == 0:
             return done
-        if self.submitter != NULL:
-            if wait_all:    # then every request left is the kernel's
-                with nogil:
-                    nvmeswap_submitter_drain(self.submitter)
-            self._take_refused(done)
+        if self.submitter != NULL and wait_all:     # then every request left is the kernel's
+            with nogil:
+                nvmeswap_submitter_drain(self.submitter)
+        self._take_refused(done)
         min_nr = self.in_flight if wait_all else 0
         if self.in_flight == 0:
             return done
@@ -506,11 +528,14 @@ cdef class CallerQueue:
                 raise errno_error(<int>-ret, "io_getevents")
             for i in range(ret):
                 slot = <int>self.events[i].data
-                if _failed(&self.events[i], &self.slots[slot], &out):
-                    done.append((self.op_ids[slot], self.chunks[slot], out.err,
-                                 out.at_offset, out.requested, out.got))
+                cb = &self.slots[slot]
+                if _failed(&self.events[i], cb, &out):
+                    done.append(completion(self.op_ids[slot], self.chunks[slot], out.err,
+                                           out.at_offset, out.requested, out.got))
                 else:
-                    done.append((self.op_ids[slot], self.chunks[slot], 0, 0, 0, 0))
+                    done.append(completion(self.op_ids[slot], self.chunks[slot], 0,
+                                           cb.aio_offset, <long long>cb.aio_nbytes,
+                                           <long long>cb.aio_nbytes))
                 self.free_slots[self.n_free] = slot
                 self.n_free += 1
             self.in_flight -= <int>ret
@@ -519,13 +544,18 @@ cdef class CallerQueue:
                 return done
 
     cdef void _take_refused(self, list done):
-        cdef int n = nvmeswap_submitter_take_failed(self.submitter, self.refused_slots,
-                                                    self.refused_errnos)
+        """Completions of the refused requests: those of ``submit`` first (kept in
+        refused_*), then the submitting thread's, taken after them."""
+        cdef int n = self.n_refused
         cdef int i, slot
         cdef iocb *cb
+        if self.submitter != NULL:
+            n += nvmeswap_submitter_take_failed(self.submitter, self.refused_slots + n,
+                                                self.refused_errnos + n)
         for i in range(n):
             slot = self.refused_slots[i]
             cb = &self.slots[slot]
-            done.append((self.op_ids[slot], self.chunks[slot], self.refused_errnos[i],
-                         cb.aio_offset, cb.aio_nbytes, 0))
+            done.append(completion(self.op_ids[slot], self.chunks[slot], self.refused_errnos[i],
+                                   cb.aio_offset, <long long>cb.aio_nbytes, 0))
             self._give_back(slot)
+        self.n_refused = 0

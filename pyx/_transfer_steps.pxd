@@ -12,7 +12,8 @@ from includes.kernel_aio cimport (
 
 cdef struct Outcome:
     # The first failure: its errno (0 for a short transfer), where it happened, and
-    # how many of the bytes requested there came back.
+    # how many of the bytes requested there came back. Until then: the whole transfer,
+    # every byte of it got.
     bint failed
     int err
     long long at_offset
@@ -37,7 +38,9 @@ cdef inline void _split(long long offset, long long end, long long a, long long 
 
 cdef inline void _plain_transfer(bint is_read, int fd, char *buf, long long nbytes,
                                  long long offset, Outcome *out) noexcept nogil:
-    """pread/pwrite until done; a read that meets end of file is a short transfer."""
+    """pread/pwrite until done; a read that meets end of file is a short transfer. A
+    failure says what a kernel AIO request of the same bytes would: this offset, these
+    bytes, and how many of them moved."""
     cdef long long done = 0
     cdef long ret
     while done < nbytes:
@@ -48,10 +51,10 @@ cdef inline void _plain_transfer(bint is_read, int fd, char *buf, long long nbyt
         if ret == -EINTR:
             continue
         if ret < 0:
-            _fail(out, <int>-ret, offset + done, nbytes - done, 0)
+            _fail(out, <int>-ret, offset, nbytes, done)
             return
         if ret == 0:
-            _fail(out, 0, offset + done, nbytes - done, 0)
+            _fail(out, 0, offset, nbytes, done)
             return
         done += ret
 
@@ -60,10 +63,13 @@ cdef inline void _move_edges(bint is_read, int buffered_fd, size_t address, size
                              long long offset, size_t alignment, Outcome *out,
                              long long *middle_start, long long *middle_end):
     """Check a transfer's alignment, move its unaligned head and tail through the
-    buffered descriptor (Note [O_DIRECT tail]), and say where its aligned middle is."""
+    buffered descriptor (Note [O_DIRECT tail]), and say where its aligned middle is.
+    ``out`` starts as the whole transfer's success."""
     cdef long long end = offset + <long long>nbytes
     out.failed = False
     out.err = 0
+    out.at_offset = offset
+    out.requested = out.got = <long long>nbytes
     middle_start[0] = middle_end[0] = offset
     if alignment == 0 or (address - <size_t>offset) % alignment:
         _fail(out, EINVAL, offset, nbytes, 0)

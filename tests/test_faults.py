@@ -240,11 +240,12 @@ def test_engine_reports_a_failed_request(tmp_path, overlap_events):
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         address = buffer_address(inaccessible, False)[0]
-        err, at_offset, requested, got = engine.transfer(True, fd, -1, address, 8 << 20, 0, 4096)
+        done = engine.transfer(7, 3, True, fd, -1, address, 8 << 20, 0, 4096)
     finally:
         os.close(fd)
         inaccessible.close()
-    assert err == errno.EFAULT and at_offset == 0 and requested == 1 << 20 and got == 0
+    assert (done.op_id, done.chunk, done.err, done.at_offset, done.requested, done.got) == (
+        7, 3, errno.EFAULT, 0, 1 << 20, 0) and done.failed
 
 
 def test_an_io_error_from_the_kernel_is_oserror_eio(handle, monkeypatch):

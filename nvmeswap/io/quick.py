@@ -73,7 +73,7 @@ def quick(buffer, target, file_offset, *, is_read, limit):
     if b"\0" in path:
         return False    # C would read a shorter name: the ordinary road refuses it
     if is_read:
-        return quick_transfer(True, path, address, nbytes, file_offset)
+        return quick_transfer(True, path, address, nbytes, file_offset) is not None
     try:
         info = os.stat(path)
     except (OSError, ValueError):
@@ -82,7 +82,7 @@ def quick(buffer, target, file_offset, *, is_read, limit):
         # The file must still be the one registered: a name replaced since goes the
         # ordinary way.
         return quick_transfer(False, path, address, nbytes, file_offset, info.st_dev,
-                              info.st_ino)
+                              info.st_ino) is not None
 
 
 def _aligned_name_and_offset(target, file_offset):

@@ -275,7 +275,7 @@ class Scheduler:
                 return False
             with self._cond:
                 if (self.closed or queue is not self.workers.queue
-                        or self._ordering.conflicts(op) or queue.post(
+                        or self._ordering.conflicts(op) or not queue.post(
                             op.op_id, 0, True, op.file.direct_fd,
                             op.region.address + op.region_offset, op.buffer.nbytes,
                             op.file_offset)):
@@ -313,14 +313,14 @@ class Scheduler:
             region_offset = op.region_offset_of(0)
             if op.staged is not None and not op.is_read:
                 op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
-            result = transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
-                                        op.region.address + region_offset, op.buffer.nbytes,
-                                        op.file_offset, op.file.alignment)
+            done = transfer_in_caller(op.op_id, 0, op.is_read, op.file.direct_fd,
+                                      op.file.buffered_fd, op.region.address + region_offset,
+                                      op.buffer.nbytes, op.file_offset, op.file.alignment)
             with deferred_interrupts(), self._cond:
                 op.started = True
                 if is_async:
                     self._async_ops.append(op)
-                self._complete_chunk(op, 0, *result)
+                self._complete_chunk(op, done)
 
     def _dispatch(self, op):
         """Hand every chunk of a zero-copy operation out."""
@@ -454,18 +454,18 @@ class Scheduler:
                 raise
             self._complete(responses)
 
-    def _complete(self, responses):
-        for response in responses:
-            op = self._ops.get(response.op_id)
+    def _complete(self, completions):
+        for done in completions:
+            op = self._ops.get(done.op_id)
             if op is not None:
-                self._complete_chunk(op, response.chunk, response.error, response.at_offset,
-                                     response.requested, response.got)
+                self._complete_chunk(op, done)
 
-    def _complete_chunk(self, op, chunk, err, at_offset, requested, got):
+    def _complete_chunk(self, op, done):
+        chunk = done.chunk
         start, length = op.chunks[chunk]
-        if err or got != requested:
+        if done.failed:
             if op.error is None:
-                op.error = op.transfer_error(err, at_offset, requested, got)
+                op.error = op.transfer_error(done.err, done.at_offset, done.requested, done.got)
         elif op.copier is not None and op.is_read and op.error is None:
             try:
                 op.copier.from_region(start, length, op.region, op.region_offset_of(chunk))

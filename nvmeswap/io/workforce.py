@@ -100,7 +100,7 @@ class Workforce:
         return self._queue_responses(wait_all=True) if self.queue is not None else []
 
     def _queue_responses(self, wait_all):
-        return [protocol.Response(*done) for done in self.queue.reap(wait_all)]
+        return self.queue.reap(wait_all)
 
     def close_queue(self):
         queue, self.queue = self.queue, None
@@ -148,11 +148,12 @@ class Workforce:
         back-pressure at once), to a worker."""
         if op.by_caller:
             start, length = op.chunks[index]
-            refused = self.queue.post(op.op_id, index, op.is_read, op.file.direct_fd,
-                                        op.region.address + op.region_offset_of(index),
-                                        length, op.file_offset + start)
-            if refused != errno.EAGAIN or self.pool is None:
-                return refused
+            if self.queue.post(op.op_id, index, op.is_read, op.file.direct_fd,
+                               op.region.address + op.region_offset_of(index), length,
+                               op.file_offset + start):
+                return 0
+            if self.pool is None:
+                return errno.EAGAIN
             op.by_caller = False
         workers = self.pool.workers
         worker = workers[self._next]
