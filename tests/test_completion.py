@@ -120,3 +120,10 @@ def test_preallocate_raises_oserror_with_its_errno(tmp_path):
             assert os.fstat(fd).st_size == 64 * KiB
     finally:
         os.close(fd)
+
+
+def test_shared_memory_calls_raise_oserror_with_their_errno():
+    from nvmeswap._memory import punch_hole
+    with pytest.raises(OSError) as info:
+        punch_hole(-1, 0, 4096)
+    assert info.value.errno == errno.EBADF and "fallocate" in str(info.value)
