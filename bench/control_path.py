@@ -17,7 +17,7 @@ import os
 import time
 
 import torch
-from nvmeswap._engine import transfer_in_caller
+from nvmeswap._transfers import transfer_in_caller
 
 import nvmeswap
 
@@ -42,8 +42,8 @@ def main():
         with nvmeswap.aio_handle() as h:
             buffer = h.new_cpu_locked_tensor(4096, torch.empty(0, dtype=torch.uint8))
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            inline = per_op(lambda i: transfer_in_caller(True, fd, -1, buffer.data_ptr(), 4096,
-                                                         (i * 7919 % slots) * 4096, 4096),
+            inline = per_op(lambda i: transfer_in_caller(i, 0, True, fd, -1, buffer.data_ptr(),
+                                                         4096, (i * 7919 % slots) * 4096, 4096),
                             arguments.count)
             os.close(fd)
             round_trip = per_op(lambda i: (h.async_pread(buffer, path, (i * 7919 % slots) * 4096),

@@ -13,8 +13,8 @@ import os
 import statistics
 import time
 
-from nvmeswap._engine import AioEngine
 from nvmeswap._memory import Mapping, buffer_address
+from nvmeswap._queues import AioEngine
 
 
 def main():
@@ -40,7 +40,7 @@ def main():
     path = os.path.join(arguments.folder, "shared-memory-cost.bin")
     seconds = {(name, job): [] for name in addresses for job in ("write", "read")}
     fds = {"write": os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)}
-    engine.transfer(False, fds["write"], -1, shared.address, n, 0, 4096)
+    engine.transfer(0, 0, False, fds["write"], -1, shared.address, n, 0, 4096)
     fds["read"] = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         for job in ("write", "read"):
@@ -48,9 +48,9 @@ def main():
                 order = list(addresses) if round_number % 2 else list(addresses)[::-1]
                 for name in order:
                     started = time.perf_counter()
-                    result = engine.transfer(job == "read", fds[job], -1, addresses[name], n, 0,
-                                             4096)
-                    assert result[0] == 0, result
+                    done = engine.transfer(0, 0, job == "read", fds[job], -1, addresses[name],
+                                           n, 0, 4096)
+                    assert not done.failed, done
                     seconds[name, job].append(time.perf_counter() - started)
     finally:
         for fd in fds.values():

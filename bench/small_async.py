@@ -7,7 +7,7 @@ file (page cache dropped first), started with ``async_pread`` into locked buffer
 waited for every 256, as an offloading loop over small tensors would. Reported as reads
 per second, the median over rounds, and as ratios to DeepSpeed's aio_handle. fio's
 randread with 128 requests in flight is the device's own rate. "queue alone" is the
-kernel AIO context under nvmeswap's small async operations (``_engine.CallerQueue``)
+kernel AIO context under nvmeswap's small async operations (``_queues.CallerQueue``)
 driven directly, one ``io_submit`` per read from the calling thread, without the handle's
 Python: what the per-operation cost would be if the handle cost nothing.
 """
@@ -53,7 +53,7 @@ def contender_run(kind, path, ops, seed):
 def queue_alone_run(path, ops, seed):
     import numpy as np
 
-    from nvmeswap._engine import CallerQueue
+    from nvmeswap._queues import CallerQueue
     from nvmeswap.io.regions import SharedRegion
 
     queue, region = CallerQueue(2 * BATCH), SharedRegion(BATCH * OP)
@@ -64,12 +64,12 @@ def queue_alone_run(path, ops, seed):
         batch = offsets[first:first + BATCH]
         for k, offset in enumerate(batch):
             assert queue.submit(first + k, 0, True, fd, region.address + k * OP, OP,
-                                int(offset)) == 0
+                                int(offset))
         done = []
         while len(done) < len(batch):
             done += queue.reap(True)
         # A failed or short read comes back with its errno, or with got != requested.
-        assert all(err == 0 and requested == got for _, _, err, _, requested, got in done)
+        assert not any(completion.failed for completion in done)
     rate = ops / (time.perf_counter() - start)
     queue.close()
     os.close(fd)

@@ -1,5 +1,5 @@
 /* A thread that hands the caller queue's requests to the kernel (Note [submitter] in
- * pyx/_engine.pyx).
+ * pyx/_queues.pyx).
  *
  * The caller posts a request under a mutex and goes on; the thread submits whatever has
  * been posted, many requests in one io_submit when they come faster than it submits. A

@@ -1,5 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Shared mappings that the parent and its workers both see, and raw copies between them."""
+"""Shared mappings that the parent and its workers both see, and raw copies between them.
+
+A failure of a call raises ``OSError`` (pyx/_check.pxd's ``errno_error``, naming the
+system call), as in nvmeswap._queues and nvmeswap._transfers; no function returns an errno.
+"""
 from cpython.buffer cimport (
     PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo,
     PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBUF_SIMPLE,
@@ -49,16 +53,17 @@ cdef class Mapping:
         return <size_t>self.base
 
     def lock(self, bint on_fault=False):
-        """Page-lock the mapping; return 0 or the errno that refused it. ``on_fault``:
-        lock each page as it is first touched instead of all of them now."""
+        """Page-lock the mapping; ``OSError`` with the errno that refused it (ENOMEM,
+        EPERM: over RLIMIT_MEMLOCK). ``on_fault``: lock each page as it is first touched
+        instead of all of them now."""
         cdef int err
         with nogil:
             err = nvmeswap_mlock_on_fault(self.base, self.size) if on_fault else ENOSYS
             if err == ENOSYS or err == EINVAL:     # no mlock2 here: lock it all now
                 err = 0 if mlock(self.base, self.size) == 0 else errno
-        if err == 0:
-            self.locked = True
-        return err
+        if err != 0:
+            raise errno_error(err, "mlock")
+        self.locked = True
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         PyBuffer_FillInfo(view, self, self.base, self.size, 0, flags)
@@ -69,11 +74,14 @@ cdef class Mapping:
 
 def punch_hole(int fd, off_t offset, off_t length):
     """Give back the memory of ``[offset, offset + length)`` of a memfd, keeping its size
-    (the range reads as zeros); return 0 or the errno that refused it."""
-    cdef int ret
+    (the range reads as zeros); ``OSError`` with the errno that refused it."""
+    cdef int ret, err = 0
     with nogil:
         ret = fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
-    return errno if ret != 0 else 0
+        if ret != 0:
+            err = errno
+    if err:
+        raise errno_error(err, "fallocate")
 
 
 def buffer_address(obj, bint writable):

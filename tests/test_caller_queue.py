@@ -133,12 +133,13 @@ def test_close_without_wait_finishes_queued_writes(handle_factory, tmp_path):
 
 
 def test_the_queue_reports_what_the_kernel_says(tmp_path):
-    """Completions carry a worker's response fields: success, a short read at end of file
-    (no errno, the bytes got), a failed request (its errno); a refused one is returned."""
+    """Completions like a worker's: success, a short read at end of file (no errno, the
+    bytes got), a failed request (its errno), a request the kernel refused (submitted from
+    the caller or from the submitting thread); a full queue says no, a closed one raises."""
     import errno
     import mmap
 
-    from nvmeswap._engine import CallerQueue
+    from nvmeswap._queues import CallerQueue
 
     path = _file(tmp_path, 64 * KiB)
     memory = mmap.mmap(-1, 64 * KiB)
@@ -146,38 +147,67 @@ def test_the_queue_reports_what_the_kernel_says(tmp_path):
     queue = CallerQueue(4)
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
     read_only = os.open(path, os.O_RDONLY)
+
+    def reaped():
+        done = queue.reap(wait_all=True)
+        assert queue.in_flight == 0
+        return sorted((c.op_id, c.chunk, c.err, c.at_offset, c.requested, c.got, c.failed)
+                      for c in done)
+
     try:
-        assert queue.submit(1, 0, True, direct, address, 8 * KiB, 4 * KiB) == 0
-        assert queue.submit(2, 3, True, direct, address + 8 * KiB, 8 * KiB, 60 * KiB) == 0
-        assert queue.submit(3, 1, True, direct, 4 * KiB, 4 * KiB, 0) == 0   # unmapped
-        assert queue.submit(4, 0, False, read_only, address, 4 * KiB, 0) == errno.EBADF
-        done = sorted(queue.reap(wait_all=True))
-        assert queue.in_flight == 0
-        assert done == [(1, 0, 0, 0, 0, 0), (2, 3, 0, 60 * KiB, 8 * KiB, 4 * KiB),
-                        (3, 1, errno.EFAULT, 0, 4 * KiB, 0)]
+        assert queue.submit(1, 0, True, direct, address, 8 * KiB, 4 * KiB) is True
+        assert queue.submit(2, 3, True, direct, address + 8 * KiB, 8 * KiB, 60 * KiB) is True
+        assert queue.submit(3, 1, True, direct, 4 * KiB, 4 * KiB, 0) is True    # unmapped
+        assert queue.submit(4, 0, False, read_only, address, 4 * KiB, 0) is True
+        assert queue.in_flight == 4
+        assert reaped() == [(1, 0, 0, 4 * KiB, 8 * KiB, 8 * KiB, False),
+                            (2, 3, 0, 60 * KiB, 8 * KiB, 4 * KiB, True),
+                            (3, 1, errno.EFAULT, 0, 4 * KiB, 0, True),
+                            (4, 0, errno.EBADF, 0, 4 * KiB, 0, True)]
         assert memory[:8 * KiB] == open(path, "rb").read()[4 * KiB:12 * KiB]
-        for k in range(5):
-            assert queue.submit(k, 0, True, direct, address, 4 * KiB, 0) == (
-                0 if k < 4 else errno.EAGAIN)
+        assert [queue.submit(k, 0, True, direct, address, 4 * KiB, 0) for k in range(5)] == [
+            True, True, True, True, False]
         assert len(queue.reap(wait_all=True)) == 4
-        # Posted to the submitting thread: the kernel's refusal comes back as a response.
-        assert queue.post(1, 0, True, direct, address, 8 * KiB, 4 * KiB) == 0
-        assert queue.post(4, 2, False, read_only, address, 4 * KiB, 8 * KiB) == 0
+        # Posted to the submitting thread: the kernel's refusal comes back as well.
+        assert queue.post(1, 0, True, direct, address, 8 * KiB, 4 * KiB) is True
+        assert queue.post(4, 2, False, read_only, address, 4 * KiB, 8 * KiB) is True
         assert queue.in_flight == 2
-        assert sorted(queue.reap(wait_all=True)) == [
-            (1, 0, 0, 0, 0, 0), (4, 2, errno.EBADF, 8 * KiB, 4 * KiB, 0)]
-        assert queue.in_flight == 0
-        for k in range(5):
-            assert queue.post(k, 0, True, direct, address, 4 * KiB, 0) == (
-                0 if k < 4 else errno.EAGAIN)
+        assert reaped() == [(1, 0, 0, 4 * KiB, 8 * KiB, 8 * KiB, False),
+                            (4, 2, errno.EBADF, 8 * KiB, 4 * KiB, 0, True)]
+        assert [queue.post(k, 0, True, direct, address, 4 * KiB, 0) for k in range(5)] == [
+            True, True, True, True, False]
         assert len(queue.reap(wait_all=True)) == 4
     finally:
         queue.close()
         os.close(direct)
         os.close(read_only)
         del address
-    assert queue.submit(1, 0, True, -1, 0, 4 * KiB, 0) == errno.EINVAL     # closed
-    assert queue.post(1, 0, True, -1, 0, 4 * KiB, 0) == errno.EINVAL
+    for start in (queue.submit, queue.post):
+        with pytest.raises(ValueError, match="closed"):
+            start(1, 0, True, -1, 0, 4 * KiB, 0)
+
+
+def test_a_refusal_in_the_caller_wakes_the_thread_reading_completions(tmp_path):
+    """A request the kernel refuses to ``submit`` never completes in the kernel: the eventfd
+    says so, as for a completion, and a reap without waiting returns it."""
+    import errno
+    import select
+
+    from nvmeswap._queues import CallerQueue
+
+    path = _file(tmp_path, 4 * KiB)
+    queue = CallerQueue(4)
+    read_only = os.open(path, os.O_RDONLY)
+    try:
+        assert select.select([queue.eventfd], [], [], 0)[0] == []
+        assert queue.submit(5, 1, False, read_only, 0, 4 * KiB, 0)
+        assert select.select([queue.eventfd], [], [], 10)[0] == [queue.eventfd]
+        (done,) = queue.reap()
+        assert (done.op_id, done.chunk, done.err, done.failed) == (5, 1, errno.EBADF, True)
+        assert queue.in_flight == 0 and queue.reap() == []
+    finally:
+        queue.close()
+        os.close(read_only)
 
 
 def _exit_code(pid, within):
@@ -211,7 +241,7 @@ def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
     waiting for a thread it does not have."""
     import mmap
 
-    from nvmeswap._engine import CallerQueue
+    from nvmeswap._queues import CallerQueue
 
     path = _file(tmp_path, 256 * KiB)
     memory = mmap.mmap(-1, 256 * KiB)
@@ -223,7 +253,7 @@ def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
         assert _submitting_threads() == before
         for k in range(64):
             assert queue.post(k, 0, True, direct, address + k * 4 * KiB, 4 * KiB,
-                              (63 - k) * 4 * KiB) == 0
+                              (63 - k) * 4 * KiB)
         assert _submitting_threads() == before + 1
         pid = os.fork()
         if pid == 0:

@@ -8,10 +8,15 @@ import numpy as np
 import pytest
 
 from conftest import random_bytes
-from nvmeswap._engine import AioEngine
 from nvmeswap._memory import buffer_address
+from nvmeswap._queues import AioEngine
 
 MiB = 1 << 20
+
+
+def fields(done):
+    return (done.op_id, done.chunk, done.err, done.at_offset, done.requested, done.got,
+            done.failed)
 
 
 @pytest.mark.parametrize("overlap_events", [False, True])
@@ -33,17 +38,18 @@ def test_transfers_share_the_queue_and_end_one_by_one(tmp_path, overlap_events):
     reads = [(0, 8 * MiB, 0), (8 * MiB + 100, 3 * MiB + 5, 4096 + 100), (12 * MiB, 4096, 20 * MiB),
              (13 * MiB + 7, 9, 7), (14 * MiB, 17 * MiB, 15 * MiB)]
     try:
-        started = {engine.begin(True, direct, buffered, base + at, n, offset, 4096): (at, n, offset)
-                   for at, n, offset in reads}
-        bad = engine.begin(True, direct, buffered, buffer_address(inaccessible, False)[0],
-                           2 * MiB, 0, 4096)
+        for op_id, (at, n, offset) in enumerate(reads):
+            engine.begin(op_id, 2, True, direct, buffered, base + at, n, offset, 4096)
+        engine.begin(99, 0, True, direct, buffered, buffer_address(inaccessible, False)[0],
+                     2 * MiB, 0, 4096)
         assert engine.busy and not engine.full
         ended = {}
         while engine.busy:
-            for index, *result in engine.advance(True):
-                ended[index] = tuple(result)
-        assert ended.pop(bad) == (errno.EFAULT, 0, MiB, 0)
-        assert ended == {index: (0, 0, 0, 0) for index in started}
+            for done in engine.advance(True):
+                ended[done.op_id] = fields(done)
+        assert ended.pop(99) == (99, 0, errno.EFAULT, 0, MiB, 0, True)
+        assert ended == {op_id: (op_id, 2, 0, offset, n, n, False)
+                         for op_id, (_, n, offset) in enumerate(reads)}
         for at, n, offset in reads:
             assert memory[at:at + n] == data[offset:offset + n]
         assert engine.advance(True) == []
@@ -64,18 +70,24 @@ def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path):
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
     aligned = memory.ctypes.data // 4096 * 4096 + 4096
     try:
-        first = engine.begin(True, direct, -1, aligned, 2 * MiB, 0, 4096)
-        second = engine.begin(True, direct, -1, aligned, 4096, 0, 4096)
+        engine.begin(1, 0, True, direct, -1, aligned, 2 * MiB, 0, 4096)
+        engine.begin(2, 0, True, direct, -1, aligned, 4096, 0, 4096)
         assert engine.full
         with pytest.raises(RuntimeError, match="too many"):
-            engine.begin(True, direct, -1, aligned, 4096, 0, 4096)
+            engine.begin(3, 0, True, direct, -1, aligned, 4096, 0, 4096)
         ended = {}
         while engine.busy:
-            ended.update((index, tuple(result)) for index, *result in engine.advance(True))
-        assert ended[first] == (0, MiB, MiB, 0)     # end of file at 1 MiB: nothing came
-        assert ended[second] == (0, 0, 0, 0)
+            ended.update((done.op_id, fields(done)) for done in engine.advance(True))
+        # End of file at 1 MiB: the first request there got nothing.
+        assert ended == {1: (1, 0, 0, MiB, MiB, 0, True), 2: (2, 0, 0, 0, 4096, 4096, False)}
+        with pytest.raises(RuntimeError, match="nothing in progress"):
+            engine.begin(4, 0, True, direct, -1, aligned, 4096, 0, 4096)
+            engine.transfer(5, 0, True, direct, -1, aligned, 4096, 0, 4096)
+        assert [fields(done) for done in engine.advance(True)] == [
+            (4, 0, 0, 0, 4096, 4096, False)]
         # Misaligned memory and a head with no buffered descriptor: refused, no I/O.
-        index = engine.begin(True, direct, -1, aligned + 1, 4096, 0, 4096)
-        assert engine.advance(False) == [(index, errno.EINVAL, 0, 4096, 0)]
+        engine.begin(6, 1, True, direct, -1, aligned + 1, 4096, 0, 4096)
+        assert [fields(done) for done in engine.advance(False)] == [
+            (6, 1, errno.EINVAL, 0, 4096, 0, True)]
     finally:
         os.close(direct)

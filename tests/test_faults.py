@@ -231,8 +231,8 @@ def test_engine_reports_a_failed_request(tmp_path, overlap_events):
     its errno and offset, after every other request in flight has been reaped."""
     import mmap
 
-    from nvmeswap._engine import AioEngine
     from nvmeswap._memory import buffer_address
+    from nvmeswap._queues import AioEngine
     path = tmp_path / "f"
     path.write_bytes(random_bytes(8 << 20))
     engine = AioEngine(1 << 20, 8, False, overlap_events)
@@ -240,11 +240,12 @@ def test_engine_reports_a_failed_request(tmp_path, overlap_events):
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         address = buffer_address(inaccessible, False)[0]
-        err, at_offset, requested, got = engine.transfer(True, fd, -1, address, 8 << 20, 0, 4096)
+        done = engine.transfer(7, 3, True, fd, -1, address, 8 << 20, 0, 4096)
     finally:
         os.close(fd)
         inaccessible.close()
-    assert err == errno.EFAULT and at_offset == 0 and requested == 1 << 20 and got == 0
+    assert (done.op_id, done.chunk, done.err, done.at_offset, done.requested, done.got) == (
+        7, 3, errno.EFAULT, 0, 1 << 20, 0) and done.failed
 
 
 def test_an_io_error_from_the_kernel_is_oserror_eio(handle, handle_factory):

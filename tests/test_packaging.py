@@ -76,7 +76,9 @@ def test_sdist_carries_tests_examples_and_bench(sdist):
                   if p.suffix in (".py", ".md") and "__pycache__" not in p.parts}
         assert wanted and wanted <= sdist["names"], wanted - sdist["names"]
     for needed in ("LICENSE", "README.md", "setup.py", "pyproject.toml",
-                   "cdeps/kernel_aio.h", "pyx/_engine.pyx"):
+                   "cdeps/kernel_aio.h", "pyx/_queues.pyx", "pyx/_transfers.pyx",
+                   "pyx/_transfer_steps.pxd", "pyx/nvmeswap/_transfers.pxd",
+                   *(f"nvmeswap/{stub.name}" for stub in ROOT.glob("nvmeswap/*.pyi"))):
         assert needed in sdist["names"]
 
 
@@ -97,3 +99,34 @@ def test_sdist_collects_its_tests(sdist):
                               re.MULTILINE))
     expected = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
     assert modules == expected
+
+
+def _public(names):
+    return {name for name in names if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("extension", sorted(p.stem for p in (ROOT / "pyx").glob("_*.pyx")))
+def test_each_extension_has_a_stub_naming_what_python_may_use(extension):
+    """nvmeswap/<extension>.pyi, shipped beside it, names exactly the extension's public
+    functions, classes and constants, and each class's public members."""
+    import ast
+    import importlib
+    import inspect
+
+    assert "*.pyi" in pyproject["tool"]["setuptools"]["package-data"]["nvmeswap"]
+    module = importlib.import_module(f"nvmeswap.{extension}")
+    stub = ast.parse((ROOT / "nvmeswap" / f"{extension}.pyi").read_text())
+    assert ast.get_docstring(stub)
+    stubbed = {node.name: node for node in stub.body
+               if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    stubbed.update((node.target.id, node) for node in stub.body
+                   if isinstance(node, ast.AnnAssign))
+    defined = _public(name for name, value in vars(module).items()
+                      if not inspect.ismodule(value)
+                      and getattr(value, "__module__", module.__name__) == module.__name__)
+    assert _public(stubbed) == defined
+    for name in defined:
+        if isinstance(stubbed[name], ast.ClassDef):
+            members = {node.name for node in ast.walk(stubbed[name])
+                       if isinstance(node, ast.FunctionDef)}
+            assert _public(members) == _public(dir(getattr(module, name))), name

@@ -51,14 +51,14 @@ def run(args):
 
 def versions():
     """nvmeswap, Python, torch, numpy and the kernel, and what built the extensions: the
-    Cython version and compiler recorded in the compiled engine module."""
-    from .. import __version__, _engine
+    Cython version and compiler recorded in the compiled queues module."""
+    from .. import __version__, _queues
     found = {"nvmeswap": __version__,
              "Python": platform.python_version(),
              "torch": _module_version("torch"),
              "numpy": _module_version("numpy"),
              "kernel": f"Linux {platform.release()}"}
-    found.update(_build_tools(_engine.__file__))
+    found.update(_build_tools(_queues.__file__))
     return found
 
 
@@ -94,7 +94,7 @@ def machine_checks():
 
 
 def _kernel_aio():
-    from .._engine import AioEngine
+    from .._queues import AioEngine
     try:
         AioEngine(4096, 1, False, False)
     except OSError as error:

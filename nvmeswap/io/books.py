@@ -208,18 +208,19 @@ class Books:
                 raise
             self.complete(responses)
 
-    def complete(self, responses):
-        for response in responses:
-            op = self.ops.get(response.op_id)
+    def complete(self, completions):
+        for done in completions:
+            op = self.ops.get(done.op_id)
             if op is not None:
-                self.complete_chunk(op, response.chunk, response.error, response.at_offset,
-                                     response.requested, response.got)
+                self.complete_chunk(op, done)
 
-    def complete_chunk(self, op, chunk, err, at_offset, requested, got):
+    def complete_chunk(self, op, done):
+        """One request of ``op`` has ended (a ``Completion``)."""
+        chunk = done.chunk
         start, length = op.chunks[chunk]
-        if err or got != requested:
+        if done.failed:
             if op.error is None:
-                op.error = op.transfer_error(err, at_offset, requested, got)
+                op.error = op.transfer_error(done.err, done.at_offset, done.requested, done.got)
         elif op.copier is not None and op.is_read and op.error is None:
             try:
                 op.copier.from_region(start, length, op.region, op.region_offset_of(chunk))

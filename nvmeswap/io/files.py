@@ -13,7 +13,7 @@ import fcntl
 import os
 import stat
 
-from .._engine import preallocate
+from .._transfers import preallocate
 from ..errors import BufferedIOWarning, os_error, short_file_error, warn_once
 from ..units import ALIGNMENT
 
@@ -49,10 +49,13 @@ class TargetFile:
         """
         if end <= self.size_before or not stat.S_ISREG(os.fstat(self.direct_fd).st_mode):
             return
-        err = preallocate(self.direct_fd, self.size_before, end - self.size_before)
-        if err == errno.ENOSPC:
-            raise os_error(err, self.name, f"cannot allocate {end - self.size_before} bytes "
-                                           f"at offset {self.size_before}")
+        length = end - self.size_before
+        try:
+            preallocate(self.direct_fd, self.size_before, length)
+        except OSError as error:    # any other errno: it writes as it would have
+            if error.errno == errno.ENOSPC:
+                raise os_error(errno.ENOSPC, self.name, f"cannot allocate {length} bytes at "
+                                                        f"offset {self.size_before}") from None
 
     def undo_growth(self, end):
         """After a failed write that would have ended at ``end``: cut the file back to

@@ -5,7 +5,7 @@ A synchronous read or write of one small aligned request spends most of its time
 the device: with the file opened, the operation booked, placed, checked for order and
 completed in Python, a 4 KiB read took ~60 us beyond its ~100 us on the device. When
 nothing of the handle is in flight there is nothing to order it after, and an aligned
-buffer needs no staging: one call into ``_engine.quick_transfer`` opens the file with
+buffer needs no staging: one call into ``_transfers.quick_transfer`` opens the file with
 O_DIRECT, moves the bytes straight between the buffer (a CPU tensor, an array) and the
 file without the GIL, and closes it. Whatever that call cannot settle (a file to create,
 grow or refuse, a short read, a failed transfer) runs the ordinary way, which says why;
@@ -21,13 +21,13 @@ ordinary way - opened, placed, checked for order, handed through the workforce -
 cost the caller several times what the kernel needs to start it, more than DeepSpeed's
 threads spend per read. One that the caller queue takes as it is (an aligned read of a
 regular file long enough for it, into a locked region, up to the inline limit) is opened
-in one call into ``_engine.open_for_direct_read`` and booked as the ordinary road would
+in one call into ``_transfers.open_for_direct_read`` and booked as the ordinary road would
 have booked it, so that everything after its submission (completion, ordering of later
 operations, failures, ``close()``) is the same. Anything else runs the ordinary way.
 """
 import os
 
-from .. import _engine
+from .. import _transfers
 from ..units import ALIGNMENT
 from .buffers import io_buffer
 from .files import TargetFile
@@ -56,7 +56,8 @@ def quick_transfer(buf, path, file_offset, is_read):
     """Note [quick synchronous operations]: move the bytes in one call; False if that
     did not settle it."""
     if is_read:
-        return _engine.quick_transfer(True, path, buf.address, buf.nbytes, file_offset)
+        return _transfers.quick_transfer(True, path, buf.address, buf.nbytes,
+                                         file_offset) is not None
     try:
         info = os.stat(path)
     except (OSError, ValueError):
@@ -64,8 +65,8 @@ def quick_transfer(buf, path, file_offset, is_read):
     with writes().in_place((info.st_dev, info.st_ino)):
         # The file must still be the one registered: a name replaced since goes the
         # ordinary way.
-        return _engine.quick_transfer(False, path, buf.address, buf.nbytes, file_offset,
-                                      info.st_dev, info.st_ino)
+        return _transfers.quick_transfer(False, path, buf.address, buf.nbytes, file_offset,
+                                         info.st_dev, info.st_ino) is not None
 
 
 def open_quick_read(op_id, buf, region, target, path, file_offset):
@@ -73,7 +74,7 @@ def open_quick_read(op_id, buf, region, target, path, file_offset):
     take as it is (``buf`` inside the locked ``region``), opened and placed; None if its
     file does not qualify."""
     nbytes = buf.nbytes
-    opened = _engine.open_for_direct_read(path, file_offset + nbytes)
+    opened = _transfers.open_for_direct_read(path, file_offset + nbytes)
     if opened is None:
         return None
     fd, size, device, inode = opened

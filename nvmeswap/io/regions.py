@@ -148,7 +148,10 @@ class Arenas:
         if os.getpid() != self.creator_pid:
             return      # a forked child's copy of a mapping: the parent's memory
         # Freed now, so that idle ranges hold no memory; an error only keeps the pages.
-        punch_hole(arena.fd, offset, size)
+        try:
+            punch_hole(arena.fd, offset, size)
+        except OSError:
+            pass
         self._returned.append((arena, offset, size))
         self._settle()
 
@@ -189,7 +192,10 @@ class SharedRegion:
         self.mapping, self.arena, self.offset = arenas().map(self.size, arena_bytes)
         self.address = self.mapping.address
         self.unregister = None      # set by gpu.copies.register_for_device_copies
-        _warn_if_refused(self.mapping.lock(lock_on_fault), self.size)
+        try:
+            self.mapping.lock(lock_on_fault)
+        except OSError as error:
+            _warn_if_refused(error.errno, self.size)
 
     @property
     def fd(self):

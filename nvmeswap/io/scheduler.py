@@ -16,7 +16,7 @@ import os
 import threading
 import warnings
 
-from .._engine import transfer_in_caller
+from .._transfers import transfer_in_caller
 from ..errors import WorkerDied, caller_stacklevel
 from .books import Books
 from .interrupts import deferred_interrupts
@@ -268,10 +268,10 @@ class Scheduler:
                 count()
                 if op.staged is not None:
                     op.staged.start_next()      # the room its facts saw
-            result = self._run_inline(op)
+            done = self._run_inline(op)
             with deferred_interrupts(), self._cond:
                 self.books.book(op, is_async)
-                self.books.complete_chunk(op, 0, *result)
+                self.books.complete_chunk(op, done)
 
     def _run_inline(self, op):
         """Note [small synchronous operations]: an operation of one request runs in the
@@ -283,9 +283,9 @@ class Scheduler:
         region_offset = op.region_offset_of(0)
         if op.staged is not None and not op.is_read:
             op.copier.to_region(0, op.buffer.nbytes, op.region, region_offset)
-        return transfer_in_caller(op.is_read, op.file.direct_fd, op.file.buffered_fd,
-                                  op.region.address + region_offset, op.buffer.nbytes,
-                                  op.file_offset, op.file.alignment)
+        return transfer_in_caller(op.op_id, 0, op.is_read, op.file.direct_fd,
+                                  op.file.buffered_fd, op.region.address + region_offset,
+                                  op.buffer.nbytes, op.file_offset, op.file.alignment)
 
     def _running_pool(self):
         """The current workers; a set with a member that died while idle is replaced."""

@@ -7,7 +7,7 @@ import os
 import resource
 import select
 
-from .._engine import CallerQueue
+from .._queues import CallerQueue
 from ..workers import protocol
 from ..workers.pool import WorkerPool
 from .roads import CALLER_ROADS
@@ -33,10 +33,11 @@ class Workforce:
     and length, host memory the kernel can reach) is one kernel AIO request; a worker
     adds two process wake-ups and a socket round trip to it, more than the request costs
     on a fast device. So such asynchronous operations go into the handle's own kernel AIO
-    context (posted to its submitting thread, Note [submitter]) and are reaped in bulk by
-    whichever thread reads responses; the context's eventfd wakes that thread beside the
-    workers' sockets. Many small reads are then in flight at once, as fio keeps them. A
-    worker's death does not touch them. Larger operations still fan out to the workers.
+    context (posted to its submitting thread, Note [submitter] in pyx/_queues.pyx) and
+    are reaped in bulk by whichever thread reads responses; the context's eventfd wakes
+    that thread beside the workers' sockets. Many small reads are then in flight at once,
+    as fio keeps them. A worker's death does not touch them. Larger operations still fan
+    out to the workers.
     """
 
     def __init__(self, placement, parallelism, engine_settings, limits):
@@ -95,7 +96,7 @@ class Workforce:
         return self._queue_responses(wait_all=True) if self.queue is not None else []
 
     def _queue_responses(self, wait_all):
-        return [protocol.Response(*done) for done in self.queue.reap(wait_all)]
+        return self.queue.reap(wait_all)
 
     def close_queue(self):
         queue, self.queue = self.queue, None
@@ -142,9 +143,10 @@ class Workforce:
         the queue as its response (Note [submitter])."""
         start, length = op.chunks[index]
         if op.road in CALLER_ROADS:
-            return self.queue.post(op.op_id, index, op.is_read, op.file.direct_fd,
-                                   op.region.address + op.region_offset_of(index),
-                                   length, op.file_offset + start)
+            # Never full (Note [roads]); were it so, the operation fails, saying so.
+            return 0 if self.queue.post(op.op_id, index, op.is_read, op.file.direct_fd,
+                                        op.region.address + op.region_offset_of(index),
+                                        length, op.file_offset + start) else errno.EAGAIN
         workers = self.pool.workers
         worker = workers[self._next]
         self._next = (self._next + 1) % len(workers)

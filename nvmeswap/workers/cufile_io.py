@@ -9,7 +9,7 @@ import errno
 import os
 
 from .. import _cuda, _cufile
-from .._engine import direct_split
+from .._transfers import Completion, direct_split
 from ..errors import CudaError, CuFileError, error_code
 from . import protocol
 
@@ -79,8 +79,9 @@ class CufileIO:
         if isinstance(mapping, DeviceMapping):
             self._close(mapping)
 
-    def transfer(self, is_read, region_id, region_offset, nbytes, file_offset, alignment, fds):
-        """One chunk; returns (error code, at offset, requested, got).
+    def transfer(self, op_id, chunk, is_read, region_id, region_offset, nbytes, file_offset,
+                 alignment, fds):
+        """Chunk ``chunk`` of operation ``op_id``; returns its ``Completion``.
 
         The aligned middle goes through cuFile on the O_DIRECT descriptor; an unaligned
         head or tail (under one block) is copied with cuMemcpy and read or written
@@ -89,7 +90,7 @@ class CufileIO:
         """
         mapping = self._regions.get(region_id, errno.EINVAL)
         if not isinstance(mapping, DeviceMapping):
-            return mapping, file_offset, nbytes, 0
+            return Completion(op_id, chunk, mapping, file_offset, nbytes, 0)
         end = file_offset + nbytes
         buffered_fd = fds[1] if len(fds) > 1 else fds[0]
         if alignment == 1:
@@ -101,7 +102,7 @@ class CufileIO:
         try:
             _cuda.use_device(mapping.ordinal)
         except CudaError as error:
-            return error_code(error), file_offset, nbytes, 0
+            return Completion(op_id, chunk, error_code(error), file_offset, nbytes, 0)
         for start, stop, buffered in pieces:
             if start == stop:
                 continue
@@ -113,10 +114,11 @@ class CufileIO:
                     got = _with_cufile(is_read, fds[0], mapping.address,
                                        region_offset + (start - file_offset), stop - start, start)
             except Exception as error:
-                return error_code(error), start, stop - start, 0
+                return Completion(op_id, chunk, error_code(error), start, stop - start,
+                                  0)
             if got != stop - start:
-                return 0, start, stop - start, got
-        return 0, file_offset, nbytes, nbytes
+                return Completion(op_id, chunk, 0, start, stop - start, got)
+        return Completion(op_id, chunk, 0, file_offset, nbytes, nbytes)
 
     def close(self):
         for region_id in list(self._regions):

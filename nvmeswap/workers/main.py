@@ -13,8 +13,9 @@ import signal
 import socket
 import threading
 
-from .._engine import AioEngine
 from .._memory import Mapping
+from .._queues import AioEngine
+from .._transfers import Completion
 from . import protocol
 
 
@@ -63,7 +64,7 @@ def _exit_with_parent(parent_pid):
 
 def _serve(sock, executor):
     """Run requests in order until the parent closes the socket; transfers run at once
-    (Note [concurrent transfers] in pyx/_engine.pyx), anything else between them.
+    (Note [concurrent transfers] in pyx/_queues.pyx), anything else between them.
 
     Requests are read as soon as they arrive, even while responses wait to be sent,
     so that neither side can block the other with a full socket buffer.
@@ -122,7 +123,7 @@ class Executor:
     def __init__(self, engine):
         self._engine = engine
         self._regions = {}      # region id -> Mapping of its range of the parent's memfd
-        self._running = {}      # engine transfer index -> its request
+        self._running = {}      # (op id, chunk) of an engine transfer -> its request
         self._cufile = None     # a CufileIO once the parent sends CUFILE_SETUP
 
     @property
@@ -147,22 +148,22 @@ class Executor:
             return _failure(request, errno.EMFILE)     # its MAP lost its descriptor
         buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
         try:
-            index = self._engine.begin(request.kind == protocol.READ, request.fds[0],
-                                       buffered_fd, mapping.address + request.region_offset,
-                                       request.nbytes, request.file_offset, request.alignment)
+            self._engine.begin(request.op_id, request.chunk, request.kind == protocol.READ,
+                               request.fds[0], buffered_fd,
+                               mapping.address + request.region_offset, request.nbytes,
+                               request.file_offset, request.alignment)
         except BaseException:
             _close_all(request.fds)
             raise
-        self._running[index] = request
+        self._running[request.op_id, request.chunk] = request
         return None
 
     def advance(self, block):
         """Responses for the transfers that have ended."""
         responses = []
-        for index, *result in self._engine.advance(block):
-            request = self._running.pop(index)
-            _close_all(request.fds)
-            responses.append(protocol.response(request.op_id, request.chunk, *result))
+        for done in self._engine.advance(block):
+            _close_all(self._running.pop((done.op_id, done.chunk)).fds)
+            responses.append(protocol.response(done))
         return responses
 
     def run(self, request):
@@ -199,13 +200,14 @@ class Executor:
             if request.kind == protocol.DEVICE_MAP:
                 self._cufile.map(request.region_id, request.nbytes, request.payload)
                 return None
-            result = self._cufile.transfer(request.kind == protocol.CUFILE_READ,
-                                           request.region_id, request.region_offset,
-                                           request.nbytes, request.file_offset,
-                                           request.alignment, request.fds)
+            done = self._cufile.transfer(request.op_id, request.chunk,
+                                         request.kind == protocol.CUFILE_READ,
+                                         request.region_id, request.region_offset,
+                                         request.nbytes, request.file_offset,
+                                         request.alignment, request.fds)
         finally:
             _close_all(request.fds)
-        return protocol.response(request.op_id, request.chunk, *result)
+        return protocol.response(done)
 
     def close(self):
         if self._cufile is not None:
@@ -213,8 +215,8 @@ class Executor:
 
 
 def _failure(request, err):
-    return protocol.response(request.op_id, request.chunk, err, request.file_offset,
-                             request.nbytes)
+    return protocol.response(Completion(request.op_id, request.chunk, err,
+                                        request.file_offset, request.nbytes, 0))
 
 
 def _close_all(fds):

@@ -96,7 +96,7 @@ class WorkerPool:
             if not data:
                 raise WorkerDied(f"worker process {worker.process.pid} did not start "
                                  f"(exit status {worker.process.poll()})")
-            err = protocol.unpack_response(data).error
+            err = protocol.unpack_response(data).err
             if err:
                 raise os_error(err, "/proc/sys/fs/aio-max-nr",
                                "io_setup failed: too many kernel AIO contexts are in use; raise "

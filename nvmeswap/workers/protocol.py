@@ -2,7 +2,8 @@
 
 One request or response is one datagram of a few dozen bytes on a SEQPACKET socket;
 descriptors (files, memfds) travel beside it as SCM_RIGHTS. No pickling, so a chunk
-costs microseconds. Error codes in a response are an errno, or ``CUFILE_ERROR`` /
+costs microseconds. A response carries a transfer's ``Completion`` (nvmeswap._transfers),
+the record every road returns; its error code is an errno, or ``CUFILE_ERROR`` /
 ``CUDA_ERROR`` plus the library's own code (errors.py maps them both ways).
 """
 import array
@@ -10,13 +11,15 @@ import socket
 import struct
 from typing import NamedTuple
 
+from .._transfers import Completion
 MAP, UNMAP, READ, WRITE = 1, 2, 3, 4
 # GPUDirect Storage: load cuFile, map a CUDA region by IPC, cuFile I/O on it.
 CUFILE_SETUP, DEVICE_MAP, CUFILE_READ, CUFILE_WRITE = 5, 6, 7, 8
 
 # kind, region id, op id, chunk index, region offset, nbytes, file offset, alignment
 _REQUEST = struct.Struct("<BxxxIQIxxxxQQqQ")
-# op id, chunk index, error code, failed at offset, bytes requested there, bytes got there
+# A Completion: op id, chunk index, error code, failed at offset (or the transfer's
+# offset), bytes requested there, bytes got there
 _RESPONSE = struct.Struct("<QIiqqq")
 RESPONSE_SIZE = _RESPONSE.size
 # The allocation's IPC handle, the device ordinal, the region's offset in the allocation.
@@ -56,15 +59,6 @@ class Request(NamedTuple):
     alignment: int
     fds: list
     payload: bytes
-
-
-class Response(NamedTuple):
-    op_id: int
-    chunk: int
-    error: int          # 0, an errno, or CUFILE_ERROR / CUDA_ERROR + a library code
-    at_offset: int      # where the first failure happened
-    requested: int      # bytes asked for there
-    got: int            # bytes that came back there
 
 
 # -- parent -> worker ----------------------------------------------------------------------
@@ -113,17 +107,21 @@ def unpack_device_map(payload):
 
 
 # -- worker -> parent ----------------------------------------------------------------------
-def response(op_id, chunk, error=0, at_offset=0, requested=0, got=0):
-    return _RESPONSE.pack(op_id, chunk, error, at_offset, requested, got)
+def response(done):
+    """The datagram of a transfer's ``Completion``; its ``err`` is 0, an errno, or
+    CUFILE_ERROR / CUDA_ERROR + a library code."""
+    return _RESPONSE.pack(done.op_id, done.chunk, done.err, done.at_offset, done.requested,
+                          done.got)
 
 
 def ready_response(error=0):
     """The first message of a worker: 0, or the errno that kept its engine from starting."""
-    return response(_READY_OP, 0, error)
+    return response(Completion(_READY_OP, 0, error, 0, 0, 0))
 
 
 def unpack_response(data):
-    return Response(*_RESPONSE.unpack(data))
+    """The ``Completion`` a response carries."""
+    return Completion(*_RESPONSE.unpack(data))
 
 
 def receive_with_fds(sock, size, flags=0):

@@ -1,26 +1,31 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The kernel AIO engine: one worker's transfer loop, run without the GIL.
+"""The kernel AIO queues: a worker's transfer loop (``AioEngine``, run without the GIL)
+and the calling process's own queue for small requests (``CallerQueue``).
 
 A transfer moves ``nbytes`` between memory at ``address`` and a file at ``offset``.
 Its aligned middle goes through kernel AIO on the O_DIRECT descriptor in requests of
 ``block_size`` bytes; an unaligned head or tail goes through plain pread/pwrite on a
 buffered descriptor (see Note [O_DIRECT tail] in nvmeswap/io/files.py).
+
+Results cross into Python as in nvmeswap._transfers: a failure of the call itself raises
+``OSError`` (pyx/_check.pxd's ``errno_error``, naming the system call), and no function
+returns an errno; each transfer or request ends in a ``Completion``, a refusal by the
+kernel included. Misuse is a ``ValueError`` or ``RuntimeError``; a full caller queue is a
+False return (the request goes to a worker instead).
 """
 from libc.stdlib cimport malloc, free
-from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO
+from libc.errno cimport EAGAIN, EINTR, EIO
 from posix.types cimport pid_t
-from posix.unistd cimport close, getpid, read
-from posix.fcntl cimport open as open_file, fcntl, F_SETFL, O_RDONLY, O_WRONLY, O_CLOEXEC
-from posix.fcntl cimport O_NONBLOCK
-from posix.stat cimport struct_stat, fstat, S_ISREG
+from posix.unistd cimport close, getpid, read, write
 
 from _check cimport errno_error
+from _transfer_steps cimport Outcome, _aio_context, _clear_iocb, _fail, _failed, _move_edges
+from nvmeswap._transfers cimport completion
 
 from includes.kernel_aio cimport (
     aio_context_t, iocb, io_event, IOCB_CMD_PREAD, IOCB_CMD_PWRITE,
-    nvmeswap_io_setup, nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents,
-    nvmeswap_pread, nvmeswap_pwrite, nvmeswap_fallocate, nvmeswap_eventfd, IOCB_FLAG_RESFD, O_DIRECT,
-    timespec,
+    nvmeswap_io_destroy, nvmeswap_io_submit, nvmeswap_io_getevents, nvmeswap_eventfd,
+    IOCB_FLAG_RESFD, timespec,
 )
 from includes.submitter cimport (
     nvmeswap_submitter, nvmeswap_submitter_start, nvmeswap_submitter_post,
@@ -28,17 +33,9 @@ from includes.submitter cimport (
 )
 
 
-cdef struct Outcome:
-    # The first failure: its errno (0 for a short transfer), where it happened, and
-    # how many of the bytes requested there came back.
-    bint failed
-    int err
-    long long at_offset
-    long long requested
-    long long got
-
-
 cdef struct Transfer:
+    unsigned long long op_id
+    unsigned int chunk
     bint is_read
     int fd
     char *buf           # the O_DIRECT middle: its memory, length and file offset
@@ -141,24 +138,30 @@ cdef class AioEngine:
         """Whether ``begin`` must wait for a transfer to end."""
         return self.n_order == self.max_transfers
 
-    def transfer(self, bint is_read, int direct_fd, int buffered_fd, size_t address,
-                 size_t nbytes, long long offset, size_t alignment):
-        """Move the bytes; return ``(errno, at_offset, requested, got)``, errno 0 on success.
+    def transfer(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+                 int direct_fd, int buffered_fd, size_t address, size_t nbytes,
+                 long long offset, size_t alignment):
+        """Move the bytes; return the transfer's ``Completion``.
 
-        Blocks until this transfer has ended; only for an engine with nothing else in
+        Blocks until the transfer has ended; only for an engine with nothing else in
         progress. ``alignment`` is 1 when ``direct_fd`` is not O_DIRECT; otherwise
         ``address - offset`` must be a multiple of it.
         """
-        index = self.begin(is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
+        if self.n_order:
+            raise RuntimeError("transfer needs an engine with nothing in progress")
+        self.begin(op_id, chunk, is_read, direct_fd, buffered_fd, address, nbytes, offset,
+                   alignment)
         while True:
-            for ended in self.advance(True):
-                if ended[0] == index:
-                    return ended[1:]
+            ended = self.advance(True)
+            if ended:
+                return ended[0]
 
-    def begin(self, bint is_read, int direct_fd, int buffered_fd, size_t address,
-              size_t nbytes, long long offset, size_t alignment):
-        """Start a transfer (Note [concurrent transfers]); return its index, which
-        ``advance`` reports when it has ended. The caller keeps the memory mapped until then.
+    def begin(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+              int direct_fd, int buffered_fd, size_t address, size_t nbytes,
+              long long offset, size_t alignment):
+        """Start a transfer (Note [concurrent transfers]); ``advance`` returns its
+        ``Completion``, carrying ``op_id`` and ``chunk``, when it has ended. The caller
+        keeps the memory mapped until then.
 
         The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
         ``buffered_fd``; the aligned middle through kernel AIO in ``advance``.
@@ -170,6 +173,8 @@ cdef class AioEngine:
             index += 1
         cdef Transfer *t = &self.transfers[index]
         cdef long long middle_start, middle_end
+        t.op_id = op_id
+        t.chunk = chunk
         t.is_read = is_read
         t.total = t.prepared = t.completed = 0
         _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &t.out,
@@ -183,12 +188,11 @@ cdef class AioEngine:
         self.used[index] = True
         self.order[self.n_order] = index
         self.n_order += 1
-        return index
 
     def advance(self, bint block):
         """Start requests while slots are free; with ``block``, wait for completions
-        first if requests are in flight. Returns the transfers that have ended, as
-        ``(index, errno, at_offset, requested, got)`` (errno 0 on success)."""
+        first if requests are in flight. Returns the ``Completion`` of each transfer that
+        has ended, oldest first."""
         cdef long ret = 0
         with nogil:
             self._start_requests()
@@ -212,11 +216,8 @@ cdef class AioEngine:
             t = &self.transfers[index]
             if t.completed == t.prepared and (t.prepared == t.total or t.out.failed):
                 self.used[index] = False
-                if t.out.failed:
-                    ended.append((index, t.out.err, t.out.at_offset, t.out.requested,
-                                  t.out.got))
-                else:
-                    ended.append((index, 0, 0, 0, 0))
+                ended.append(completion(t.op_id, t.chunk, t.out.err, t.out.at_offset,
+                                        t.out.requested, t.out.got))
             else:
                 self.order[kept] = index
                 kept += 1
@@ -348,6 +349,7 @@ cdef class CallerQueue:
     cdef unsigned int *chunks
     cdef int *refused_slots
     cdef int *refused_errnos
+    cdef int n_refused          # refused to ``submit``, at the front of refused_*
     cdef nvmeswap_submitter *submitter
     cdef bint submitter_tried
     cdef pid_t creator
@@ -372,6 +374,7 @@ cdef class CallerQueue:
             raise MemoryError()
         self.capacity = capacity
         self.in_flight = 0
+        self.n_refused = 0
         self.n_free = capacity
         cdef int i
         for i in range(capacity):
@@ -407,7 +410,7 @@ cdef class CallerQueue:
         if self.eventfd >= 0:
             close(self.eventfd)
             self.eventfd = -1
-        self.in_flight = 0
+        self.in_flight = self.n_refused = 0
 
     cdef void _stop_submitter(self):
         # In a forked child the thread does not exist: its memory is left as it is.
@@ -418,11 +421,12 @@ cdef class CallerQueue:
 
     def submit(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
                size_t address, size_t nbytes, long long offset):
-        """Start one request; return 0, or the errno with which the kernel refused it."""
+        """Start one request from the calling thread; False if the queue is full. A refusal
+        by the kernel comes back from ``reap``."""
         cdef long ret
         cdef int slot = self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset)
         if slot < 0:
-            return -slot
+            return False
         cdef iocb *cb = &self.slots[slot]
         with nogil:
             while True:
@@ -430,15 +434,13 @@ cdef class CallerQueue:
                 if ret != -EINTR:
                     break
         if ret != 1:
-            self._give_back(slot)
-            return <int>-ret if ret < 0 else EIO
-        return 0
+            self._refused(slot, <int>-ret if ret < 0 else EIO)
+        return True
 
     def post(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
              size_t address, size_t nbytes, long long offset):
-        """Hand one request to the submitting thread (Note [submitter]); return 0, or
-        EAGAIN if the queue is full (EINVAL once closed). A refusal by the kernel comes
-        back from ``reap``."""
+        """Hand one request to the submitting thread (Note [submitter]); False if the queue
+        is full. A refusal by the kernel comes back from ``reap``."""
         if not self.submitter_tried and self.ctx:
             self.submitter_tried = True
             self.submitter = nvmeswap_submitter_start(self.ctx, self.eventfd, self.capacity)
@@ -446,17 +448,17 @@ cdef class CallerQueue:
             return self.submit(op_id, chunk, is_read, fd, address, nbytes, offset)
         cdef int slot = self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset)
         if slot < 0:
-            return -slot
+            return False
         nvmeswap_submitter_post(self.submitter, &self.slots[slot])
-        return 0
+        return True
 
     cdef int _take_slot(self, unsigned long long op_id, unsigned int chunk, bint is_read,
-                        int fd, size_t address, size_t nbytes, long long offset):
-        """A slot filled with the request, counted in flight; or -errno."""
+                        int fd, size_t address, size_t nbytes, long long offset) except -2:
+        """A slot filled with the request, counted in flight; -1 if none is free."""
         if self.ctx == 0:
-            return -EINVAL
+            raise ValueError("the caller queue is closed")
         if self.n_free == 0:
-            return -EAGAIN
+            return -1
         self.n_free -= 1
         cdef int slot = self.free_slots[self.n_free]
         cdef iocb *cb = &self.slots[slot]
@@ -479,17 +481,26 @@ cdef class CallerQueue:
         self.n_free += 1
         self.in_flight -= 1
 
+    cdef void _refused(self, int slot, int err):
+        """Keep a request the kernel refused to ``submit`` for ``reap``, as the submitting
+        thread keeps those it was refused, and wake the thread reading completions."""
+        cdef unsigned long long one = 1
+        self.refused_slots[self.n_refused] = slot
+        self.refused_errnos[self.n_refused] = err
+        self.n_refused += 1
+        write(self.eventfd, &one, sizeof(one))
+
     def reap(self, bint wait_all=False):
-        """The requests that have completed, as ``(op_id, chunk, errno, at_offset,
-        requested, got)`` like a worker's responses, those the kernel refused to the
-        submitting thread included; with ``wait_all``, every request in flight (GIL
-        released while it waits)."""
+        """The ``Completion`` of each request that has ended, those the kernel refused
+        included; with ``wait_all``, of every request in flight (GIL released while it
+        waits)."""
         cdef unsigned long long counter
         cdef timespec no_wait
         cdef long ret
         cdef long min_nr
         cdef list done = []
         cdef int i, slot
+        cdef iocb *cb
         cdef Outcome out
         # The counter first: a completion after it has been read signals again. (Read
         # even with nothing in flight: the last completion may have been reaped before
@@ -498,11 +509,10 @@ cdef class CallerQueue:
             read(self.eventfd, &counter, sizeof(counter))
         if self.in_flight == 0:
             return done
-        if self.submitter != NULL:
-            if wait_all:    # then every request left is the kernel's
-                with nogil:
-                    nvmeswap_submitter_drain(self.submitter)
-            self._take_refused(done)
+        if self.submitter != NULL and wait_all:     # then every request left is the kernel's
+            with nogil:
+                nvmeswap_submitter_drain(self.submitter)
+        self._take_refused(done)
         min_nr = self.in_flight if wait_all else 0
         if self.in_flight == 0:
             return done
@@ -518,11 +528,14 @@ cdef class CallerQueue:
                 raise errno_error(<int>-ret, "io_getevents")
             for i in range(ret):
                 slot = <int>self.events[i].data
-                if _failed(&self.events[i], &self.slots[slot], &out):
-                    done.append((self.op_ids[slot], self.chunks[slot], out.err,
-                                 out.at_offset, out.requested, out.got))
+                cb = &self.slots[slot]
+                if _failed(&self.events[i], cb, &out):
+                    done.append(completion(self.op_ids[slot], self.chunks[slot], out.err,
+                                           out.at_offset, out.requested, out.got))
                 else:
-                    done.append((self.op_ids[slot], self.chunks[slot], 0, 0, 0, 0))
+                    done.append(completion(self.op_ids[slot], self.chunks[slot], 0,
+                                           cb.aio_offset, <long long>cb.aio_nbytes,
+                                           <long long>cb.aio_nbytes))
                 self.free_slots[self.n_free] = slot
                 self.n_free += 1
             self.in_flight -= <int>ret
@@ -531,204 +544,18 @@ cdef class CallerQueue:
                 return done
 
     cdef void _take_refused(self, list done):
-        cdef int n = nvmeswap_submitter_take_failed(self.submitter, self.refused_slots,
-                                                    self.refused_errnos)
+        """Completions of the refused requests: those of ``submit`` first (kept in
+        refused_*), then the submitting thread's, taken after them."""
+        cdef int n = self.n_refused
         cdef int i, slot
         cdef iocb *cb
+        if self.submitter != NULL:
+            n += nvmeswap_submitter_take_failed(self.submitter, self.refused_slots + n,
+                                                self.refused_errnos + n)
         for i in range(n):
             slot = self.refused_slots[i]
             cb = &self.slots[slot]
-            done.append((self.op_ids[slot], self.chunks[slot], self.refused_errnos[i],
-                         cb.aio_offset, cb.aio_nbytes, 0))
+            done.append(completion(self.op_ids[slot], self.chunks[slot], self.refused_errnos[i],
+                                   cb.aio_offset, <long long>cb.aio_nbytes, 0))
             self._give_back(slot)
-
-
-cdef aio_context_t _aio_context(int nr_events) except? 0:
-    """A new kernel AIO context for ``nr_events`` requests in flight."""
-    cdef aio_context_t ctx = 0
-    cdef long ret = nvmeswap_io_setup(nr_events, &ctx)
-    if ret < 0:
-        raise errno_error(<int>-ret, "io_setup")
-    return ctx
-
-
-def transfer_in_caller(bint is_read, int direct_fd, int buffered_fd, size_t address,
-                       size_t nbytes, long long offset, size_t alignment):
-    """``AioEngine.transfer`` with plain pread/pwrite in the calling thread, GIL released.
-
-    For operations of one request, where a round trip to a worker costs more than it gains.
-    """
-    return _transfer(is_read, direct_fd, buffered_fd, address, nbytes, offset, alignment)
-
-
-def quick_transfer(bint is_read, bytes path, size_t address, size_t nbytes,
-                   long long offset, unsigned long long device=0,
-                   unsigned long long inode=0):
-    """Note [quick synchronous operations] (io/quick.py): open ``path`` with O_DIRECT,
-    move ``nbytes`` at ``offset`` with pread/pwrite, close; all without the GIL.
-
-    Returns True when the bytes moved. False means nothing was settled here: the file
-    could not be opened this way, is not a regular file, is too short (a read) or
-    would grow (a write), is not the file ``device`` and ``inode`` name (when ``inode``
-    is given), or the transfer failed; the caller runs the operation the ordinary way,
-    which says why (both directions are safe to repeat).
-    """
-    cdef const char *name = path
-    cdef int fd
-    cdef struct_stat info
-    cdef Outcome out
-    out.failed = True
-    with nogil:
-        fd = _open_within(name, is_read, offset + <long long>nbytes, device, inode, &info)
-        if fd >= 0:
-            out.failed = False
-            _plain_transfer(is_read, fd, <char *>address, nbytes, offset, &out)
-            close(fd)
-    return not out.failed
-
-
-def open_for_direct_read(bytes path, long long end):
-    """Note [quick asynchronous reads] (io/quick.py): ``path`` opened for reading with
-    O_DIRECT, as ``(fd, size, device, inode)``, if it is a regular file of at least
-    ``end`` bytes; else None (nothing is left open). The caller closes the descriptor."""
-    cdef const char *name = path
-    cdef int fd
-    cdef struct_stat info
-    with nogil:
-        fd = _open_within(name, True, end, 0, 0, &info)
-    if fd < 0:
-        return None
-    return (fd, info.st_size, info.st_dev, info.st_ino)
-
-
-cdef int _open_within(const char *name, bint is_read, long long end,
-                      unsigned long long device, unsigned long long inode,
-                      struct_stat *info) noexcept nogil:
-    """``name`` opened with O_DIRECT if it is a regular file that reaches ``end`` (and is
-    the file ``device`` and ``inode`` name, when ``inode`` is given); else -1, nothing
-    left open."""
-    cdef int flags = (O_RDONLY if is_read else O_WRONLY) | O_CLOEXEC | O_DIRECT
-    # O_NONBLOCK: opening a FIFO must not wait for a peer; fstat refuses it below.
-    cdef int fd = open_file(name, flags | O_NONBLOCK)
-    if fd < 0:
-        return -1
-    if (fstat(fd, info) == 0 and S_ISREG(info.st_mode)
-            and (inode == 0 or (info.st_dev == device and info.st_ino == inode))
-            and end <= info.st_size
-            and fcntl(fd, F_SETFL, flags) == 0):
-        return fd
-    close(fd)
-    return -1
-
-
-def preallocate(int fd, long long offset, long long length):
-    """fallocate(2) without glibc's fallback of writing zeros; returns 0 or the errno."""
-    cdef long ret
-    with nogil:
-        ret = nvmeswap_fallocate(fd, offset, length)
-    return <int>-ret if ret < 0 else 0
-
-
-cdef tuple _transfer(bint is_read, int direct_fd, int buffered_fd, size_t address,
-                     size_t nbytes, long long offset, size_t alignment):
-    """The edges, then the aligned middle with pread/pwrite on the direct descriptor."""
-    cdef Outcome out
-    cdef long long middle_start, middle_end
-    _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &out,
-                &middle_start, &middle_end)
-    if not out.failed and middle_end > middle_start:
-        with nogil:
-            _plain_transfer(is_read, direct_fd, <char *>address + (middle_start - offset),
-                            middle_end - middle_start, middle_start, &out)
-    if not out.failed:
-        return (0, 0, 0, 0)
-    return (out.err, out.at_offset, out.requested, out.got)
-
-
-cdef void _move_edges(bint is_read, int buffered_fd, size_t address, size_t nbytes,
-                      long long offset, size_t alignment, Outcome *out,
-                      long long *middle_start, long long *middle_end):
-    """Check a transfer's alignment, move its unaligned head and tail through the
-    buffered descriptor (Note [O_DIRECT tail]), and say where its aligned middle is."""
-    cdef long long end = offset + <long long>nbytes
-    out.failed = False
-    out.err = 0
-    middle_start[0] = middle_end[0] = offset
-    if alignment == 0 or (address - <size_t>offset) % alignment:
-        _fail(out, EINVAL, offset, nbytes, 0)
-        return
-    _split(offset, end, <long long>alignment, middle_start, middle_end)
-    if (middle_start[0] > offset or middle_end[0] < end) and buffered_fd < 0:
-        _fail(out, EINVAL, offset, nbytes, 0)
-        return
-    with nogil:
-        if middle_start[0] > offset:
-            _plain_transfer(is_read, buffered_fd, <char *>address, middle_start[0] - offset,
-                            offset, out)
-        if not out.failed and end > middle_end[0]:
-            _plain_transfer(is_read, buffered_fd, <char *>address + (middle_end[0] - offset),
-                            end - middle_end[0], middle_end[0], out)
-
-
-def direct_split(long long offset, long long nbytes, long long alignment):
-    """``(middle_start, middle_end)``: the file range of ``[offset, offset + nbytes)`` that
-    O_DIRECT can move; the head before it and the tail after it (each under one block)
-    go through the buffered descriptor (Note [O_DIRECT tail]). Used by both workers."""
-    cdef long long middle_start, middle_end
-    _split(offset, offset + nbytes, alignment, &middle_start, &middle_end)
-    return middle_start, middle_end
-
-
-cdef inline void _split(long long offset, long long end, long long a, long long *middle_start,
-                        long long *middle_end) noexcept nogil:
-    middle_start[0] = min(end, (offset + a - 1) // a * a)
-    middle_end[0] = max(middle_start[0], end // a * a)
-
-
-cdef inline bint _failed(io_event *event, iocb *cb, Outcome *out) noexcept nogil:
-    """Whether a completed request failed or came back short; if so, ``out`` says how."""
-    cdef long long expected = <long long>cb.aio_nbytes
-    if event.res == expected:
-        return False
-    if event.res < 0:
-        _fail(out, <int>-event.res, cb.aio_offset, expected, 0)
-    else:
-        _fail(out, 0, cb.aio_offset, expected, event.res)
-    return True
-
-
-cdef inline void _clear_iocb(iocb *cb) noexcept nogil:
-    cdef char *p = <char *>cb
-    cdef size_t i
-    for i in range(sizeof(iocb)):
-        p[i] = 0
-
-
-cdef inline void _fail(Outcome *out, int err, long long at, long long requested,
-                       long long got) noexcept nogil:
-    out.failed = True
-    out.err = err
-    out.at_offset = at
-    out.requested = requested
-    out.got = got
-
-
-cdef void _plain_transfer(bint is_read, int fd, char *buf, long long nbytes,
-                          long long offset, Outcome *out) noexcept nogil:
-    """pread/pwrite until done; a read that meets end of file is a short transfer."""
-    cdef long long done = 0
-    cdef long ret
-    while done < nbytes:
-        if is_read:
-            ret = nvmeswap_pread(fd, buf + done, nbytes - done, offset + done)
-        else:
-            ret = nvmeswap_pwrite(fd, buf + done, nbytes - done, offset + done)
-        if ret == -EINTR:
-            continue
-        if ret < 0:
-            _fail(out, <int>-ret, offset + done, nbytes - done, 0)
-            return
-        if ret == 0:
-            _fail(out, 0, offset + done, nbytes - done, 0)
-            return
-        done += ret
+        self.n_refused = 0
