@@ -1,7 +1,7 @@
 """Where the caller's time goes in small async reads: the steps of the handle, timed in place.
 
-    python bench/small_async_costs.py --file /nvme/scratch/small-async.bin --ops 20480
-    python bench/small_async_costs.py --file /dev/shm/small-async.bin   # no device
+    python bench/studies/small_async_costs.py --file /nvme/scratch/small-async.bin --ops 20480
+    python bench/studies/small_async_costs.py --file /dev/shm/small-async.bin   # no device
 
 The loop of bench/small_async.py (4 KiB random ``async_pread`` into a locked buffer,
 ``wait()`` every 256), with timers wrapped around the handle's steps. Prints the reads

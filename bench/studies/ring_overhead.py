@@ -1,6 +1,6 @@
 """What the staging ring for CUDA tensors costs when the copies themselves are free.
 
-    python bench/ring_overhead.py --folder /nvme/scratch --size 1G --rounds 5
+    python bench/studies/ring_overhead.py --folder /nvme/scratch --size 1G --rounds 5
 
 Without a GPU, a stand-in "device" tensor (host memory, copied with memcpy where the
 CUDA copier would copy over PCIe) takes the ring road of Note [device pipeline]: 16 MiB
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peers  # noqa: E402
 from compare_peers import JOBS, run_rounds  # noqa: E402
 

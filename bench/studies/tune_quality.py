@@ -1,6 +1,6 @@
 """Is ``nvmeswap tune``'s quick pick as good as the exhaustive grid's best, and how quick?
 
-    python bench/tune_quality.py --folder /nvme/scratch
+    python bench/studies/tune_quality.py --folder /nvme/scratch
 
 Runs ``nvmeswap tune`` (default search) and ``nvmeswap tune --exhaustive`` on the same
 folder, then measures both picks again, interleaved over several rounds (one-off
@@ -14,8 +14,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(__file__))
-import nvmeswap.cli.tune as tune  # noqa: E402
+import nvmeswap.cli.tune as tune
 
 
 def run_tune(folder, *extra):

@@ -1,6 +1,6 @@
 """Does preallocating help a write into a fresh file? (Note [preallocation] in files.py)
 
-    python bench/preallocation.py --folder /nvme/scratch --size 1G --rounds 4
+    python bench/studies/preallocation.py --folder /nvme/scratch --size 1G --rounds 4
 
 Interleaves, round by round: nvmeswap writing a fresh file (it preallocates), the same
 with preallocation switched off, and an overwrite of an existing file (the ceiling).

@@ -8,8 +8,8 @@ partition sizes that are not 4 KiB multiples most slices start inside a page. Ea
 swappers do (all started, then one wait); files and slices are compared. Each engine runs in its own process,
 so that an abort in one is reported rather than ending the comparison.
 
-    python bench/deepspeed_unaligned_slices.py            # both, where DeepSpeed's op loads
-    python bench/deepspeed_unaligned_slices.py --engine nvmeswap
+    python bench/studies/deepspeed_unaligned_slices.py            # both, where DeepSpeed's op loads
+    python bench/studies/deepspeed_unaligned_slices.py --engine nvmeswap
 
 DeepSpeed's op is JIT-compiled on its first load (minutes, then cached).
 """
