@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
-from compare_peers import JOBS, run_rounds  # noqa: E402
+from peers import JOBS  # noqa: E402
 
 import nvmeswap  # noqa: E402
 from nvmeswap.units import parse_size  # noqa: E402
@@ -61,7 +61,7 @@ def main():
     size = parse_size(arguments.size)
     everyone = contenders(size)
     try:
-        seconds = run_rounds(arguments.folder, size, arguments.rounds, everyone)
+        seconds = peers.run_rounds(arguments.folder, size, arguments.rounds, everyone)
     finally:
         for contender in everyone.values():
             contender.close()

@@ -1,18 +1,24 @@
 """The contenders of the side-by-side benchmarks: nvmeswap, fio and DeepSpeed, one call each.
 
 Every function moves ``size`` bytes once and returns the seconds it took. Peers that
-are not installed are reported as missing, never as zero.
+are not installed are reported as missing, never as zero. Also what several scripts
+share: their arguments, the interleaved rounds of write / overwrite / read, and the
+count of small synchronous reads.
 """
 import argparse
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import torch
 
 import nvmeswap
+
+
+JOBS = ("fresh write", "overwrite", "read")
 
 
 def side_by_side_arguments(description):
@@ -22,6 +28,50 @@ def side_by_side_arguments(description):
     parser.add_argument("--size", default="1G")
     parser.add_argument("--rounds", type=int, default=3)
     return parser
+
+
+def run_rounds(folder, size, rounds, everyone):
+    """``{(name, job): [seconds per round]}``: every contender's fresh write, overwrite and
+    read (page cache dropped), in turn, rotated each round."""
+    seconds = {(name, job): [] for name in everyone for job in JOBS}
+    names = list(everyone)
+    for round_number in range(rounds):
+        # Rotate who goes first, so that no contender always follows the same neighbour.
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            contender = everyone[name]
+            path = os.path.join(folder, "bench-" + name.replace(" ", "-"))
+            fresh(contender, path)
+            seconds[name, "fresh write"].append(contender.write(path))
+            os.sync()
+            seconds[name, "overwrite"].append(contender.write(path))
+            drop_page_cache()
+            seconds[name, "read"].append(contender.read(path))
+        print(f"round {round_number + 1}/{rounds} done", file=sys.stderr)
+    for name, contender in everyone.items():
+        contender.remove(os.path.join(folder, "bench-" + name.replace(" ", "-")))
+    return seconds
+
+
+def small_reads(folder, everyone_small, op_size, duration):
+    """Synchronous reads of ``op_size`` bytes at random aligned offsets, per second."""
+    import torch
+
+    path = os.path.join(folder, "bench-small")
+    with open(path, "wb") as f:
+        f.write(os.urandom(64 << 20))
+    os.sync()
+    slots = (64 << 20) // op_size
+    rates = {}
+    for name, (handle, buffer) in everyone_small.items():
+        offsets = torch.randint(0, slots, (100_000,)).tolist()
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < duration:
+            handle.sync_pread(buffer, path, offsets[count % len(offsets)] * op_size)
+            count += 1
+        rates[name] = count / (time.perf_counter() - started)
+    os.unlink(path)
+    return rates
 
 
 def drop_page_cache():
@@ -98,20 +148,23 @@ def deepspeed_available():
 
 
 class FioContender:
-    """fio with O_DIRECT, 1 MiB blocks, iodepth 128: the device's own limit.
+    """fio with O_DIRECT, by default 1 MiB blocks, iodepth 128: the device's own limit.
 
     With ``numjobs`` > 1 each job has its own file of ``size`` bytes, like nvmeswap's ranks.
     """
 
-    def __init__(self, size, engine="libaio", numjobs=1):
+    def __init__(self, size, engine="libaio", numjobs=1, bs=1 << 20, iodepth=128):
         self.size = size
         self.engine = engine
         self.numjobs = numjobs
+        self.bs = bs
+        self.iodepth = iodepth
 
     def _run(self, path, rw):
         command = ["fio", "--name=nvmeswap-peer", f"--directory={os.path.dirname(path) or '.'}",
                    f"--filename_format={os.path.basename(path)}.$jobnum", f"--rw={rw}",
-                   "--bs=1M", "--iodepth=128", "--direct=1", f"--ioengine={self.engine}",
+                   f"--bs={self.bs}", f"--iodepth={self.iodepth}", "--direct=1",
+                   f"--ioengine={self.engine}",
                    f"--size={self.size}", f"--numjobs={self.numjobs}", "--group_reporting",
                    "--output-format=json", "--thread", "--fallocate=none"]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout

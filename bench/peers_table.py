@@ -14,8 +14,8 @@ lowest and highest of them). fio's figure is its best over bs 1M, 4M,
 8M x numjobs 1, 2, 4 (O_DIRECT libaio; the size is split between the jobs, one file each;
 iodepth keeps 64 MiB in flight per job, fewer if the job is smaller, at most 128). Small
 reads: 4 KiB random ``async_pread`` waited for every 256 (as bench/small_async.py, beside
-fio randread at iodepth 128), and synchronous 4 KiB and 64 KiB random reads per second (as
-bench/compare_peers.py). A peer that is not installed is printed as missing.
+fio randread at iodepth 128), and synchronous 4 KiB and 64 KiB random reads per second. A
+peer that is not installed is printed as missing.
 """
 import argparse
 import datetime
@@ -30,7 +30,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
 import small_async  # noqa: E402
-from compare_peers import small_reads  # noqa: E402
 
 from nvmeswap.units import parse_size  # noqa: E402
 
@@ -41,24 +40,10 @@ FIO_IN_FLIGHT = 64 << 20
 SECTIONS = ("bandwidth", "small-async", "sync-small", "fio")
 
 
-class GridFio(peers.FioContender):
-    """peers.FioContender with a chosen block size; iodepth follows from FIO_IN_FLIGHT."""
-
-    def __init__(self, size, numjobs, bs):
-        super().__init__(size, numjobs=numjobs)
-        self.bs = bs
-        self.iodepth = max(1, min(128, min(FIO_IN_FLIGHT, size) // bs))
-
-    def _run(self, path, rw):
-        command = ["fio", "--name=peers-table", f"--directory={os.path.dirname(path)}",
-                   f"--filename_format={os.path.basename(path)}.$jobnum", f"--rw={rw}",
-                   f"--bs={self.bs}", f"--iodepth={self.iodepth}", "--direct=1",
-                   "--ioengine=libaio", f"--size={self.size}", f"--numjobs={self.numjobs}",
-                   "--group_reporting", "--output-format=json", "--thread", "--fallocate=none"]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        side = json.loads(output[output.index("{"):])["jobs"][0]["read" if rw == "read" else
-                                                                 "write"]
-        return side["io_bytes"] / max(side["bw_bytes"], 1)
+def grid_fio(size, numjobs, bs):
+    """fio with ``bs`` blocks; iodepth follows from FIO_IN_FLIGHT."""
+    return peers.FioContender(size, numjobs=numjobs, bs=bs,
+                              iodepth=max(1, min(128, min(FIO_IN_FLIGHT, size) // bs)))
 
 
 def data_path(folder, name):
@@ -104,7 +89,7 @@ def sync_small_child(args):
         import nvmeswap
         handle = nvmeswap.aio_handle()
     buffer = handle.new_cpu_locked_tensor(args.op_size, torch.empty(0, dtype=torch.uint8))
-    rates = small_reads(args.folder, {args.contender: (handle, buffer)}, args.op_size,
+    rates = peers.small_reads(args.folder, {args.contender: (handle, buffer)}, args.op_size,
                         args.small_seconds)
     if hasattr(handle, "close"):
         handle.close()
@@ -148,7 +133,7 @@ def fio_round(folder, size, fio):
     for bs, jobs in FIO_GRID:
         if size // jobs % bs:
             continue  # a job smaller than (or not a multiple of) its block size
-        contender, path = GridFio(size // jobs, jobs, bs), data_path(folder, "fio")
+        contender, path = grid_fio(size // jobs, jobs, bs), data_path(folder, "fio")
         peers.fresh(contender, path)
         figures = fio[f"{bs >> 20}M x{jobs}"]
         figures["fresh write"].append(contender.write(path))

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peers  # noqa: E402
-from compare_peers import JOBS, run_rounds  # noqa: E402
+from peers import JOBS  # noqa: E402
 
 import nvmeswap  # noqa: E402
 import nvmeswap.io.operation as operation_module  # noqa: E402
@@ -65,7 +65,7 @@ def main():
         "ring P2": StandInDevice(size, intra_op_parallelism=2),
     }
     try:
-        seconds = run_rounds(arguments.folder, size, arguments.rounds, everyone)
+        seconds = peers.run_rounds(arguments.folder, size, arguments.rounds, everyone)
     finally:
         for contender in everyone.values():
             contender.close()
