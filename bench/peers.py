@@ -13,11 +13,10 @@ import subprocess
 import sys
 import time
 
-import torch
+# torch and nvmeswap are imported where a contender is made: a script's lightest
+# processes (small_async.py's "queue alone") load neither.
 
-import nvmeswap
-
-
+PEERS = ("deepspeed", "fio")
 JOBS = ("fresh write", "overwrite", "read")
 
 
@@ -28,6 +27,34 @@ def side_by_side_arguments(description):
     parser.add_argument("--size", default="1G")
     parser.add_argument("--rounds", type=int, default=3)
     return parser
+
+
+def add_peers_argument(parser, peers=PEERS):
+    """``--peers``: which peers run beside nvmeswap (default: every one installed)."""
+    parser.add_argument("--peers", type=lambda text: peer_list(parser, text, peers),
+                        default=peers, metavar="LIST",
+                        help=f"comma-separated, of {','.join(peers)}; 'none' runs nvmeswap "
+                             f"alone (default: every peer that is installed)")
+
+
+def peer_list(parser, text, peers):
+    chosen = () if text == "none" else tuple(p for p in text.split(",") if p)
+    unknown = set(chosen) - set(peers)
+    if unknown:
+        parser.error(f"--peers takes {','.join(peers)} or none, not {','.join(sorted(unknown))}")
+    return chosen
+
+
+def peers_to_run(asked):
+    """The peers of ``asked`` that are installed; says on stderr which are left out."""
+    installed = {"deepspeed": deepspeed_available, "fio": fio_available}
+    running = set()
+    for peer in asked:
+        if installed[peer]():
+            running.add(peer)
+        else:
+            print(f"{peer} is not installed: its figures are left out", file=sys.stderr)
+    return running
 
 
 def run_rounds(folder, size, rounds, everyone):
@@ -99,6 +126,8 @@ class HandleContender:
     """An aio_handle (nvmeswap's or DeepSpeed's) moving one tensor, locked or plain."""
 
     def __init__(self, handle, size, buffer):
+        import torch
+
         self.handle = handle
         if buffer == "locked":
             self.tensor = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
@@ -123,6 +152,8 @@ class HandleContender:
 
 class NvmeswapContender(HandleContender):
     def __init__(self, size, buffer, **handle_args):
+        import nvmeswap
+
         super().__init__(nvmeswap.aio_handle(**handle_args), size, buffer)
 
     def close(self):
@@ -195,11 +226,15 @@ class CudaTensorContender(HandleContender):
     """A handle moving one CUDA tensor: aio_handle stages it, gds_handle uses cuFile."""
 
     def __init__(self, handle, size, pin=False):
+        import torch
+
         self.handle = handle
         self.tensor = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
         self.pinned = pin and bool(handle.pin_device_tensor(self.tensor))
 
     def write(self, path):
+        import torch
+
         torch.cuda.synchronize()
         return timed(self.handle.sync_pwrite, self.tensor, path)
 

@@ -15,7 +15,8 @@ lowest and highest of them). fio's figure is its best over bs 1M, 4M,
 iodepth keeps 64 MiB in flight per job, fewer if the job is smaller, at most 128). Small
 reads: 4 KiB random ``async_pread`` waited for every 256 (as bench/small_async.py, beside
 fio randread at iodepth 128), and synchronous 4 KiB and 64 KiB random reads per second. A
-peer that is not installed is printed as missing.
+peer that is not installed, or left out with ``--peers``, is printed as missing (``--peers
+none`` measures nvmeswap alone).
 """
 import argparse
 import datetime
@@ -265,12 +266,15 @@ def arguments():
                         help="seconds per synchronous small-read contender and round")
     parser.add_argument("--skip", default="", help="comma-separated: " + ",".join(SECTIONS))
     parser.add_argument("--json", help="also save every raw figure to this file")
+    peers.add_peers_argument(parser)
     for hidden in ("--contender", "--size", "--worker", "--seed", "--op-size"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.skip = {s for s in args.skip.split(",") if s}
     if args.skip - set(SECTIONS):
         parser.error(f"--skip takes {','.join(SECTIONS)}")
+    if "fio" not in args.peers:
+        args.skip.add("fio")
     return args
 
 
@@ -289,12 +293,8 @@ def main():
     if args.contender:
         print(json.dumps(bandwidth_child(args)))
         return
-    with_deepspeed = peers.deepspeed_available()
-    with_fio = "fio" not in args.skip and peers.fio_available()
-    if not with_deepspeed:
-        print("DeepSpeed is not installed: its figures are printed as missing", file=sys.stderr)
-    if not with_fio and "fio" not in args.skip:
-        print("fio is not installed: its figures are printed as missing", file=sys.stderr)
+    running = peers.peers_to_run(p for p in args.peers if p not in args.skip)
+    with_deepspeed, with_fio = "deepspeed" in running, "fio" in running
     names = [n for n in CONTENDERS if with_deepspeed or not n.startswith("deepspeed")]
     kinds = ["nvmeswap"] + (["deepspeed"] if with_deepspeed else [])
     raw, rows = {}, []

@@ -9,7 +9,8 @@ per second, the median over rounds, and as ratios to DeepSpeed's aio_handle. fio
 randread with 128 requests in flight is the device's own rate. "queue alone" is the
 kernel AIO context under nvmeswap's small async operations (``_engine.CallerQueue``)
 driven directly, one ``io_submit`` per read from the calling thread, without the handle's
-Python: what the per-operation cost would be if the handle cost nothing.
+Python: what the per-operation cost would be if the handle cost nothing. ``--peers none``
+leaves DeepSpeed and fio out.
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import peers  # noqa: E402
 
 BATCH = 256
 OP = 4096
@@ -89,6 +91,7 @@ def main():
     parser.add_argument("--folder", default="/tmp/nvmeswap-small-async")
     parser.add_argument("--ops", type=int, default=20480)
     parser.add_argument("--rounds", type=int, default=3)
+    peers.add_peers_argument(parser)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.makedirs(args.folder, exist_ok=True)
@@ -100,10 +103,8 @@ def main():
         with open(path, "wb") as f:
             for _ in range(1024):
                 f.write(os.urandom(1 << 20))
-    import peers
-
-    kinds = ["nvmeswap", "queue alone"] + (["deepspeed"] if peers.deepspeed_available()
-                                           else [])
+    running = peers.peers_to_run(args.peers)
+    kinds = ["nvmeswap", "queue alone"] + (["deepspeed"] if "deepspeed" in running else [])
     rates = {kind: [] for kind in kinds + ["fio"]}
     for round_number in range(args.rounds):
         for kind in kinds[round_number % len(kinds):] + kinds[:round_number % len(kinds)]:
@@ -112,7 +113,7 @@ def main():
                                   str(args.ops), "--contender", kind],
                                  capture_output=True, text=True, check=True).stdout
             rates[kind].append(float(out.split()[-1]))
-        if peers.fio_available():
+        if "fio" in running:
             peers.drop_page_cache()
             rates["fio"].append(fio_rate(path, args.ops))
     print(f"4 KiB random async reads, wait() every {BATCH}, {args.ops} reads, "
