@@ -147,10 +147,8 @@ def fio_round(folder, size, fio):
 
 def small_async_rounds(args, kinds, with_fio):
     path = os.path.join(args.folder, "small-async.bin")
-    if not os.path.exists(path) or os.path.getsize(path) != 1 << 30:
-        with open(path, "wb") as f:  # once: later runs reuse it, as small_async.py does
-            for _ in range(1024):
-                f.write(os.urandom(1 << 20))
+    # Once: later runs reuse it, as small_async.py does.
+    small_async.make_file(path, parse_size(args.small_file_size))
     rates = {kind: [] for kind in kinds + ([] if "fio" in args.skip else ["fio"])}
     for round_number in range(args.rounds):
         for kind in rotated(kinds, round_number):
@@ -262,6 +260,8 @@ def arguments():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small-ops", type=int, default=10240,
                         help="4 KiB async reads per contender and round")
+    parser.add_argument("--small-file-size", default="1G",
+                        help="the file the 4 KiB async reads read from")
     parser.add_argument("--small-seconds", type=float, default=2.0,
                         help="seconds per synchronous small-read contender and round")
     parser.add_argument("--skip", default="", help="comma-separated: " + ",".join(SECTIONS))

@@ -3,7 +3,7 @@
     python bench/small_async.py --folder /nvme/scratch --ops 20480 --rounds 3
 
 Each contender runs in a fresh process: 4 KiB reads at random aligned offsets of a 1 GiB
-file (page cache dropped first), started with ``async_pread`` into locked buffers and
+file (``--file-size``; page cache dropped first), started with ``async_pread`` into locked buffers and
 waited for every 256, as an offloading loop over small tensors would. Reported as reads
 per second, the median over rounds, and as ratios to DeepSpeed's aio_handle. fio's
 randread with 128 requests in flight is the device's own rate. "queue alone" is the
@@ -23,8 +23,19 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
 
+from nvmeswap.units import parse_size  # noqa: E402
+
 BATCH = 256
 OP = 4096
+
+
+def make_file(path, size):
+    """Random bytes, ``size`` of them, unless the file is already there at that size."""
+    if os.path.exists(path) and os.path.getsize(path) == size:
+        return
+    with open(path, "wb") as f:
+        for start in range(0, size, 1 << 20):
+            f.write(os.urandom(min(1 << 20, size - start)))
 
 
 def contender_run(kind, path, ops, seed):
@@ -91,6 +102,7 @@ def main():
     parser.add_argument("--folder", default="/tmp/nvmeswap-small-async")
     parser.add_argument("--ops", type=int, default=20480)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--file-size", default="1G", help="the file the reads read from")
     peers.add_peers_argument(parser)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -99,10 +111,7 @@ def main():
     if args.contender:
         print(contender_run(args.contender, path, args.ops, int(time.time())))
         return
-    if not os.path.exists(path) or os.path.getsize(path) != 1 << 30:
-        with open(path, "wb") as f:
-            for _ in range(1024):
-                f.write(os.urandom(1 << 20))
+    make_file(path, parse_size(args.file_size))
     running = peers.peers_to_run(args.peers)
     kinds = ["nvmeswap", "queue alone"] + (["deepspeed"] if "deepspeed" in running else [])
     rates = {kind: [] for kind in kinds + ["fio"]}

@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from nvmeswap.units import parse_size
+
 OP, BATCH = 4096, 256
 
 
@@ -64,7 +66,8 @@ class _TimedQueue:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--file", default="/tmp/sa/small-async.bin",
-                        help="read from this file (made, 1 GiB, if missing)")
+                        help="read from this file (made, --file-size, if missing)")
+    parser.add_argument("--file-size", type=parse_size, default="1G")
     parser.add_argument("--ops", type=int, default=20480)
     parser.add_argument("--cpu", type=int, help="pin the calling thread to this CPU")
     args = parser.parse_args()
@@ -76,8 +79,8 @@ def main():
     if not os.path.exists(args.file):
         os.makedirs(os.path.dirname(os.path.abspath(args.file)), exist_ok=True)
         with open(args.file, "wb") as f:
-            for _ in range(1024):
-                f.write(os.urandom(1 << 20))
+            for start in range(0, args.file_size, 1 << 20):
+                f.write(os.urandom(min(1 << 20, args.file_size - start)))
     timers = _Timers()
     timers.wrap(scheduler.Scheduler, "submit", "Scheduler.submit (all of starting)")
     timers.wrap(scheduler, "quick_read", "  quick_read (check, open, book)")
