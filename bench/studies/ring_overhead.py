@@ -3,10 +3,11 @@
     python bench/studies/ring_overhead.py --folder /nvme/scratch --size 1G --rounds 5
 
 Without a GPU, a stand-in "device" tensor (host memory, copied with memcpy where the
-CUDA copier would copy over PCIe) takes the ring road of Note [device pipeline]: 16 MiB
-pieces through a few locked slots. It is measured against a locked tensor (zero copy)
-and a plain tensor (staged through a full-size locked region) in the same rounds. It
-answers one question: does cutting the transfer into ring pieces lose disk bandwidth?
+CUDA copier would copy over PCIe) takes a CUDA tensor's road through the handle's
+staging space (Note [staging ring]): pieces copied in while others are with the workers.
+It is measured against a locked tensor (zero copy) and a plain tensor (staged through
+the same space) in the same rounds. It answers one question: does cutting the transfer
+into staged pieces lose disk bandwidth?
 It says nothing about PCIe: that needs bench/gpu_roads.py on a GPU.
 """
 import os
