@@ -15,11 +15,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import peers  # noqa: E402
-from peers import JOBS  # noqa: E402
+import peers
+from peers import JOBS
 
-import nvmeswap  # noqa: E402
-from nvmeswap.units import parse_size  # noqa: E402
+import nvmeswap
+from nvmeswap.units import parse_size
 
 BASELINES = ("nvmeswap aio host locked", "deepspeed aio cuda", "deepspeed gds pinned",
              "fio libaio")

@@ -21,9 +21,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-import peers  # noqa: E402
+import peers
 
-from nvmeswap.units import parse_size  # noqa: E402
+from nvmeswap.units import parse_size
 
 BATCH = 256
 OP = 4096
@@ -34,8 +34,7 @@ def make_file(path, size):
     if os.path.exists(path) and os.path.getsize(path) == size:
         return
     with open(path, "wb") as f:
-        for start in range(0, size, 1 << 20):
-            f.write(os.urandom(min(1 << 20, size - start)))
+        f.writelines(os.urandom(min(1 << 20, size - start)) for start in range(0, size, 1 << 20))
 
 
 def contender_run(kind, path, ops, seed):

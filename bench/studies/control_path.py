@@ -17,9 +17,9 @@ import os
 import time
 
 import torch
-from nvmeswap._engine import transfer_in_caller
 
 import nvmeswap
+from nvmeswap._engine import transfer_in_caller
 
 
 def per_op(function, count):

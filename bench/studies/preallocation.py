@@ -13,7 +13,7 @@ import time
 import torch
 
 import nvmeswap
-import nvmeswap.io.operation as operation
+from nvmeswap.io import operation
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
         tensor = h.new_cpu_locked_tensor(arguments.size, torch.empty(0, dtype=torch.uint8))
         tensor.random_(0, 255)
         for _ in range(arguments.rounds):
-            for case in seconds:
+            for case, times in seconds.items():
                 if case != "overwrite" and os.path.exists(path):
                     os.unlink(path)
                 os.sync()
@@ -38,7 +38,7 @@ def main():
                 operation.PREALLOCATE_MIN = 1 << 62 if off else enabled
                 started = time.perf_counter()
                 h.sync_pwrite(tensor, path)
-                seconds[case].append(time.perf_counter() - started)
+                times.append(time.perf_counter() - started)
     operation.PREALLOCATE_MIN = enabled
     os.unlink(path)
     for case, values in seconds.items():

@@ -17,15 +17,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import peers  # noqa: E402
-from peers import JOBS  # noqa: E402
+import peers
+from peers import JOBS
 
-import nvmeswap  # noqa: E402
-import nvmeswap.io.operation as operation_module  # noqa: E402
-import nvmeswap.io.placement as placement_module  # noqa: E402
-from nvmeswap.io.buffers import IoBuffer, io_buffer  # noqa: E402
-from nvmeswap.io.staging import HostCopier  # noqa: E402
-from nvmeswap.units import parse_size  # noqa: E402
+import nvmeswap
+import nvmeswap.io.operation as operation_module
+import nvmeswap.io.placement as placement_module
+from nvmeswap.io.buffers import IoBuffer, io_buffer
+from nvmeswap.io.staging import HostCopier
+from nvmeswap.units import parse_size
 
 
 class StandInDevice(peers.HandleContender):

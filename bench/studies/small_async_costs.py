@@ -79,8 +79,8 @@ def main():
     if not os.path.exists(args.file):
         os.makedirs(os.path.dirname(os.path.abspath(args.file)), exist_ok=True)
         with open(args.file, "wb") as f:
-            for start in range(0, args.file_size, 1 << 20):
-                f.write(os.urandom(min(1 << 20, args.file_size - start)))
+            f.writelines(os.urandom(min(1 << 20, args.file_size - start))
+                         for start in range(0, args.file_size, 1 << 20))
     timers = _Timers()
     timers.wrap(scheduler.Scheduler, "submit", "Scheduler.submit (all of starting)")
     timers.wrap(scheduler, "quick_read", "  quick_read (check, open, book)")

@@ -21,10 +21,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import peers  # noqa: E402
+import peers
 
-from nvmeswap.io.placement import STAGING_BYTES  # noqa: E402
-from nvmeswap.units import parse_size  # noqa: E402
+from nvmeswap.io.placement import STAGING_BYTES
+from nvmeswap.units import parse_size
 
 CONTENDERS = ("locked", "plain", "plain, staging used")
 JOBS = ("fresh write", "overwrite", "cold read")

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-import nvmeswap.cli.tune as tune
+from nvmeswap.cli import tune
 
 
 def run_tune(folder, *extra, stop_after=None):
