@@ -48,8 +48,8 @@ CASES = {case.name or case.script: case for case in [
          ["--folder", "{folder}", "--sizes", "1M", "--rounds", "1", "--small-ops", "256",
           "--small-seconds", "0.1", "--small-file-size", "4M", "--peers", "none"],
          [r"^measurement +nvmeswap +peer +ratio +rounds +goal +met$",
-          r"^1M fresh write: nvmeswap plain / nvmeswap locked +\d+\.\d\d GB/s +\d+\.\d\d GB/s"
-          r" +\d+\.\d\dx ",
+          (r"^1M fresh write: nvmeswap plain / nvmeswap locked +\d+\.\d\d GB/s +\d+\.\d\d GB/s"
+           r" +\d+\.\d\dx "),
           r"^1M first read: nvmeswap locked / deepspeed locked .* missing",
           r"^1M: nvmeswap plain staging held +\d+ MiB",
           r"^4 KiB async random reads: nvmeswap / deepspeed +\d+/s",
@@ -87,8 +87,8 @@ CASES = {case.name or case.script: case for case in [
          [r"^contender +fresh write +overwrite +read$",
           r"^ring +vs locked +fresh write: +\d+\.\d\dx +overwrite: +\d+\.\d\dx +read: +\d+\.\d\dx"]),
     Case("studies/first_touch.py", ["--samples", "1", "--pause", "0"],
-         [r"64 MiB: first fill +\d+\.\d ms, second +\d+\.\d ms, first fill of pages made "
-          r"elsewhere +\d+\.\d ms$"]),
+         [(r"64 MiB: first fill +\d+\.\d ms, second +\d+\.\d ms, first fill of pages made "
+           r"elsewhere +\d+\.\d ms$")]),
     Case("studies/control_path.py", ["--folder", "{folder}", "--count", "100"],
          [r"^sync_pread, whole call in this thread: +\d+\.\d us$",
           r"control path round trip +-?\d+\.\d us$", r"control path per chunk +-?\d+\.\d us$"]),

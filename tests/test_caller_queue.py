@@ -2,11 +2,11 @@
 context, many at once, and never through a worker."""
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import random_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -155,7 +155,7 @@ def test_the_queue_reports_what_the_kernel_says(tmp_path):
         assert queue.in_flight == 0
         assert done == [(1, 0, 0, 0, 0, 0), (2, 3, 0, 60 * KiB, 8 * KiB, 4 * KiB),
                         (3, 1, errno.EFAULT, 0, 4 * KiB, 0)]
-        assert memory[:8 * KiB] == open(path, "rb").read()[4 * KiB:12 * KiB]
+        assert memory[:8 * KiB] == Path(path).read_bytes()[4 * KiB:12 * KiB]
         for k in range(5):
             assert queue.submit(k, 0, True, direct, address, 4 * KiB, 0) == (
                 0 if k < 4 else errno.EAGAIN)
@@ -232,7 +232,7 @@ def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
         assert _exit_code(pid, within=30) == 0
         queue.close()       # before reaping: close submits and waits for what is posted
         assert _submitting_threads() == before
-        data = open(path, "rb").read()
+        data = Path(path).read_bytes()
         for k in range(64):
             got, offset = memory[k * 4 * KiB:(k + 1) * 4 * KiB], (63 - k) * 4 * KiB
             assert got == data[offset:offset + 4 * KiB]

@@ -13,7 +13,7 @@ from conftest import random_bytes
 from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
-import nvmeswap.io.placement as placement
+from nvmeswap.io import placement
 
 KiB, MiB = 1 << 10, 1 << 20
 PIECE = 64 * KiB
@@ -140,6 +140,6 @@ def test_worker_death_during_a_ring_operation(handle_factory, tmp_path, device):
 def _wait_error(h):
     try:
         h.wait()
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - the test asserts on its type
         return error
     return None

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import random_bytes
+
 from nvmeswap._engine import AioEngine
 from nvmeswap._memory import buffer_address
 
