@@ -5,7 +5,9 @@ too small for the figures to mean anything).
 The runs are fresh processes, a few at a time, all made before the first test of this
 module (so that no process outlives a test); each test then checks one run, so a failure
 names its script. DeepSpeed's compiled op (JIT-built for minutes) and fio are left out
-with ``--peers none``; a GPU road skips without a GPU.
+with ``--peers none``; a GPU road skips without a GPU. The page cache is kept
+(NVMESWAP_BENCH_KEEP_PAGE_CACHE=1): dropping it would make every later process read
+torch from disk again.
 """
 import concurrent.futures
 import dataclasses
@@ -123,10 +125,10 @@ def run_case(case, folder):
     command = [sys.executable, str(BENCH / case.script),
                *(a.replace("{folder}", str(folder)) for a in case.arguments)]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NVMESWAP_BENCH_KEEP_PAGE_CACHE": "1"}
     started = time.monotonic()
-    done = subprocess.run(command, cwd=folder, env={**os.environ, "PYTHONPATH": path},
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
-                          check=False)
+    done = subprocess.run(command, cwd=folder, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300, check=False)
     return Run(command, done.returncode, done.stdout, done.stderr, time.monotonic() - started)
 
 
