@@ -5,7 +5,8 @@ against a host tensor, DeepSpeed's handles and fio, in one run on one folder.
 
 The question it answers: does a CUDA tensor move at the speed of a host tensor (the
 staging ring overlaps the GPU copies with the disk), and how do both roads compare with
-DeepNVMe's. Needs a CUDA GPU; DeepSpeed, cuFile and fio columns appear when installed.
+DeepNVMe's. Needs a CUDA GPU; DeepSpeed, cuFile and fio columns appear when installed
+(``--peers none`` leaves DeepSpeed and fio out).
 """
 import os
 import statistics
@@ -14,17 +15,17 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import peers  # noqa: E402
-from compare_peers import JOBS, run_rounds  # noqa: E402
+import peers
+from peers import JOBS
 
-import nvmeswap  # noqa: E402
-from nvmeswap.units import parse_size  # noqa: E402
+import nvmeswap
+from nvmeswap.units import parse_size
 
 BASELINES = ("nvmeswap aio host locked", "deepspeed aio cuda", "deepspeed gds pinned",
              "fio libaio")
 
 
-def contenders(size):
+def contenders(size, running):
     made = {
         "nvmeswap aio host locked": lambda: peers.NvmeswapContender(size, "locked"),
         "nvmeswap aio cuda": lambda: peers.CudaTensorContender(nvmeswap.aio_handle(), size),
@@ -38,30 +39,31 @@ def contenders(size):
             nvmeswap.gds_handle(intra_op_parallelism=2), size, pin=True)
     else:
         print(f"no cuFile: {nvmeswap.gds_unavailable_reason()}", file=sys.stderr)
-    if peers.deepspeed_available():
+    if "deepspeed" in running:
         from deepspeed.ops.op_builder import AsyncIOBuilder
         made["deepspeed aio cuda"] = lambda: peers.CudaTensorContender(
             AsyncIOBuilder().load(verbose=False).aio_handle(), size)
-    if peers.deepspeed_gds_available():
+    if "deepspeed" in running and peers.deepspeed_gds_available():
         from deepspeed.ops.op_builder import GDSBuilder
         made["deepspeed gds pinned"] = lambda: peers.CudaTensorContender(
             GDSBuilder().load(verbose=False).gds_handle(), size, pin=True)
-    if peers.fio_available():
+    if "fio" in running:
         made["fio libaio"] = lambda: peers.FioContender(size)
     return {name: make() for name, make in made.items()}
 
 
 def main():
     parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
+    peers.add_peers_argument(parser)
     arguments = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_roads.py needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2
     os.makedirs(arguments.folder, exist_ok=True)
     size = parse_size(arguments.size)
-    everyone = contenders(size)
+    everyone = contenders(size, peers.peers_to_run(arguments.peers))
     try:
-        seconds = run_rounds(arguments.folder, size, arguments.rounds, everyone)
+        seconds = peers.run_rounds(arguments.folder, size, arguments.rounds, everyone)
     finally:
         for contender in everyone.values():
             contender.close()

@@ -7,8 +7,8 @@
    overlap the compute), and with the same swaps done synchronously (read a group's state,
    step, write it back, one after the other).
 2. Swap bandwidth: TensorSwapper swap_out + synchronize_writes and swap_in +
-   synchronize_reads of 1 GiB per rank (four tensors in the swapper's locked memory,
-   overwriting their files), for 1 and 2 ranks, against ``nvmeswap bench --ranks N``
+   synchronize_reads of 1 GiB per rank (``--swap-size``; four tensors in the swapper's locked memory,
+   overwriting their files), for 1 and 2 ranks (``--ranks``), against ``nvmeswap bench --ranks N``
    (locked buffers) on the same folder.
 3. Memory: peak resident memory of a training run with and without offload.
 4. Step overhead at scale: the Adam step of a ``--params``-parameter model (default 100M,
@@ -33,6 +33,7 @@ import time
 import torch
 
 from nvmeswap.training import OffloadedOptimizer, TensorSwapper
+from nvmeswap.units import parse_size
 
 LAYERS = 8
 
@@ -230,6 +231,10 @@ def main():
     parser.add_argument("--params", type=float, default=100e6,
                         help="parameters of part 4's model (default 100M)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in part 4")
+    parser.add_argument("--swap-size", type=parse_size, default="1G",
+                        help="bytes swapped per rank in part 2")
+    parser.add_argument("--ranks", type=lambda text: [int(r) for r in text.split(",")],
+                        default="1,2", help="comma-separated rank counts of part 2")
     parser.add_argument("--parts", nargs="+", default=["overlap", "bandwidth", "memory", "step"],
                         choices=["overlap", "bandwidth", "memory", "step"])
     arguments = parser.parse_args()
@@ -255,10 +260,12 @@ def part_overlap(arguments):
 
 
 def part_bandwidth(arguments):
-    print("2. swap bandwidth, 1 GiB per rank, GB/s (ratio to nvmeswap bench --ranks N)")
-    for ranks in (1, 2):
-        swapped = swap_bandwidth(arguments.folder, ranks, 1 << 30)
-        bench = bench_command(arguments.folder, ranks, 1 << 30)
+    size = arguments.swap_size
+    print(f"2. swap bandwidth, {size / 2**30:g} GiB per rank, GB/s (ratio to nvmeswap bench "
+          "--ranks N)")
+    for ranks in arguments.ranks:
+        swapped = swap_bandwidth(arguments.folder, ranks, size)
+        bench = bench_command(arguments.folder, ranks, size)
         print(f"   {ranks} rank(s): " + "  ".join(
             f"{job} {swapped[job]:.2f} ({swapped[job] / bench[job]:.2f}x of {bench[job]:.2f})"
             for job in ("write", "read")))

@@ -1,18 +1,23 @@
 """The contenders of the side-by-side benchmarks: nvmeswap, fio and DeepSpeed, one call each.
 
 Every function moves ``size`` bytes once and returns the seconds it took. Peers that
-are not installed are reported as missing, never as zero.
+are not installed are reported as missing, never as zero. Also what several scripts
+share: their arguments, the interleaved rounds of write / overwrite / read, and the
+count of small synchronous reads.
 """
 import argparse
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
-import torch
+# torch and nvmeswap are imported where a contender is made: a script's lightest
+# processes (small_async.py's "queue alone") load neither.
 
-import nvmeswap
+PEERS = ("deepspeed", "fio")
+JOBS = ("fresh write", "overwrite", "read")
 
 
 def side_by_side_arguments(description):
@@ -24,9 +29,88 @@ def side_by_side_arguments(description):
     return parser
 
 
-def drop_page_cache():
-    """Best effort: reads after this come from the device (needs root)."""
+def add_peers_argument(parser, peers=PEERS):
+    """``--peers``: which peers run beside nvmeswap (default: every one installed)."""
+    parser.add_argument("--peers", type=lambda text: peer_list(parser, text, peers),
+                        default=peers, metavar="LIST",
+                        help=f"comma-separated, of {','.join(peers)}; 'none' runs nvmeswap "
+                             f"alone (default: every peer that is installed)")
+
+
+def peer_list(parser, text, peers):
+    chosen = () if text == "none" else tuple(p for p in text.split(",") if p)
+    unknown = set(chosen) - set(peers)
+    if unknown:
+        parser.error(f"--peers takes {','.join(peers)} or none, not {','.join(sorted(unknown))}")
+    return chosen
+
+
+def peers_to_run(asked):
+    """The peers of ``asked`` that are installed; says on stderr which are left out."""
+    installed = {"deepspeed": deepspeed_available, "fio": fio_available}
+    running = set()
+    for peer in asked:
+        if installed[peer]():
+            running.add(peer)
+        else:
+            print(f"{peer} is not installed: its figures are left out", file=sys.stderr)
+    return running
+
+
+def run_rounds(folder, size, rounds, everyone):
+    """``{(name, job): [seconds per round]}``: every contender's fresh write, overwrite and
+    read (page cache dropped), in turn, rotated each round."""
+    seconds = {(name, job): [] for name in everyone for job in JOBS}
+    names = list(everyone)
+    for round_number in range(rounds):
+        # Rotate who goes first, so that no contender always follows the same neighbour.
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            contender = everyone[name]
+            path = os.path.join(folder, "bench-" + name.replace(" ", "-"))
+            fresh(contender, path)
+            seconds[name, "fresh write"].append(contender.write(path))
+            os.sync()
+            seconds[name, "overwrite"].append(contender.write(path))
+            drop_page_cache()
+            seconds[name, "read"].append(contender.read(path))
+        print(f"round {round_number + 1}/{rounds} done", file=sys.stderr)
+    for name, contender in everyone.items():
+        contender.remove(os.path.join(folder, "bench-" + name.replace(" ", "-")))
+    return seconds
+
+
+def small_reads(folder, everyone_small, op_size, duration):
+    """Synchronous reads of ``op_size`` bytes at random aligned offsets, per second."""
+    import torch
+
+    path = os.path.join(folder, "bench-small")
+    with open(path, "wb") as f:
+        f.write(os.urandom(64 << 20))
     os.sync()
+    slots = (64 << 20) // op_size
+    rates = {}
+    for name, (handle, buffer) in everyone_small.items():
+        offsets = torch.randint(0, slots, (100_000,)).tolist()
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < duration:
+            handle.sync_pread(buffer, path, offsets[count % len(offsets)] * op_size)
+            count += 1
+        rates[name] = count / (time.perf_counter() - started)
+    os.unlink(path)
+    return rates
+
+
+def drop_page_cache():
+    """Best effort: reads after this come from the device (needs root).
+
+    NVMESWAP_BENCH_KEEP_PAGE_CACHE=1 keeps it (the smoke test's tiny runs: dropping
+    the whole machine's page cache makes every process on it, the next runs included,
+    read its libraries from disk again).
+    """
+    os.sync()
+    if os.environ.get("NVMESWAP_BENCH_KEEP_PAGE_CACHE") == "1":
+        return
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
@@ -49,6 +133,8 @@ class HandleContender:
     """An aio_handle (nvmeswap's or DeepSpeed's) moving one tensor, locked or plain."""
 
     def __init__(self, handle, size, buffer):
+        import torch
+
         self.handle = handle
         if buffer == "locked":
             self.tensor = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
@@ -73,6 +159,8 @@ class HandleContender:
 
 class NvmeswapContender(HandleContender):
     def __init__(self, size, buffer, **handle_args):
+        import nvmeswap
+
         super().__init__(nvmeswap.aio_handle(**handle_args), size, buffer)
 
     def close(self):
@@ -93,25 +181,28 @@ def deepspeed_available():
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
         return AsyncIOBuilder().is_compatible(verbose=False)
-    except Exception:
+    except Exception:  # noqa: BLE001 - however DeepSpeed fails to load, the peer is missing
         return False
 
 
 class FioContender:
-    """fio with O_DIRECT, 1 MiB blocks, iodepth 128: the device's own limit.
+    """fio with O_DIRECT, by default 1 MiB blocks, iodepth 128: the device's own limit.
 
     With ``numjobs`` > 1 each job has its own file of ``size`` bytes, like nvmeswap's ranks.
     """
 
-    def __init__(self, size, engine="libaio", numjobs=1):
+    def __init__(self, size, engine="libaio", numjobs=1, bs=1 << 20, iodepth=128):
         self.size = size
         self.engine = engine
         self.numjobs = numjobs
+        self.bs = bs
+        self.iodepth = iodepth
 
     def _run(self, path, rw):
         command = ["fio", "--name=nvmeswap-peer", f"--directory={os.path.dirname(path) or '.'}",
                    f"--filename_format={os.path.basename(path)}.$jobnum", f"--rw={rw}",
-                   "--bs=1M", "--iodepth=128", "--direct=1", f"--ioengine={self.engine}",
+                   f"--bs={self.bs}", f"--iodepth={self.iodepth}", "--direct=1",
+                   f"--ioengine={self.engine}",
                    f"--size={self.size}", f"--numjobs={self.numjobs}", "--group_reporting",
                    "--output-format=json", "--thread", "--fallocate=none"]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -142,11 +233,15 @@ class CudaTensorContender(HandleContender):
     """A handle moving one CUDA tensor: aio_handle stages it, gds_handle uses cuFile."""
 
     def __init__(self, handle, size, pin=False):
+        import torch
+
         self.handle = handle
         self.tensor = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
         self.pinned = pin and bool(handle.pin_device_tensor(self.tensor))
 
     def write(self, path):
+        import torch
+
         torch.cuda.synchronize()
         return timed(self.handle.sync_pwrite, self.tensor, path)
 
@@ -161,5 +256,5 @@ def deepspeed_gds_available():
     try:
         from deepspeed.ops.op_builder import GDSBuilder
         return GDSBuilder().is_compatible(verbose=False)
-    except Exception:
+    except Exception:  # noqa: BLE001 - however DeepSpeed fails to load, the peer is missing
         return False

@@ -14,8 +14,9 @@ lowest and highest of them). fio's figure is its best over bs 1M, 4M,
 8M x numjobs 1, 2, 4 (O_DIRECT libaio; the size is split between the jobs, one file each;
 iodepth keeps 64 MiB in flight per job, fewer if the job is smaller, at most 128). Small
 reads: 4 KiB random ``async_pread`` waited for every 256 (as bench/small_async.py, beside
-fio randread at iodepth 128), and synchronous 4 KiB and 64 KiB random reads per second (as
-bench/compare_peers.py). A peer that is not installed is printed as missing.
+fio randread at iodepth 128), and synchronous 4 KiB and 64 KiB random reads per second. A
+peer that is not installed, or left out with ``--peers``, is printed as missing (``--peers
+none`` measures nvmeswap alone).
 """
 import argparse
 import datetime
@@ -28,11 +29,10 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-import peers  # noqa: E402
-import small_async  # noqa: E402
-from compare_peers import small_reads  # noqa: E402
+import peers
+import small_async
 
-from nvmeswap.units import parse_size  # noqa: E402
+from nvmeswap.units import parse_size
 
 JOBS = ("fresh write", "overwrite", "cold read", "first read")
 CONTENDERS = ("nvmeswap locked", "nvmeswap plain", "deepspeed locked", "deepspeed plain")
@@ -41,24 +41,10 @@ FIO_IN_FLIGHT = 64 << 20
 SECTIONS = ("bandwidth", "small-async", "sync-small", "fio")
 
 
-class GridFio(peers.FioContender):
-    """peers.FioContender with a chosen block size; iodepth follows from FIO_IN_FLIGHT."""
-
-    def __init__(self, size, numjobs, bs):
-        super().__init__(size, numjobs=numjobs)
-        self.bs = bs
-        self.iodepth = max(1, min(128, min(FIO_IN_FLIGHT, size) // bs))
-
-    def _run(self, path, rw):
-        command = ["fio", "--name=peers-table", f"--directory={os.path.dirname(path)}",
-                   f"--filename_format={os.path.basename(path)}.$jobnum", f"--rw={rw}",
-                   f"--bs={self.bs}", f"--iodepth={self.iodepth}", "--direct=1",
-                   "--ioengine=libaio", f"--size={self.size}", f"--numjobs={self.numjobs}",
-                   "--group_reporting", "--output-format=json", "--thread", "--fallocate=none"]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        side = json.loads(output[output.index("{"):])["jobs"][0]["read" if rw == "read" else
-                                                                 "write"]
-        return side["io_bytes"] / max(side["bw_bytes"], 1)
+def grid_fio(size, numjobs, bs):
+    """fio with ``bs`` blocks; iodepth follows from FIO_IN_FLIGHT."""
+    return peers.FioContender(size, numjobs=numjobs, bs=bs,
+                              iodepth=max(1, min(128, min(FIO_IN_FLIGHT, size) // bs)))
 
 
 def data_path(folder, name):
@@ -104,7 +90,7 @@ def sync_small_child(args):
         import nvmeswap
         handle = nvmeswap.aio_handle()
     buffer = handle.new_cpu_locked_tensor(args.op_size, torch.empty(0, dtype=torch.uint8))
-    rates = small_reads(args.folder, {args.contender: (handle, buffer)}, args.op_size,
+    rates = peers.small_reads(args.folder, {args.contender: (handle, buffer)}, args.op_size,
                         args.small_seconds)
     if hasattr(handle, "close"):
         handle.close()
@@ -114,7 +100,7 @@ def sync_small_child(args):
 def child(args, *extra):
     """Run this script in a fresh process and return the JSON line it printed."""
     command = [sys.executable, __file__, "--folder", args.folder, *extra]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         sys.exit(f"{shlex.join(command)} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -148,7 +134,7 @@ def fio_round(folder, size, fio):
     for bs, jobs in FIO_GRID:
         if size // jobs % bs:
             continue  # a job smaller than (or not a multiple of) its block size
-        contender, path = GridFio(size // jobs, jobs, bs), data_path(folder, "fio")
+        contender, path = grid_fio(size // jobs, jobs, bs), data_path(folder, "fio")
         peers.fresh(contender, path)
         figures = fio[f"{bs >> 20}M x{jobs}"]
         figures["fresh write"].append(contender.write(path))
@@ -161,10 +147,8 @@ def fio_round(folder, size, fio):
 
 def small_async_rounds(args, kinds, with_fio):
     path = os.path.join(args.folder, "small-async.bin")
-    if not os.path.exists(path) or os.path.getsize(path) != 1 << 30:
-        with open(path, "wb") as f:  # once: later runs reuse it, as small_async.py does
-            for _ in range(1024):
-                f.write(os.urandom(1 << 20))
+    # Once: later runs reuse it, as small_async.py does.
+    small_async.make_file(path, parse_size(args.small_file_size))
     rates = {kind: [] for kind in kinds + ([] if "fio" in args.skip else ["fio"])}
     for round_number in range(args.rounds):
         for kind in rotated(kinds, round_number):
@@ -276,16 +260,21 @@ def arguments():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small-ops", type=int, default=10240,
                         help="4 KiB async reads per contender and round")
+    parser.add_argument("--small-file-size", default="1G",
+                        help="the file the 4 KiB async reads read from")
     parser.add_argument("--small-seconds", type=float, default=2.0,
                         help="seconds per synchronous small-read contender and round")
     parser.add_argument("--skip", default="", help="comma-separated: " + ",".join(SECTIONS))
     parser.add_argument("--json", help="also save every raw figure to this file")
+    peers.add_peers_argument(parser)
     for hidden in ("--contender", "--size", "--worker", "--seed", "--op-size"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.skip = {s for s in args.skip.split(",") if s}
     if args.skip - set(SECTIONS):
         parser.error(f"--skip takes {','.join(SECTIONS)}")
+    if "fio" not in args.peers:
+        args.skip.add("fio")
     return args
 
 
@@ -304,12 +293,8 @@ def main():
     if args.contender:
         print(json.dumps(bandwidth_child(args)))
         return
-    with_deepspeed = peers.deepspeed_available()
-    with_fio = "fio" not in args.skip and peers.fio_available()
-    if not with_deepspeed:
-        print("DeepSpeed is not installed: its figures are printed as missing", file=sys.stderr)
-    if not with_fio and "fio" not in args.skip:
-        print("fio is not installed: its figures are printed as missing", file=sys.stderr)
+    running = peers.peers_to_run(p for p in args.peers if p not in args.skip)
+    with_deepspeed, with_fio = "deepspeed" in running, "fio" in running
     names = [n for n in CONTENDERS if with_deepspeed or not n.startswith("deepspeed")]
     kinds = ["nvmeswap"] + (["deepspeed"] if with_deepspeed else [])
     raw, rows = {}, []

@@ -3,13 +3,14 @@
     python bench/small_async.py --folder /nvme/scratch --ops 20480 --rounds 3
 
 Each contender runs in a fresh process: 4 KiB reads at random aligned offsets of a 1 GiB
-file (page cache dropped first), started with ``async_pread`` into locked buffers and
+file (``--file-size``; page cache dropped first), started with ``async_pread`` into locked buffers and
 waited for every 256, as an offloading loop over small tensors would. Reported as reads
 per second, the median over rounds, and as ratios to DeepSpeed's aio_handle. fio's
 randread with 128 requests in flight is the device's own rate. "queue alone" is the
 kernel AIO context under nvmeswap's small async operations (``_queues.CallerQueue``)
 driven directly, one ``io_submit`` per read from the calling thread, without the handle's
-Python: what the per-operation cost would be if the handle cost nothing.
+Python: what the per-operation cost would be if the handle cost nothing. ``--peers none``
+leaves DeepSpeed and fio out.
 """
 import argparse
 import json
@@ -20,9 +21,20 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import peers
+
+from nvmeswap.units import parse_size
 
 BATCH = 256
 OP = 4096
+
+
+def make_file(path, size):
+    """Random bytes, ``size`` of them, unless the file is already there at that size."""
+    if os.path.exists(path) and os.path.getsize(path) == size:
+        return
+    with open(path, "wb") as f:
+        f.writelines(os.urandom(min(1 << 20, size - start)) for start in range(0, size, 1 << 20))
 
 
 def contender_run(kind, path, ops, seed):
@@ -89,6 +101,8 @@ def main():
     parser.add_argument("--folder", default="/tmp/nvmeswap-small-async")
     parser.add_argument("--ops", type=int, default=20480)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--file-size", default="1G", help="the file the reads read from")
+    peers.add_peers_argument(parser)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.makedirs(args.folder, exist_ok=True)
@@ -96,14 +110,9 @@ def main():
     if args.contender:
         print(contender_run(args.contender, path, args.ops, int(time.time())))
         return
-    if not os.path.exists(path) or os.path.getsize(path) != 1 << 30:
-        with open(path, "wb") as f:
-            for _ in range(1024):
-                f.write(os.urandom(1 << 20))
-    import peers
-
-    kinds = ["nvmeswap", "queue alone"] + (["deepspeed"] if peers.deepspeed_available()
-                                           else [])
+    make_file(path, parse_size(args.file_size))
+    running = peers.peers_to_run(args.peers)
+    kinds = ["nvmeswap", "queue alone"] + (["deepspeed"] if "deepspeed" in running else [])
     rates = {kind: [] for kind in kinds + ["fio"]}
     for round_number in range(args.rounds):
         for kind in kinds[round_number % len(kinds):] + kinds[:round_number % len(kinds)]:
@@ -112,7 +121,7 @@ def main():
                                   str(args.ops), "--contender", kind],
                                  capture_output=True, text=True, check=True).stdout
             rates[kind].append(float(out.split()[-1]))
-        if peers.fio_available():
+        if "fio" in running:
             peers.drop_page_cache()
             rates["fio"].append(fio_rate(path, args.ops))
     print(f"4 KiB random async reads, wait() every {BATCH}, {args.ops} reads, "

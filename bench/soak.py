@@ -60,7 +60,7 @@ def main():
             buffer = locked[:size] if rng.random() < 0.5 else torch.empty(size, dtype=torch.uint8)
             if len(model) >= size and rng.random() < 0.5:
                 offset = int(rng.integers(0, len(model) - size + 1))
-                done = _attempt(h, counts, lambda: h.sync_pread(buffer, paths[i], offset))
+                done = _attempt(counts, h.sync_pread, buffer, paths[i], offset)
                 if done:
                     assert buffer.numpy().tobytes() == model[offset:offset + size], "corrupt read"
                     counts["bytes verified"] += size
@@ -69,14 +69,7 @@ def main():
                 data = rng.integers(0, 256, size, dtype=np.uint8)
                 buffer.numpy()[:] = data
                 use_async = rng.random() < 0.5
-
-                def write():
-                    if use_async:
-                        h.async_pwrite(buffer, paths[i], offset)
-                        h.wait()
-                    else:
-                        h.sync_pwrite(buffer, paths[i], offset)
-                while not _attempt(h, counts, write):
+                while not _attempt(counts, _write, h, buffer, paths[i], offset, use_async):
                     pass            # a write that failed with its worker is written again
                 model.extend(bytes(max(0, offset + size - len(model))))
                 model[offset:offset + size] = data.tobytes()
@@ -105,9 +98,17 @@ def main():
     print(f"before: {before}  after close: {after}  leaks: {leaks or 0}")
 
 
-def _attempt(h, counts, operation):
+def _write(h, buffer, path, offset, use_async):
+    if use_async:
+        h.async_pwrite(buffer, path, offset)
+        h.wait()
+    else:
+        h.sync_pwrite(buffer, path, offset)
+
+
+def _attempt(counts, operation, *args):
     try:
-        operation()
+        operation(*args)
         return True
     except nvmeswap.WorkerDied:
         counts["operations failed by a fault"] += 1

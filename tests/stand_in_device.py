@@ -8,21 +8,22 @@ corrupt or kill a worker at a given copy.
 import ctypes
 import mmap
 import os
+from typing import ClassVar
 
 import torch
 
 import nvmeswap.gds as gds_module
-import nvmeswap.io.cufile_placement as cufile_placement
 import nvmeswap.io.operation as operation_module
 import nvmeswap.io.placement as placement_module
 from nvmeswap import _memory
+from nvmeswap.io import cufile_placement
 from nvmeswap.io.buffers import IoBuffer, io_buffer
 
 
 class StandInCopier:
     """Copies like CudaCopier; counts bytes, notes pipelining, fails on request."""
 
-    made = []
+    made: ClassVar[list] = []
 
     def __init__(self, tensor, stream):
         self.address = tensor.data_ptr()

@@ -1,4 +1,5 @@
 """The DeepNVMe behaviours that code written against aio_handle relies on."""
+import gc
 import json
 import os
 
@@ -9,8 +10,8 @@ from conftest import random_bytes
 import nvmeswap
 from nvmeswap.compat import AsyncIOBuilder
 
-ARGS = dict(block_size=65536, queue_depth=16, single_submit=True, overlap_events=True,
-            intra_op_parallelism=2)
+ARGS = {"block_size": 65536, "queue_depth": 16, "single_submit": True, "overlap_events": True,
+            "intra_op_parallelism": 2}
 
 
 def test_getters_equal_constructor_arguments(handle_factory):
@@ -126,8 +127,8 @@ def test_locked_tensor_lifecycle(handle):
     ({"aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 2,
               "single_submit": False, "overlap_events": True, "use_gds": False}},
      (262144, 32, False, True, 2)),
-    ('{"aio": {"single_submit": "true", "overlap_events": "false", "num_threads": 1, '
-     '"block_size": "1M", "queue_depth": 8}}', (1 << 20, 8, True, False, 1)),
+    (('{"aio": {"single_submit": "true", "overlap_events": "false", "num_threads": 1, '
+      '"block_size": "1M", "queue_depth": 8}}'), (1 << 20, 8, True, False, 1)),
     ({"block_size": 65536, "intra_op_parallelism": 2}, (65536, 128, False, False, 2)),
 ])
 def test_from_config(config, expected):
@@ -169,7 +170,7 @@ def test_threads_share_one_handle(handle_factory, tmp_path):
                 back = bytearray(len(data))
                 h.sync_pread(back, path)
                 assert back == data
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - the test asserts there is none
             errors.append(error)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
@@ -181,11 +182,14 @@ def test_threads_share_one_handle(handle_factory, tmp_path):
 
 
 def test_unclosed_handle_warns_and_cleans_up():
-    h = nvmeswap.aio_handle()
+    handles = [nvmeswap.aio_handle()]
     with pytest.warns(ResourceWarning, match="unclosed"):
-        del h
-        import gc
-        gc.collect()
+        _drop_and_collect(handles)
+
+
+def _drop_and_collect(handles):
+    handles.clear()
+    gc.collect()
 
 
 def test_compat_gds_builder_loads_a_gds_handle():

@@ -2,11 +2,11 @@
 context, many at once, and never through a worker."""
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import random_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -262,7 +262,7 @@ def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
         assert _exit_code(pid, within=30) == 0
         queue.close()       # before reaping: close submits and waits for what is posted
         assert _submitting_threads() == before
-        data = open(path, "rb").read()
+        data = Path(path).read_bytes()
         for k in range(64):
             got, offset = memory[k * 4 * KiB:(k + 1) * 4 * KiB], (63 - k) * 4 * KiB
             assert got == data[offset:offset + 4 * KiB]

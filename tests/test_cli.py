@@ -13,7 +13,7 @@ import nvmeswap
 
 def nvmeswap_command(*args, cwd=None, prefix=()):
     result = subprocess.run([*prefix, sys.executable, "-m", "nvmeswap", *map(str, args)],
-                            capture_output=True, text=True, timeout=240, cwd=cwd)
+                            capture_output=True, text=True, timeout=240, cwd=cwd, check=False)
     return result
 
 

@@ -24,7 +24,7 @@ def run_cli(*args, cwd=None, prefix=(), code=None):
     """The command as a user runs it; ``code`` runs instead of ``-m nvmeswap`` (for a patch)."""
     program = ["-c", code, *map(str, args)] if code else ["-m", "nvmeswap", *map(str, args)]
     return subprocess.run([*prefix, sys.executable, *program], capture_output=True, text=True,
-                          timeout=240, cwd=cwd)
+                          timeout=240, cwd=cwd, check=False)
 
 
 def ds_io_lines(stdout):
@@ -76,7 +76,7 @@ def test_e2e_speed_is_not_diluted_by_set_up(tmp_path):
     lines = ds_io_lines(result.stdout)
     assert lines[("E2E", "write", "Latency")] == sum(rank["e2e_seconds"])
     assert lines[("Task", "write", "Latency")] <= lines[("E2E", "write", "Latency")] < wall
-    assert set(k[1] for k in lines) == {"write"}
+    assert {k[1] for k in lines} == {"write"}
 
 
 def test_progress_bar_on_a_terminal_quiet_when_piped(tmp_path):
@@ -148,8 +148,8 @@ def test_refuses_unused_and_contradictory_options(tmp_path):
         pinned = run_cli("bench", "--folder", tmp_path, "--io-size", "1M", "--buffer", "pinned")
         assert pinned.returncode == 2
         assert pinned.stderr.strip().splitlines() == [
-            "nvmeswap bench: --buffer pinned needs a CUDA GPU (CUDA-pinned host memory), and "
-            "there is none here; use --buffer locked"]
+            ("nvmeswap bench: --buffer pinned needs a CUDA GPU (CUDA-pinned host memory), and "
+             "there is none here; use --buffer locked")]
     assert os.listdir(tmp_path) == ["second"]
 
 
@@ -174,8 +174,8 @@ def test_output_path_checked_before_the_run(tmp_path):
                       "--json", tmp_path / "no" / "b.json")
     assert missing.returncode == 2 and missing.stdout == ""            # nothing was run
     assert missing.stderr.strip().splitlines() == [
-        f"nvmeswap bench: --json {tmp_path}/no/b.json: folder {tmp_path}/no does not exist; "
-        f"create it (mkdir -p {tmp_path}/no) or pick another path"]
+        (f"nvmeswap bench: --json {tmp_path}/no/b.json: folder {tmp_path}/no does not exist; "
+         f"create it (mkdir -p {tmp_path}/no) or pick another path")]
     folder = run_cli("bench", "--folder", tmp_path, "--io-size", "1M", "--json", tmp_path)
     assert folder.returncode == 2 and "is a folder" in folder.stderr
     assert os.listdir(tmp_path) == []
@@ -198,8 +198,8 @@ def test_not_enough_memory_is_refused_up_front(tmp_path):
                      "--folder", tmp_path, code=code)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "nvmeswap bench: the run needs 6.0 MiB of memory (--ranks x --io-size) and 1.0 MiB is "
-        "available: lower --io-size or --ranks"]
+        ("nvmeswap bench: the run needs 6.0 MiB of memory (--ranks x --io-size) and 1.0 MiB is "
+         "available: lower --io-size or --ranks")]
     assert os.listdir(tmp_path) == []
 
 

@@ -20,7 +20,7 @@ WITHOUT_TORCH = ("import sys; sys.modules['torch'] = None; "
 def run_cli(*args, code=None, prefix=()):
     program = ["-c", code] if code else ["-m", "nvmeswap"]
     return subprocess.run([*prefix, sys.executable, *program, *map(str, args)],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240, check=False)
 
 
 def test_version_comes_from_one_place():
@@ -81,8 +81,9 @@ def test_report_prints_versions_and_build_tools(tmp_path):
     result = run_cli("report", "--folder", tmp_path, "--json", out)
     assert result.returncode == 0, result.stderr
     versions = json.loads(out.read_text())["versions"]
-    import numpy
     import platform
+
+    import numpy
     import torch
     assert versions["nvmeswap"] == nvmeswap.__version__
     assert versions["torch"] == torch.__version__ and versions["numpy"] == numpy.__version__
@@ -135,7 +136,7 @@ assert bytes(back) == data.tobytes() and open(path, 'rb').read() == data.tobytes
 print('ok', 'torch' in sys.modules and sys.modules['torch'] is not None)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok", "False"]
 
@@ -149,8 +150,8 @@ def test_command_line_without_torch(tmp_path):
     assert "buffer numpy" in bench.stdout.splitlines()[0]
     locked = run_cli("bench", "--folder", tmp_path, "--buffer", "locked", code=WITHOUT_TORCH)
     assert locked.returncode == 2 and locked.stderr.strip().splitlines() == [
-        "nvmeswap bench: --buffer locked needs torch (pip install torch); "
-        "--buffer numpy works without it"]
+        ("nvmeswap bench: --buffer locked needs torch (pip install torch); "
+         "--buffer numpy works without it")]
     tuned = run_cli("tune", "--folder", tmp_path, code=WITHOUT_TORCH)
     assert tuned.returncode == 2 and len(tuned.stderr.strip().splitlines()) == 1
     assert "tune needs torch" in tuned.stderr

@@ -20,7 +20,7 @@ from nvmeswap.cli import tune
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "nvmeswap", *map(str, args)],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240, check=False)
 
 
 def test_json_alone_on_stdout_prose_on_stderr(tmp_path):
@@ -114,7 +114,7 @@ def test_heat_map_one_colour_scale_and_the_pick_marked(tmp_path):
     """Drawn in a process of its own (matplotlib keeps font files open for good)."""
     pytest.importorskip("matplotlib")
     png = tmp_path / "map.png"
-    code = f"""
+    code = """
 import json, sys
 import matplotlib
 matplotlib.use("Agg")
@@ -126,18 +126,18 @@ def keep(*args, **kwargs):
     made.append(original(*args, **kwargs))
     return made[-1]
 plt.subplots = keep
-results = {{tuple(json.loads(k)): v for k, v in json.loads(sys.argv[1]).items()}}
+results = {tuple(json.loads(k)): v for k, v in json.loads(sys.argv[1]).items()}
 tune.plot_heat_map(results, sys.argv[2], winner=tuple(json.loads(sys.argv[3])))
 figure, axes = made[0]
-print(json.dumps({{"limits": [list(axis.images[0].get_clim()) for axis in axes[0]],
+print(json.dumps({"limits": [list(axis.images[0].get_clim()) for axis in axes[0]],
                   "outlined": [[axis.get_title(), [list(p.get_xy()) for p in axis.patches]]
                                for axis in axes[0]],
-                  "axes": len(figure.axes)}}))
+                  "axes": len(figure.axes)}))
 """
     results = json.dumps({json.dumps(list(k)): v for k, v in _results().items()})
     winner = json.dumps([tune.BLOCK_SIZES[1], 8, 2, False, True])
     drawn = subprocess.run([sys.executable, "-c", code, results, str(png), winner],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, check=False)
     assert drawn.returncode == 0, drawn.stderr
     figures = json.loads(drawn.stdout)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

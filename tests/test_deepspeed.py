@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ from conftest import random_bytes
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
 
-import nvmeswap                      # noqa: E402
-import nvmeswap.deepspeed as nds     # noqa: E402
+import nvmeswap
+import nvmeswap.deepspeed as nds
 
 
 @pytest.fixture
@@ -60,8 +61,8 @@ def _closing(handles):
 # -- routing -------------------------------------------------------------------------------
 def test_install_routes_every_import_site_and_uninstall_puts_them_back():
     import deepspeed.nvme.ds_aio_basic as basic
-    import deepspeed.ops.op_builder as op_builder
     import deepspeed.runtime.swap_tensor.partitioned_param_swapper as param_swapper
+    from deepspeed.ops import op_builder
     theirs = op_builder.AsyncIOBuilder
     assert theirs is not nds.AsyncIOBuilder
     nds.install()
@@ -228,7 +229,7 @@ def test_async_tensor_swapper_writes_every_tensor_exactly(ds_dist, routed, tmp_p
         swapper.swap_out_tensors(tensors, paths)
         swapper.release_buffers()
         for tensor, path in zip(tensors, paths):
-            written = open(path, "rb").read()
+            written = Path(path).read_bytes()
             assert written[:tensor.numel() * 4] == tensor.numpy().tobytes()
         for buffer in buffers:
             assert h.free_cpu_locked_tensor(buffer)
@@ -318,7 +319,7 @@ def test_fast_file_writer_round_trip(routed, utils_op, tmp_path, io_buffer_size,
             writer.write(data[start:start + 77_777])
         writer.close()
         del writer
-        assert open(path, "rb").read() == data
+        assert Path(path).read_bytes() == data
         assert h.free_cpu_locked_tensor(pinned)
     finally:
         h.close()
@@ -358,15 +359,15 @@ def test_ds_io_engines_write_and_read_their_buffers(routed, monkeypatch, tmp_pat
     """ds_io's basic (aio_read/aio_write) and handle (pread/pwrite) engines, at DeepSpeed's
     op-test geometry with its own validation on: the files hold the engines' buffers."""
     from deepspeed.nvme.ds_aio_basic import AIOBasic_Engine
-    from deepspeed.nvme.ds_aio_handle import AIOHandle_Engine
     from deepspeed.nvme.ds_aio_constants import BUFFER, FILE, HANDLE
+    from deepspeed.nvme.ds_aio_handle import AIOHandle_Engine
     engine_class = AIOBasic_Engine if engine == "aio_basic" else AIOHandle_Engine
     args = _ds_io_args(monkeypatch, tmp_path)
     writer = engine_class(args, 0, False)
     writer.write(args, 0, 0)
     path = writer.ctxt[FILE] if engine == "aio_basic" else writer.ctxt[FILE][0]
     written = bytes(writer.ctxt[BUFFER].numpy())
-    assert open(path, "rb").read() == written and len(written) == 301 * 1024     # not a 4 KiB multiple
+    assert Path(path).read_bytes() == written and len(written) == 301 * 1024     # not a 4 KiB multiple
     writer.fini()
 
     read_args = _ds_io_args(monkeypatch, tmp_path, "--read")
@@ -374,7 +375,7 @@ def test_ds_io_engines_write_and_read_their_buffers(routed, monkeypatch, tmp_pat
     source = reader.ctxt[FILE] if engine == "aio_basic" else reader.ctxt[FILE][0]
     reader.ctxt[BUFFER].zero_()
     reader.read(read_args, 0, 0)
-    assert bytes(reader.ctxt[BUFFER].numpy()) == open(source, "rb").read()
+    assert bytes(reader.ctxt[BUFFER].numpy()) == Path(source).read_bytes()
     handle = reader.ctxt.get(HANDLE)
     reader.fini()
     if handle is not None:
@@ -388,11 +389,12 @@ def test_fast_checkpoint_engine_round_trip(ds_dist, routed, utils_op, monkeypatc
     from DeepSpeed's native pinned manager (DS_PIN_MEMORY_BACKEND=native, routed to
     nvmeswap's pin_handle), an io_buffer_size DeepSpeed accepts that is not a 4 KiB
     multiple, DeepSpeed's op-test aio geometry; the checkpoint loads back bit for bit."""
-    import deepspeed.utils.pin_memory as pin_memory
     from deepspeed.runtime.checkpoint_engine.fast_checkpoint_engine import FastCheckpointEngine
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.model_checkpointing.data_parallel_writer_factory import \
-        DataParallelWriterConfig
+    from deepspeed.runtime.model_checkpointing.data_parallel_writer_factory import (
+        DataParallelWriterConfig,
+    )
+    from deepspeed.utils import pin_memory
     monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
     monkeypatch.setenv("DS_PIN_MEMORY_REGISTER_DEVICE", "0")
     monkeypatch.setattr(pin_memory, "_shared_native_pins", None)

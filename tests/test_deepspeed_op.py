@@ -12,7 +12,7 @@ if os.environ.get("NVMESWAP_TEST_DEEPSPEED_OP", "") != "1":
     pytest.skip("set NVMESWAP_TEST_DEEPSPEED_OP=1 to compare with DeepSpeed's compiled op "
                 "(it JIT-compiles on first load)", allow_module_level=True)
 
-import nvmeswap.deepspeed as nds      # noqa: E402
+import nvmeswap.deepspeed as nds
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
 from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
 
 import nvmeswap
-import nvmeswap.errors as errors
 import nvmeswap.gds as gpudirect
-import nvmeswap.io.cufile_placement as cufile_placement
-from nvmeswap import _cuda
+from nvmeswap import _cuda, errors
+from nvmeswap.io import cufile_placement
 
 KiB, MiB = 1 << 10, 1 << 20
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the fake CUDA IPC maps another "

@@ -27,7 +27,8 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 def run_child(script, *args, timeout=120):
     """Run ``script`` in a fresh interpreter; return its stdout lines (it must exit 0)."""
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script), PACKAGE_ROOT,
-                             *map(str, args)], capture_output=True, text=True, timeout=timeout)
+                             *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.split("\n")
 
@@ -204,7 +205,7 @@ def test_wait_from_two_threads_counts_each_operation_once(handle_factory, tmp_pa
         try:
             while not stop.is_set():
                 counts.append(h.wait())
-        except Exception as error:      # reported below
+        except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
     threads = [threading.Thread(target=waiter) for _ in range(2)]
@@ -450,7 +451,7 @@ def test_descriptors_the_kernel_refuses_to_pass_fail_their_chunks_instead_of_han
     result = subprocess.run(["capsh", "--drop=cap_sys_resource,cap_sys_admin", "--",
                              "-c", f'exec "{sys.executable}" -c "$0" "$@"', script,
                              PACKAGE_ROOT, str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split("\n")[:3]
     for k, line in enumerate(lines):

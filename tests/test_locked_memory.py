@@ -27,7 +27,8 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 def run_child(script, *args, timeout=180):
     """Run ``script`` in a fresh interpreter; return its stdout lines (it must exit 0)."""
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script), PACKAGE_ROOT,
-                             *map(str, args)], capture_output=True, text=True, timeout=timeout)
+                             *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.split("\n")
 

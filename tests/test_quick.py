@@ -202,6 +202,7 @@ def test_small_async_reads_into_locked_memory_take_the_quick_road(handle_factory
     into locked memory never take the ordinary road, many are in flight at once, and each
     gets its own bytes; plain buffers and unaligned offsets still go the ordinary way."""
     import numpy as np
+
     from nvmeswap.io.scheduler import Scheduler
 
     h = handle_factory()

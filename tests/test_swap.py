@@ -190,7 +190,8 @@ def test_two_ranks_with_offload_match_two_ranks_without(tmp_path):
     script = tmp_path / "spawn_ranks.py"
     script.write_text(SPAWN_SCRIPT)
     result = subprocess.run([sys.executable, str(script), EXAMPLES, str(tmp_path / "swap"),
-                             str(tmp_path)], capture_output=True, text=True, timeout=240)
+                             str(tmp_path)], capture_output=True, text=True, timeout=240,
+                            check=False)
     assert result.returncode == 0, result.stderr
     for rank in range(2):
         plain = torch.load(tmp_path / f"plain{rank}.pt")

@@ -539,7 +539,7 @@ def test_offload_adam_example_trains_the_same_with_less_memory(tmp_path):
                            "examples", "offload_adam.py")
     result = subprocess.run([sys.executable, example, "--folder", str(tmp_path),
                              "--layers", "2", "--width", "256", "--steps", "3"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     plain, offload = (line.split("losses ")[1] for line in lines if ": losses " in line)

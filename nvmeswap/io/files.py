@@ -43,7 +43,7 @@ class TargetFile:
 
         On ext4 and XFS a direct write that extends a file allocates blocks and moves the
         file size request by request; allocating the whole extension first makes a write
-        into a fresh file nearly as fast as an overwrite (bench/preallocation.py). A full
+        into a fresh file nearly as fast as an overwrite (bench/studies/preallocation.py). A full
         disk is then reported before any byte is written. A filesystem without
         fallocate(2) just writes as it would have.
         """

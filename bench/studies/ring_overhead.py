@@ -1,12 +1,13 @@
 """What the staging ring for CUDA tensors costs when the copies themselves are free.
 
-    python bench/ring_overhead.py --folder /nvme/scratch --size 1G --rounds 5
+    python bench/studies/ring_overhead.py --folder /nvme/scratch --size 1G --rounds 5
 
 Without a GPU, a stand-in "device" tensor (host memory, copied with memcpy where the
-CUDA copier would copy over PCIe) takes the ring road of Note [device pipeline]: 16 MiB
-pieces through a few locked slots. It is measured against a locked tensor (zero copy)
-and a plain tensor (staged through a full-size locked region) in the same rounds. It
-answers one question: does cutting the transfer into ring pieces lose disk bandwidth?
+CUDA copier would copy over PCIe) takes a CUDA tensor's road through the handle's
+staging space (Note [staging ring]): pieces copied in while others are with the workers.
+It is measured against a locked tensor (zero copy) and a plain tensor (staged through
+the same space) in the same rounds. It answers one question: does cutting the transfer
+into staged pieces lose disk bandwidth?
 It says nothing about PCIe: that needs bench/gpu_roads.py on a GPU.
 """
 import os
@@ -15,16 +16,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import peers  # noqa: E402
-from compare_peers import JOBS, run_rounds  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import peers
+from peers import JOBS
 
-import nvmeswap  # noqa: E402
-import nvmeswap.io.operation as operation_module  # noqa: E402
-import nvmeswap.io.placement as placement_module  # noqa: E402
-from nvmeswap.io.buffers import IoBuffer, io_buffer  # noqa: E402
-from nvmeswap.io.staging import HostCopier  # noqa: E402
-from nvmeswap.units import parse_size  # noqa: E402
+import nvmeswap
+import nvmeswap.io.operation as operation_module
+import nvmeswap.io.placement as placement_module
+from nvmeswap.io.buffers import IoBuffer, io_buffer
+from nvmeswap.io.staging import HostCopier
+from nvmeswap.units import parse_size
 
 
 class StandInDevice(peers.HandleContender):
@@ -65,7 +66,7 @@ def main():
         "ring P2": StandInDevice(size, intra_op_parallelism=2),
     }
     try:
-        seconds = run_rounds(arguments.folder, size, arguments.rounds, everyone)
+        seconds = peers.run_rounds(arguments.folder, size, arguments.rounds, everyone)
     finally:
         for contender in everyone.values():
             contender.close()

@@ -1,6 +1,6 @@
 """What this machine charges for the first touch of new shared memory, now and then.
 
-    python bench/first_touch.py --samples 6 --pause 20
+    python bench/studies/first_touch.py --samples 6 --pause 20
 
 Each sample is a fresh process that makes a staging-sized shared region (locked page by
 page as it is touched, like the staging space, Note [staging ring]) and fills it twice:
@@ -9,7 +9,7 @@ copy alone. Then a second region, whose pages another mapping (as a worker's wou
 already made, is filled: what is left is the locking and mapping, page by page. On bare metal the first costs a few times the second; on a virtual machine
 whose host reclaims the guest's free memory it can cost far more, and it changes with
 the host's state. A plain tensor's first staged operation pays this inside its own time
-(bench/staging_first_use.py shows how much of its gap to a locked tensor that is).
+(bench/studies/staging_first_use.py shows how much of its gap to a locked tensor that is).
 """
 import argparse
 import ctypes
@@ -18,7 +18,9 @@ import sys
 import time
 
 from nvmeswap._memory import Mapping
-from nvmeswap.io.placement import STAGING_BYTES
+from nvmeswap.io.limits import DEFAULT
+
+STAGING_BYTES = DEFAULT.staging_bytes
 from nvmeswap.io.regions import SharedRegion
 
 

@@ -1,7 +1,7 @@
 """Does direct I/O from shared memory (memfd, what workers can map) cost more than from
 private anonymous memory (what an in-process library like DeepSpeed uses)?
 
-    python bench/shared_memory_cost.py --folder /nvme/scratch
+    python bench/studies/shared_memory_cost.py --folder /nvme/scratch
 
 The same engine in one process writes (overwrites) and reads 1 GiB from a locked memfd
 mapping and from a locked anonymous mapping, alternating over several rounds.

@@ -1,6 +1,6 @@
 """What the parent <-> worker control path costs per chunk.
 
-    python bench/control_path.py [--folder /dev/shm]
+    python bench/studies/control_path.py [--folder /dev/shm]
 
 The file lives on a memory filesystem so that the I/O itself costs almost nothing and
 what is left is the control path: building and sending a request, the worker's loop,
@@ -17,9 +17,9 @@ import os
 import time
 
 import torch
-from nvmeswap._transfers import transfer_in_caller
 
 import nvmeswap
+from nvmeswap._transfers import transfer_in_caller
 
 
 def per_op(function, count):

@@ -1,6 +1,6 @@
 """What the first use of the staging space costs a plain tensor's first operation.
 
-    python bench/staging_first_use.py --folder /nvme/scratch --size 1G --rounds 6
+    python bench/studies/staging_first_use.py --folder /nvme/scratch --size 1G --rounds 6
 
 Each contender runs in a fresh process, every round, in rotated order: a locked tensor,
 a plain tensor, and a plain tensor whose (default) handle has already staged one operation as
@@ -20,11 +20,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import peers  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import peers
 
-from nvmeswap.io.placement import STAGING_BYTES  # noqa: E402
-from nvmeswap.units import parse_size  # noqa: E402
+from nvmeswap.io.limits import DEFAULT
+
+STAGING_BYTES = DEFAULT.staging_bytes
+from nvmeswap.units import parse_size
 
 CONTENDERS = ("locked", "plain", "plain, staging used")
 JOBS = ("fresh write", "overwrite", "cold read")

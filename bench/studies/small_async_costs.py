@@ -1,7 +1,7 @@
 """Where the caller's time goes in small async reads: the steps of the handle, timed in place.
 
-    python bench/small_async_costs.py --file /nvme/scratch/small-async.bin --ops 20480
-    python bench/small_async_costs.py --file /dev/shm/small-async.bin   # no device
+    python bench/studies/small_async_costs.py --file /nvme/scratch/small-async.bin --ops 20480
+    python bench/studies/small_async_costs.py --file /dev/shm/small-async.bin   # no device
 
 The loop of bench/small_async.py (4 KiB random ``async_pread`` into a locked buffer,
 ``wait()`` every 256), with timers wrapped around the handle's steps. Prints the reads
@@ -21,6 +21,8 @@ import resource
 import time
 
 import numpy as np
+
+from nvmeswap.units import parse_size
 
 OP, BATCH = 4096, 256
 
@@ -64,7 +66,8 @@ class _TimedQueue:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--file", default="/tmp/sa/small-async.bin",
-                        help="read from this file (made, 1 GiB, if missing)")
+                        help="read from this file (made, --file-size, if missing)")
+    parser.add_argument("--file-size", type=parse_size, default="1G")
     parser.add_argument("--ops", type=int, default=20480)
     parser.add_argument("--cpu", type=int, help="pin the calling thread to this CPU")
     args = parser.parse_args()
@@ -76,8 +79,8 @@ def main():
     if not os.path.exists(args.file):
         os.makedirs(os.path.dirname(os.path.abspath(args.file)), exist_ok=True)
         with open(args.file, "wb") as f:
-            for _ in range(1024):
-                f.write(os.urandom(1 << 20))
+            f.writelines(os.urandom(min(1 << 20, args.file_size - start))
+                         for start in range(0, args.file_size, 1 << 20))
     timers = _Timers()
     timers.wrap(scheduler.Scheduler, "submit", "Scheduler.submit (all of starting)")
     timers.wrap(scheduler, "quick_read", "  quick_read (check, open, book)")

@@ -8,8 +8,8 @@ partition sizes that are not 4 KiB multiples most slices start inside a page. Ea
 swappers do (all started, then one wait); files and slices are compared. Each engine runs in its own process,
 so that an abort in one is reported rather than ending the comparison.
 
-    python bench/deepspeed_unaligned_slices.py            # both, where DeepSpeed's op loads
-    python bench/deepspeed_unaligned_slices.py --engine nvmeswap
+    python bench/studies/deepspeed_unaligned_slices.py            # both, where DeepSpeed's op loads
+    python bench/studies/deepspeed_unaligned_slices.py --engine nvmeswap
 
 DeepSpeed's op is JIT-compiled on its first load (minutes, then cached).
 """
@@ -91,7 +91,7 @@ def main() -> int:
                        str(args.intra_op_parallelism), "--block-size", str(args.block_size)]
             if args.folder:
                 command += ["--folder", args.folder]
-            codes[engine] = subprocess.run(command).returncode
+            codes[engine] = subprocess.run(command, check=False).returncode
             if codes[engine] < 0:
                 print(f"{engine}: the process died of signal {-codes[engine]}")
         return 0 if codes["nvmeswap"] == 0 else 1
