@@ -181,7 +181,7 @@ def deepspeed_available():
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
         return AsyncIOBuilder().is_compatible(verbose=False)
-    except Exception:  # noqa: BLE001 - however DeepSpeed fails to load, the peer is missing
+    except Exception:
         return False
 
 
@@ -256,5 +256,5 @@ def deepspeed_gds_available():
     try:
         from deepspeed.ops.op_builder import GDSBuilder
         return GDSBuilder().is_compatible(verbose=False)
-    except Exception:  # noqa: BLE001 - however DeepSpeed fails to load, the peer is missing
+    except Exception:
         return False

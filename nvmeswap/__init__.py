@@ -19,6 +19,18 @@ from .gds import gds_handle
 from .gpu.discovery import gds_available, gds_unavailable_reason
 
 __version__ = "0.1.0"
-__all__ = ["aio_handle", "gds_handle", "gds_available", "gds_unavailable_reason", "WorkerDied",
-           "ValidationError", "ShortFileError", "CuFileError", "CudaError", "BufferedIOWarning",
-           "MemoryLockWarning", "MemoryBudgetError", "GdsFallbackWarning"]
+__all__ = [
+    "BufferedIOWarning",
+    "CuFileError",
+    "CudaError",
+    "GdsFallbackWarning",
+    "MemoryBudgetError",
+    "MemoryLockWarning",
+    "ShortFileError",
+    "ValidationError",
+    "WorkerDied",
+    "aio_handle",
+    "gds_available",
+    "gds_handle",
+    "gds_unavailable_reason",
+]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, Mapping, Union
+from collections.abc import Mapping
+from typing import Any, Union
 
 from .config import handle_arguments
 from .errors import MemoryBudgetError
@@ -312,7 +313,7 @@ class aio_handle:
     def __enter__(self) -> aio_handle:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:

@@ -338,7 +338,7 @@ def _install_at_startup() -> None:
     """The startup file's call: never lets a routing problem stop the interpreter."""
     try:
         install()
-    except Exception as error:      # noqa: BLE001 - reported, not fatal, at startup
+    except Exception as error:
         print(f"nvmeswap: {ENVIRONMENT_SWITCH} is set but routing DeepSpeed failed: "
               f"{error!r}", file=sys.stderr)
 
@@ -374,7 +374,7 @@ def deepspeed_status() -> str:
     try:
         from importlib.metadata import version
         release = version("deepspeed")
-    except Exception:       # noqa: BLE001 - a source checkout has no metadata
+    except Exception:
         release = "unknown version"
     startup = os.path.exists(startup_file())
     if _installed:

@@ -3,6 +3,7 @@ import errno
 import os
 import sys
 import warnings
+from typing import ClassVar
 
 _warned = set()
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -40,7 +41,7 @@ class ShortFileError(OSError):
 class CuFileError(OSError):
     """A cuFile call failed; ``name`` is cuFile's name for ``code`` (CU_FILE_...)."""
 
-    NAMES = {
+    NAMES: ClassVar[dict] = {
         5001: "CU_FILE_DRIVER_NOT_INITIALIZED", 5002: "CU_FILE_DRIVER_INVALID_PROPS",
         5003: "CU_FILE_DRIVER_UNSUPPORTED_LIMIT", 5004: "CU_FILE_DRIVER_VERSION_MISMATCH",
         5005: "CU_FILE_DRIVER_VERSION_READ_ERROR", 5006: "CU_FILE_DRIVER_CLOSING",

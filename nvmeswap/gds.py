@@ -10,9 +10,9 @@ import os
 from typing import Any
 
 from .aio import aio_handle
-from .io.cufile_placement import CufilePlacement, warn_gds
 from .gpu.discovery import gds_available, gds_unavailable_reason, library_paths, nvidia_fs_loaded
 from .io.buffers import io_buffer
+from .io.cufile_placement import CufilePlacement, warn_gds
 from .io.placement import HostPlacement
 
 

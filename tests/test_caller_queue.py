@@ -164,7 +164,7 @@ def test_the_queue_reports_what_the_kernel_says(tmp_path):
                             (2, 3, 0, 60 * KiB, 8 * KiB, 4 * KiB, True),
                             (3, 1, errno.EFAULT, 0, 4 * KiB, 0, True),
                             (4, 0, errno.EBADF, 0, 4 * KiB, 0, True)]
-        assert memory[:8 * KiB] == open(path, "rb").read()[4 * KiB:12 * KiB]
+        assert memory[:8 * KiB] == Path(path).read_bytes()[4 * KiB:12 * KiB]
         assert [queue.submit(k, 0, True, direct, address, 4 * KiB, 0) for k in range(5)] == [
             True, True, True, True, False]
         assert len(queue.reap(wait_all=True)) == 4

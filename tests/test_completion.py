@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import random_bytes
+
 from nvmeswap._queues import AioEngine, CallerQueue
 from nvmeswap._transfers import Completion, preallocate, transfer_in_caller
 from nvmeswap.workers import protocol

@@ -145,6 +145,6 @@ def test_worker_death_during_a_ring_operation(handle_factory, tmp_path, device):
 def _wait_error(h):
     try:
         h.wait()
-    except Exception as error:  # noqa: BLE001 - the test asserts on its type
+    except Exception as error:
         return error
     return None

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 from conftest import random_bytes
+
 from nvmeswap._memory import buffer_address
 from nvmeswap._queues import AioEngine
 

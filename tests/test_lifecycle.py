@@ -205,7 +205,7 @@ def test_wait_from_two_threads_counts_each_operation_once(handle_factory, tmp_pa
         try:
             while not stop.is_set():
                 counts.append(h.wait())
-        except Exception as error:  # noqa: BLE001 - reported below
+        except Exception as error:
             errors.append(error)
 
     threads = [threading.Thread(target=waiter) for _ in range(2)]

@@ -28,7 +28,7 @@ def _call_with_deadline(function):
     def run():
         try:
             outcome["value"] = function()
-        except BaseException as error:  # noqa: BLE001 - handed to the test
+        except BaseException as error:
             outcome["error"] = error
 
     thread = threading.Thread(target=run, daemon=True)

@@ -19,9 +19,18 @@ from ..errors import ValidationError
 from ..units import SIZE_HELP, human_size, size_argument
 from .bench_ranks import run_ranks
 from .bench_summary import print_report, summarise
-from .options import (StopOnInterrupt, UsageError, check_folder, check_output_path,
-                      gpu_count, in_cli_words, non_negative_int, positive_int, torch_available,
-                      write_json)
+from .options import (
+    StopOnInterrupt,
+    UsageError,
+    check_folder,
+    check_output_path,
+    gpu_count,
+    in_cli_words,
+    non_negative_int,
+    positive_int,
+    torch_available,
+    write_json,
+)
 
 BUFFERS = ("locked", "pinned", "plain", "numpy")
 SETTINGS = ("block_size", "queue_depth", "single_submit", "overlap_events",

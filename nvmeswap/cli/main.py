@@ -24,8 +24,8 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"nvmeswap {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, summary in (("bench", bench, "throughput test (like ds_io)"),
-                                  ("tune", tune, "best settings for a folder "
-                                                 "(like ds_nvme_tune)"),
+                                  ("tune", tune, ("best settings for a folder "
+                                                  "(like ds_nvme_tune)")),
                                   ("report", report, "can nvmeswap work here? (like ds_report)")):
         sub = commands.add_parser(name, help=summary, description=module.__doc__.replace("``", ""),
                                   formatter_class=Formatter)

@@ -106,8 +106,8 @@ def _kernel_aio():
 
 def _aio_limit():
     try:
-        limit = int(open("/proc/sys/fs/aio-max-nr").read())
-        used = int(open("/proc/sys/fs/aio-nr").read())
+        limit = int(_read("/proc/sys/fs/aio-max-nr"))
+        used = int(_read("/proc/sys/fs/aio-nr"))
     except OSError:
         return _check("aio-max-nr", WARN, "cannot read /proc/sys/fs/aio-max-nr")
     fit = (limit - used) // DEFAULT_EVENTS_PER_HANDLE
@@ -135,7 +135,7 @@ def has_cap_ipc_lock():
 
 
 def _memlock():
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if has_cap_ipc_lock():
         limit = "unlimited" if soft == resource.RLIM_INFINITY else human_size(soft)
         return _check("ulimit -l", OK, f"{limit}, and this process holds CAP_IPC_LOCK: "
@@ -151,7 +151,7 @@ def _memlock():
 
 def _io_uring():
     try:
-        disabled = int(open("/proc/sys/kernel/io_uring_disabled").read())
+        disabled = int(_read("/proc/sys/kernel/io_uring_disabled"))
     except OSError:
         disabled = 0
     if disabled == 2:
@@ -250,3 +250,7 @@ def _mount_of(folder):
         pass
     return best[0], best[1]
 
+
+def _read(path):
+    with open(path) as f:
+        return f.read()

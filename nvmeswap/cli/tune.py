@@ -16,8 +16,16 @@ import threading
 import time
 
 from ..units import GB, SIZE_HELP, format_size, size_argument
-from .options import (StopOnInterrupt, UsageError, check_folder, check_output_path,
-                      positive_float, positive_int, torch_available, write_json)
+from .options import (
+    StopOnInterrupt,
+    UsageError,
+    check_folder,
+    check_output_path,
+    positive_float,
+    positive_int,
+    torch_available,
+    write_json,
+)
 
 K, M = 1 << 10, 1 << 20
 BLOCK_SIZES = [128 * K, 256 * K, 1 * M, 4 * M, 8 * M]

@@ -20,7 +20,7 @@ HOST_REGISTER_PORTABLE = 1     # cudaHostRegisterPortable
 class CudaCopier:
     """Copies between one CUDA tensor and staging regions (Note [stream order])."""
 
-    __slots__ = ("_torch", "_bytes", "_stream")
+    __slots__ = ("_bytes", "_stream", "_torch")
 
     def __init__(self, tensor, stream):
         import torch

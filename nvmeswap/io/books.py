@@ -147,8 +147,8 @@ class Books:
             self._feed(op)
 
     def _drive_in_background(self):
-        """Note [staging ring]: an async staged operation can have more pieces than the
-        staging space holds, and only a thread reading responses frees room; without one
+        """An async staged operation can have more pieces than the staging space holds
+        (Note [staging ring]), and only a thread reading responses frees room; without one
         it would stall until ``wait()``. The thread ends when no such operation is left.
         """
         self._driving = True

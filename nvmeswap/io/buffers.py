@@ -12,7 +12,7 @@ class IoBuffer:
     memory outlives a ``set_()`` or ``del`` of the tensor before ``wait()``.
     """
 
-    __slots__ = ("owner", "address", "nbytes", "device", "storage")
+    __slots__ = ("address", "device", "nbytes", "owner", "storage")
 
     def __init__(self, owner, address, nbytes, device=None, storage=None):
         self.owner = owner

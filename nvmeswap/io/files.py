@@ -21,8 +21,15 @@ from ..units import ALIGNMENT
 class TargetFile:
     """The descriptors of one operation's file and what was true of it when opened."""
 
-    __slots__ = ("name", "path", "direct_fd", "buffered_fd", "alignment", "size_before",
-                 "identity")
+    __slots__ = (
+        "alignment",
+        "buffered_fd",
+        "direct_fd",
+        "identity",
+        "name",
+        "path",
+        "size_before",
+    )
 
     def __init__(self, name, path, direct_fd, buffered_fd, alignment, size_before, identity):
         self.name = name

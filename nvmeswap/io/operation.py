@@ -15,10 +15,28 @@ MAX_FILE_END = (1 << 63) - 1
 class Operation:
     """One call in flight: where its bytes go, its chunks still out, and its first error."""
 
-    __slots__ = ("op_id", "is_read", "buffer", "file", "file_offset", "region", "region_offset",
-                 "staged", "owns_region", "copier", "chunks", "remaining", "error",
-                 "validate", "done", "started", "shares_file", "road", "is_async",
-                 "waits_for")
+    __slots__ = (
+        "buffer",
+        "chunks",
+        "copier",
+        "done",
+        "error",
+        "file",
+        "file_offset",
+        "is_async",
+        "is_read",
+        "op_id",
+        "owns_region",
+        "region",
+        "region_offset",
+        "remaining",
+        "road",
+        "shares_file",
+        "staged",
+        "started",
+        "validate",
+        "waits_for",
+    )
 
     def __init__(self, op_id, is_read, buffer, file, file_offset, validate):
         self.op_id = op_id
@@ -131,7 +149,7 @@ class ConcurrentWrites:
 class _InPlaceWrite:
     """``ConcurrentWrites.in_place``: a class, not a generator: it runs on every quick write."""
 
-    __slots__ = ("shares_file", "_writes", "_identity")
+    __slots__ = ("_identity", "_writes", "shares_file")
 
     def __init__(self, writes, identity):
         self.shares_file = False

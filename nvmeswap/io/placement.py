@@ -12,7 +12,6 @@ from .regions import RegionTable
 from .staging import HostCopier, StagedPieces, StagingSpace
 
 
-
 class HostPlacement:
     """Places operations in host memory the workers share: locked regions or staging."""
 

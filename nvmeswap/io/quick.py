@@ -53,7 +53,7 @@ def candidate(buffer, target, file_offset, *, writable):
 
 
 def quick_transfer(buf, path, file_offset, is_read):
-    """Note [quick synchronous operations]: move the bytes in one call; False if that
+    """Move the bytes in one call (Note [quick synchronous operations]); False if that
     did not settle it."""
     if is_read:
         return _transfers.quick_transfer(True, path, buf.address, buf.nbytes,
@@ -70,9 +70,9 @@ def quick_transfer(buf, path, file_offset, is_read):
 
 
 def open_quick_read(op_id, buf, region, target, path, file_offset):
-    """Note [quick asynchronous reads]: the operation of a read the caller queue can
-    take as it is (``buf`` inside the locked ``region``), opened and placed; None if its
-    file does not qualify."""
+    """The operation of a read the caller queue can take as it is (``buf`` inside the
+    locked ``region``), opened and placed; None if its file does not qualify (Note
+    [quick asynchronous reads])."""
     nbytes = buf.nbytes
     opened = _transfers.open_for_direct_read(path, file_offset + nbytes)
     if opened is None:

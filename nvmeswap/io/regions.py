@@ -71,7 +71,7 @@ class Extents:
 class Arena:
     """One memfd whose ranges are regions (Note [memfd arenas])."""
 
-    __slots__ = ("fd", "extents")
+    __slots__ = ("extents", "fd")
 
     def __init__(self, nbytes):
         self.fd = _memfd_create()
@@ -183,8 +183,16 @@ class SharedRegion:
 
     on_device = False
 
-    __slots__ = ("region_id", "arena", "offset", "mapping", "size", "address", "unregister",
-                 "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "address",
+        "arena",
+        "mapping",
+        "offset",
+        "region_id",
+        "size",
+        "unregister",
+    )
 
     def __init__(self, nbytes, lock_on_fault=False, arena_bytes=DEFAULT.arena_bytes):
         self.region_id = next(region_ids)

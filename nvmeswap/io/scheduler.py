@@ -182,8 +182,8 @@ class Scheduler:
                      bool(self.books.ops), self._queue_room())
 
     def _run_quick(self, buf, region, path, file_offset, is_read):
-        """Note [quick synchronous operations]: True if the operation was settled in one
-        call. Routed under the lock (nothing in flight: then there is no order to keep),
+        """True if the operation was settled in one call (Note [quick synchronous
+        operations]). Routed under the lock (nothing in flight: then there is no order to keep),
         counted as an inline operation so that ``release`` waits for it."""
         with _InlineCount(self) as count:
             with deferred_interrupts(), self._cond:
@@ -195,8 +195,8 @@ class Scheduler:
             return quick_transfer(buf, path, file_offset, is_read)
 
     def _submit_quick_read(self, buf, region, target, path, file_offset):
-        """Note [quick asynchronous reads]: True if the read was booked for the caller
-        queue. Its file is opened first; it is booked only if there is still room for it
+        """True if the read was booked for the caller queue (Note [quick asynchronous
+        reads]). Its file is opened first; it is booked only if there is still room for it
         and nothing in flight that it must follow, else it goes the ordinary way."""
         with deferred_interrupts():
             op = open_quick_read(next(self._op_ids), buf, region, target, path, file_offset)
@@ -298,7 +298,7 @@ class _InlineCount:
     (under the scheduler's lock) and uncounted however the block ends: a Ctrl-C held
     back until the count was taken included. ``release`` waits for the count to drop."""
 
-    __slots__ = ("_scheduler", "_counted")
+    __slots__ = ("_counted", "_scheduler")
 
     def __init__(self, scheduler):
         self._scheduler = scheduler

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import MutableMapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -120,7 +120,7 @@ class OffloadedOptimizer(StateOffloading, torch.optim.Optimizer):
         """Per-parameter state; reading a parameter's brings it into memory (lazily)."""
         return self._snapshot if self._snapshot is not None else self._state_view
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of the wrapped optimizer, group by group with the state swapped in
         and out; returns what ``closure`` returned (evaluated once, with grad enabled)."""
         self._check_open()
@@ -197,7 +197,7 @@ class OffloadedOptimizer(StateOffloading, torch.optim.Optimizer):
     def __enter__(self) -> OffloadedOptimizer:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _check_open(self):

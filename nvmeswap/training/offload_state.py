@@ -17,8 +17,8 @@ counts, exactly as with the plain optimizer.
 from __future__ import annotations
 
 import math
-from collections.abc import MutableMapping
-from typing import Any, Iterator
+from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 import torch
 
@@ -187,7 +187,7 @@ class StateOffloading:
         for synchronize in (self.swapper.synchronize_reads, self.swapper.synchronize_writes):
             try:
                 synchronize()
-            except Exception:       # noqa: PERF203 - the keys say what failed
+            except Exception:
                 pass
         for _, items in self._leaving:
             for param, name, key, view in items:
@@ -318,7 +318,7 @@ class OffloadedState(MutableMapping):
         return param in self._owner.optimizer.state
 
     def get(self, param: torch.Tensor, default: Any = None) -> Any:
-        return self[param] if param in self else default
+        return self[param] if param in self else default  # noqa: SIM401 (a Mapping's get)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(list(self._owner.optimizer.state))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 import os
 import tempfile
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 from ..aio import aio_handle
 from .swap_files import PackFile, as_bytes, file_name
@@ -33,7 +34,7 @@ class SwapError(RuntimeError):
 
 
 class _Entry:
-    __slots__ = ("path", "offset", "shape", "dtype", "nbytes", "state", "tensor", "error")
+    __slots__ = ("dtype", "error", "nbytes", "offset", "path", "shape", "state", "tensor")
 
     def __init__(self, path, offset, shape, dtype, nbytes):
         self.path = path
@@ -76,8 +77,8 @@ class TensorSwapper:
     the key as it was before, readable again.
     """
 
-    def __init__(self, folder: "str | os.PathLike[str]", read_handle: Optional[aio_handle] = None,
-                 write_handle: Optional[aio_handle] = None, *, pack_below: int = 0,
+    def __init__(self, folder: str | os.PathLike[str], read_handle: aio_handle | None = None,
+                 write_handle: aio_handle | None = None, *, pack_below: int = 0,
                  **handle_args: Any) -> None:
         folder = os.fspath(folder)
         os.makedirs(folder, exist_ok=True)
@@ -324,7 +325,7 @@ class TensorSwapper:
                 if pending:
                     try:
                         synchronize()
-                    except Exception as error:      # noqa: PERF203 - cleanup goes on
+                    except Exception as error:
                         errors.append(error)
             for key in list(self._entries):
                 self.release(key)
@@ -356,7 +357,7 @@ class TensorSwapper:
     def __enter__(self) -> TensorSwapper:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -20,7 +20,7 @@ _BOUNCE = 16 << 20
 class DeviceMapping:
     """One region of a parent's CUDA allocation as mapped here (and registered with cuFile)."""
 
-    __slots__ = ("ipc_handle", "ordinal", "address", "registered")
+    __slots__ = ("address", "ipc_handle", "ordinal", "registered")
 
     def __init__(self, ipc_handle, ordinal, address):
         self.ipc_handle = ipc_handle

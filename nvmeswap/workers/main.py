@@ -189,7 +189,7 @@ class Executor:
 
     def _run_cufile(self, request):
         if self._cufile is None:
-            from .cufile_io import CufileIO     # only cuFile workers load CUDA
+            from .cufile_io import CufileIO  # only cuFile workers load CUDA
 
             self._cufile = CufileIO()
         if request.kind == protocol.CUFILE_SETUP:

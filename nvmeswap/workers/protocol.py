@@ -12,6 +12,7 @@ import struct
 from typing import NamedTuple
 
 from .._transfers import Completion
+
 MAP, UNMAP, READ, WRITE = 1, 2, 3, 4
 # GPUDirect Storage: load cuFile, map a CUDA region by IPC, cuFile I/O on it.
 CUFILE_SETUP, DEVICE_MAP, CUFILE_READ, CUFILE_WRITE = 5, 6, 7, 8
