@@ -14,6 +14,7 @@ from typing import Any, Union
 from .config import handle_arguments
 from .errors import MemoryBudgetError
 from .io.limits import DEFAULT as DEFAULT_LIMITS
+from .io.futures import Future
 from .io.limits import Limits
 from .io.operation import checked_bool, checked_int
 from .io.placement import HostPlacement
@@ -183,6 +184,39 @@ class aio_handle:
         """
         return self._submit(buffer, _target(filename, fd), file_offset, is_read=False)
 
+    def submit_pread(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> Future:
+        """Start a read of its own; its ``Future`` says when it is done (``done()``, never
+        blocking) and gives its result (``result()``: the bytes read, or its error).
+        ``wait()`` does not count it; ``close()`` waits for it."""
+        return self._submit_future(buffer, filename, file_offset, is_read=True)
+
+    def submit_pwrite(self, buffer: Buffer, filename: Target, file_offset: int = 0) -> Future:
+        """Start a write of its own, as ``submit_pread``."""
+        return self._submit_future(buffer, filename, file_offset, is_read=False)
+
+    def async_pread_many(self, buffers: Buffer | Sequence[Buffer], filename: Target,
+                         offsets: Sequence[int], *,
+                         lengths: Sequence[int] | None = None) -> int:
+        """Start many reads of one file (Note [batches] in io/batch.py); returns 0.
+
+        ``buffers``: a sequence of buffers, read ``offsets[k]`` into ``buffers[k]``; or
+        one buffer cut by ``lengths`` (request ``k`` is the next ``lengths[k]`` bytes of
+        it). Every argument is checked, and the file's length, before any I/O.
+        ``wait()`` counts each request as one operation; a failed request's error names
+        the file and its offset. Locked, 4096-aligned requests of up to 256 KiB go to
+        the kernel in bulk; any others as if each were started on its own.
+        """
+        return self._submit_many(buffers, filename, offsets, lengths, is_read=True)
+
+    def async_pwrite_many(self, buffers: Buffer | Sequence[Buffer], filename: Target,
+                          offsets: Sequence[int], *,
+                          lengths: Sequence[int] | None = None) -> int:
+        """Start many writes to one file (created if missing, never truncated); returns 0.
+
+        As ``async_pread_many``; the buffers must stay unchanged until ``wait()``.
+        """
+        return self._submit_many(buffers, filename, offsets, lengths, is_read=False)
+
     def pread(self, buffer: Buffer, filename: Target, validate: bool = False,
               async_op: bool = False, file_offset: int = 0, **kwargs: Any) -> int:
         """DeepNVMe's pread: 1 when done synchronously, 0 when started (``async_op``).
@@ -343,6 +377,15 @@ class aio_handle:
         self._scheduler.check_usable()
         return self._scheduler.run(buffer, target, file_offset, is_read=is_read,
                                    validate=validate)
+
+    def _submit_future(self, buffer, target, file_offset, *, is_read):
+        self._scheduler.check_usable()
+        return self._scheduler.submit_future(buffer, target, file_offset, is_read=is_read)
+
+    def _submit_many(self, buffers, target, offsets, lengths, *, is_read):
+        self._scheduler.check_usable()
+        self._scheduler.submit_many(buffers, target, offsets, lengths, is_read=is_read)
+        return 0
 
     def _submit(self, buffer, target, file_offset, *, is_read, validate=False):
         self._scheduler.check_usable()

@@ -3,6 +3,7 @@ road goes, fed through the staging space, held for the ones they must follow, co
 from the responses, failed when workers die. Called with the scheduler's lock held
 (``cond``), but for ``wait_until``, which takes it.
 """
+import errno
 import threading
 
 from ..errors import ValidationError, WorkerDied
@@ -37,13 +38,14 @@ class Books:
             self.workers.unmap(region)
         region.close()
 
-    def book(self, op, is_async):
+    def book(self, op, is_async, for_wait=True):
         """Enter a routed operation in the books, under the lock: the one booking of every
         road. An inline one has moved its bytes already; any other starts now, or is held
-        until the earlier operations it conflicts with have finished (Note [ordering])."""
+        until the earlier operations it conflicts with have finished (Note [ordering]).
+        An asynchronous one is for ``wait()`` to collect unless a future holds it."""
         op.started = True
         op.is_async = is_async
-        if is_async:
+        if is_async and for_wait:
             self.async_ops.append(op)
         if op.road is Road.CALLER_QUEUE and op.staged is None:
             op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
@@ -83,7 +85,14 @@ class Books:
                 self._go(op)
 
     def _dispatch(self, op):
-        """Hand every chunk of a zero-copy operation out."""
+        """Hand every chunk of a zero-copy operation out (a batch's in one call)."""
+        if op.road is Road.BATCH:
+            taken = self.workers.post_batch(op)
+            if taken < len(op.chunks):
+                start, length = op.chunks[taken]
+                op.error = op.transfer_error(errno.EAGAIN, op.file_offset + start, length, 0)
+                self._count_out(op, len(op.chunks) - taken)
+            return
         for index in range(len(op.chunks)):
             if not self._sent(op, index):
                 break
@@ -193,9 +202,23 @@ class Books:
                     self.pumping_thread = None
                     self.cond.notify_all()
 
-    def _pump(self, pool):
+    def progress(self):
+        """Complete what has ended, without waiting: unless another thread is reading
+        responses (then it does)."""
+        with deferred_interrupts(), self.cond:
+            if self.pumping_thread is not None:
+                return
+            self.pumping_thread = threading.get_ident()
+        try:
+            self._pump(self.workers.pool, wait=False)
+        finally:
+            with deferred_interrupts(), self.cond:
+                self.pumping_thread = None
+                self.cond.notify_all()
+
+    def _pump(self, pool, wait=True):
         """Read the workers' responses and complete their chunks (Note [deferred interrupts])."""
-        events = self.workers.poll(pool)
+        events = self.workers.poll(pool, wait)
         with deferred_interrupts(), self.cond:
             try:
                 responses = self.workers.read(pool, events)
@@ -219,6 +242,7 @@ class Books:
         chunk = done.chunk
         start, length = op.chunks[chunk]
         if done.failed:
+            op.failures += 1
             if op.error is None:
                 op.error = op.transfer_error(done.err, done.at_offset, done.requested, done.got)
         elif op.copier is not None and op.is_read and op.error is None:

@@ -40,6 +40,19 @@ class TargetFile:
         self.size_before = size_before
         self.identity = identity    # (device, inode): the same file under any name or fd
 
+    def duplicate(self):
+        """The same file with descriptors of its own (closed with the copy), and its size
+        now as ``size_before``."""
+        size = os.fstat(self.direct_fd).st_size
+        direct_fd = os.dup(self.direct_fd)
+        try:
+            buffered_fd = os.dup(self.buffered_fd) if self.buffered_fd >= 0 else -1
+        except BaseException:
+            os.close(direct_fd)
+            raise
+        return TargetFile(self.name, self.path, direct_fd, buffered_fd, self.alignment, size,
+                          self.identity)
+
     def descriptors(self):
         if self.buffered_fd < 0:
             return [self.direct_fd]

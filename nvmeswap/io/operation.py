@@ -5,7 +5,7 @@ import resource
 import threading
 
 from ..errors import error_from_code, os_error, short_file_error
-from .buffers import io_buffer
+from .buffers import IoBuffer, io_buffer
 from .files import open_target
 from .process_state import shared
 
@@ -19,8 +19,10 @@ class Operation:
         "buffer",
         "chunks",
         "copier",
+        "count",
         "done",
         "error",
+        "failures",
         "file",
         "file_offset",
         "is_async",
@@ -59,6 +61,8 @@ class Operation:
         self.road = None            # Note [roads]: set when it is routed
         self.is_async = False
         self.waits_for = None       # earlier operations it must follow (Note [ordering])
+        self.count = 1              # the operations wait() counts it as (Note [batches])
+        self.failures = 0           # its requests that failed
 
     def is_done(self):
         return self.done
@@ -176,7 +180,7 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
     """Check the arguments and open the file: everything that can fail before any I/O.
     A write that grows the file by ``preallocate_min`` or more preallocates
     (Note [preallocation])."""
-    buf = io_buffer(buffer, writable=is_read)
+    buf = buffer if type(buffer) is IoBuffer else io_buffer(buffer, writable=is_read)
     file_offset = checked_int("file_offset", file_offset, 0, MAX_FILE_END - buf.nbytes)
     if buf.nbytes == 0:
         raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")

@@ -15,6 +15,10 @@ operation is opened and placed. "Small" is at most the placement's inline limit
 | async read, small, aligned, locked       | QUICK_READ   | opening, placing | small_async.py    |
 | memory, the caller queue has room        |              | in Python        |                   |
 | otherwise, before the file is opened     | OPEN         |                  |                   |
+| a batch's slice: small, aligned, locked  | BATCH        | one booking and  | small_async.py    |
+| memory, the caller queue has room        |              | one post for all | (--batch)         |
+| any other batch slice                    | EACH         | (each request    |                   |
+|                                          |              | routed alone)    |                   |
 | CUDA memory that cuFile takes            | CUFILE       | the host copy    | studies/gpu_roads |
 | small, nothing to follow, staging room;  | INLINE       | two process      | peers_table.py    |
 | sync, or async with nothing in flight    |              | wake-ups and a   | (sync rows)       |
@@ -23,14 +27,14 @@ operation is opened and placed. "Small" is at most the placement's inline limit
 | queue has room                           |              | reads in flight  |                   |
 | everything else                          | WORKERS      | (fans out)       | peers_table.py    |
 
-(Scripts under bench/.) QUICK_READ and CALLER_QUEUE go to the handle's own kernel AIO
-context (Note [caller queue]); WORKERS and CUFILE to the worker processes. A quick road
-may still decline (its file does not qualify, or it must follow an operation in
-flight): the operation is then opened the ordinary way. Any other road decided is
-final: the caller queue's room counts every booked operation that may still post to
-it, so a post never finds it full. Memory is the placement's to choose: on INLINE,
-CALLER_QUEUE and WORKERS a buffer outside locked memory goes through a staging piece
-(Note [staging ring]).
+(Scripts under bench/.) Batches: Note [batches]. QUICK_READ, CALLER_QUEUE and BATCH go
+to the handle's own kernel AIO context (Note [caller queue]); WORKERS and CUFILE to the
+worker processes. A quick road may still decline (its file does not qualify, or it must
+follow an operation in flight): the operation is then opened the ordinary way. Any
+other road decided is final: the caller queue's room counts every booked operation that
+may still post to it, so a post never finds it full. Memory is the placement's to
+choose: on INLINE, CALLER_QUEUE and WORKERS a buffer outside locked memory goes through
+a staging piece (Note [staging ring]).
 """
 from __future__ import annotations
 
@@ -44,16 +48,18 @@ class Road(enum.Enum):
     OPEN = "open"               # not decided yet: open and place the operation, then route
     INLINE = "inline"           # Note [small synchronous operations]
     CALLER_QUEUE = "caller queue"   # Note [caller queue]
+    BATCH = "batch"             # Note [batches]: a slice of a batch, posted in one call
+    EACH = "each"               # a slice of a batch whose requests go their own roads
     WORKERS = "workers"
     CUFILE = "cufile"           # Note [device regions]
 
 
 ALL_ROADS = frozenset(Road)
 #: The roads no handle can be kept off: every operation can take one of them.
-ALWAYS_OPEN = frozenset({Road.OPEN, Road.WORKERS, Road.CUFILE})
+ALWAYS_OPEN = frozenset({Road.OPEN, Road.EACH, Road.WORKERS, Road.CUFILE})
 #: The roads whose requests the worker processes move, and those the caller queue moves.
 WORKER_ROADS = frozenset({Road.WORKERS, Road.CUFILE})
-CALLER_ROADS = frozenset({Road.QUICK_READ, Road.CALLER_QUEUE})
+CALLER_ROADS = frozenset({Road.QUICK_READ, Road.CALLER_QUEUE, Road.BATCH})
 
 
 class Memory(enum.Enum):
@@ -78,7 +84,7 @@ class Facts(NamedTuple):
     queue_room: bool    # the caller queue exists and can take one more request
     conflicts: bool = False     # it must follow an operation in flight (Note [ordering])
     staging_room: bool = False  # no staging needed, or a piece of it is free now
-    caller_present: bool = True     # routed in its caller's thread
+    batch: bool = False         # a slice of a batch (Note [batches]); nbytes: its largest
 
 
 def route(facts: Facts, roads: frozenset = ALL_ROADS) -> Road:
@@ -95,11 +101,14 @@ def route(facts: Facts, roads: frozenset = ALL_ROADS) -> Road:
                     and Road.QUICK_READ in roads:
                 return Road.QUICK_READ
         return Road.OPEN
+    if facts.batch:
+        return (Road.BATCH if small and facts.aligned and facts.memory is Memory.LOCKED
+                and facts.queue_room and Road.BATCH in roads else Road.EACH)
     if not host:
         return Road.CUFILE
     to_queue = (small and facts.aligned and facts.queue_room
                 and Road.CALLER_QUEUE in roads)
-    if (small and facts.caller_present and not facts.conflicts and facts.staging_room
+    if (small and not facts.conflicts and facts.staging_room
             and Road.INLINE in roads
             and (not facts.is_async or not (facts.busy or to_queue))):
         return Road.INLINE

@@ -20,7 +20,10 @@ from .._transfers import transfer_in_caller
 from ..errors import WorkerDied, caller_stacklevel
 from .books import Books
 from .interrupts import deferred_interrupts
-from .operation import open_operation
+from .batch import SLICE, BatchOperation, checked_requests
+from .files import open_target
+from .futures import Future
+from .operation import open_operation, writes
 from .quick import candidate, open_quick_read, quick_transfer
 from .roads import Facts, Memory, Road, route
 from .workforce import Workforce, chunks_in_flight_limit
@@ -75,6 +78,66 @@ class Scheduler:
                 return
         self._begin(buffer, target, file_offset, is_read, validate, is_async=True)
 
+    def submit_future(self, buffer, target, file_offset, *, is_read):
+        """Start an operation of its own, which ``wait()`` does not collect."""
+        return Future(self.books, self._begin(buffer, target, file_offset, is_read, False,
+                                              is_async=True, for_wait=False))
+
+    def submit_many(self, buffers, target, offsets, lengths, *, is_read):
+        """Start a batch (Note [batches]): its requests checked and its file opened before
+        any I/O, then booked slice by slice."""
+        requests = checked_requests(buffers, offsets, lengths, is_read=is_read)
+        start = min(request.offset for request in requests)
+        end = max(request.offset + request.nbytes for request in requests)
+        with deferred_interrupts():
+            file = open_target(target, for_write=not is_read, offset=start,
+                               nbytes=end - start, o_direct=self._o_direct)
+        try:
+            size = max(1, min(SLICE, self._max_chunks // 2))
+            for first in range(0, len(requests), size):
+                part = requests[first:first + size]
+                if not self._has_room(len(part)):
+                    self.books.wait_until(functools.partial(self._has_room, len(part)))
+                with deferred_interrupts():
+                    op = BatchOperation(next(self._op_ids), is_read, part, file.duplicate())
+                    writes().start(op)
+                try:
+                    self._start_batch(op, target)
+                except BaseException:
+                    if not op.started and not op.done:
+                        self.books.abandon(op)
+                    raise
+        finally:
+            file.close()
+
+    def _start_batch(self, op, target):
+        """Route a slice of a batch: booked whole, or each request on its own road."""
+        with deferred_interrupts(), self._cond:
+            self.check_usable()
+            op.road = route(self._batch_facts(op), self.limits.roads)
+            if op.road is Road.BATCH:
+                self.books.book(op, is_async=True)
+                return
+        writes().end(op)    # nothing of it has started, nor grown the file
+        op.file.close()
+        op.done = True
+        for request in op.requests:
+            self._begin(request.buffer, target, request.offset, op.is_read, False,
+                        is_async=True)
+
+    def _batch_facts(self, op):
+        alignment, locked = op.file.alignment, self.placement.locked
+        requests = op.requests
+        aligned = all(request.address % alignment == 0 and request.offset % alignment == 0
+                      and request.nbytes % alignment == 0 for request in requests)
+        in_locked = all(request.buffer.device is None
+                        and locked.containing(request.address, request.nbytes) is not None
+                        for request in requests)
+        return Facts(True, True, op.is_read, max(op.lengths()),
+                     self.placement.host_inline_limit, aligned,
+                     Memory.LOCKED if in_locked else Memory.HOST, bool(self.books.ops),
+                     self._queue_room(len(requests)), batch=True)
+
     def collect(self):
         """Wait for every submitted operation; return how many, or raise the first failure.
 
@@ -92,13 +155,15 @@ class Scheduler:
             with deferred_interrupts(), self._cond:
                 self.books.async_ops[:0] = ops
             raise
-        failed = [op.error for op in ops if op.error is not None]
+        count = sum(op.count for op in ops)     # a batch counts its requests
+        failed = [op for op in ops if op.error is not None]
         if not failed:
-            return len(ops)
-        first = failed[0]
-        first.failed_operations = len(failed)
+            return count
+        first = failed[0].error
+        failures = sum(max(op.failures, 1) for op in failed)
+        first.failed_operations = failures
         if hasattr(first, "add_note"):      # Python 3.11+
-            first.add_note(f"{len(failed)} of {len(ops)} operations failed")
+            first.add_note(f"{failures} of {count} operations failed")
         # Note [no reference cycle]: the traceback holds this frame; this frame must not
         # hold the error, or the operations (and the caller's buffers) through them, or
         # only the garbage collector would free them, locked memory included.
@@ -210,7 +275,8 @@ class Scheduler:
                 self.books.book(op, is_async=True)
         return True
 
-    def _begin(self, buffer, target, file_offset, is_read, validate, is_async):
+    def _begin(self, buffer, target, file_offset, is_read, validate, is_async,
+               for_wait=True):
         """Open, place, route and start one operation. If anything fails before it has
         started (Ctrl-C included: Note [deferred interrupts]), nothing of it is left."""
         # Back-pressure, before anything is opened: every chunk in flight holds
@@ -223,21 +289,22 @@ class Scheduler:
                 op = open_operation(next(self._op_ids), buffer, target, file_offset,
                                     is_read=is_read, validate=validate, o_direct=self._o_direct,
                                     preallocate_min=self.limits.preallocate_min)
-            self._start(op, is_async)
+            self._start(op, is_async, for_wait)
         except BaseException:
             if op is not None and not op.started:
                 self.books.abandon(op)
             raise
         return op
 
-    def _has_room(self):
+    def _has_room(self, chunks=1):
         books = self.books
         return (self.workers.chunks_in_flight + len(books.staged_ops) + len(books.held)
-                < self._max_chunks)
+                + chunks <= self._max_chunks)
 
-    def _queue_room(self):
+    def _queue_room(self, requests=1):
         # Held and staged operations may each still post one request (Note [roads]).
-        return self.workers.queue_room(len(self.books.held) + len(self.books.staged_ops))
+        return self.workers.queue_room(len(self.books.held) + len(self.books.staged_ops),
+                                       requests)
 
     def _facts(self, op, is_async):
         """What ``route`` needs of a placed operation (under the lock)."""
@@ -254,7 +321,7 @@ class Scheduler:
                      conflicts=buf.nbytes <= inline_limit and bool(books.ordering.conflicts(op)),
                      staging_room=op.staged is None or op.staged.can_start_next())
 
-    def _start(self, op, is_async):
+    def _start(self, op, is_async, for_wait=True):
         """Place and route the operation; book it, or run it in the calling thread."""
         with _InlineCount(self) as count:
             with deferred_interrupts(), self._cond:
@@ -263,14 +330,14 @@ class Scheduler:
                 op.road = route(self._facts(op, is_async), self.limits.roads)
                 if op.road is not Road.INLINE:
                     self._running_pool()    # before booking: it may fail what is out
-                    self.books.book(op, is_async)
+                    self.books.book(op, is_async, for_wait)
                     return
                 count()
                 if op.staged is not None:
                     op.staged.start_next()      # the room its facts saw
             done = self._run_inline(op)
             with deferred_interrupts(), self._cond:
-                self.books.book(op, is_async)
+                self.books.book(op, is_async, for_wait)
                 self.books.complete_chunk(op, done)
 
     def _run_inline(self, op):

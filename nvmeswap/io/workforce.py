@@ -65,17 +65,31 @@ class Workforce:
                 self.pool.also_wake(self.queue.eventfd)
         return self.pool
 
-    def queue_room(self, may_post):
-        """Whether the caller queue can take one more request while ``may_post`` booked
+    def queue_room(self, may_post, requests=1):
+        """Whether the caller queue can take ``requests`` more while ``may_post`` booked
         operations may still post one each (Note [roads]: a post never finds it full)."""
         queue = self.queue
-        return queue is not None and queue.in_flight + may_post < queue.capacity
+        return queue is not None and queue.in_flight + may_post + requests <= queue.capacity
 
-    def poll(self, pool):
-        """Block until ``pool`` or the caller queue has something to say."""
+    def post_batch(self, op):
+        """Post every request of a batch (Note [batches]) to the caller queue; how many
+        it took (all: its room was counted when the batch was routed)."""
+        queue, fd, op_id, is_read = self.queue, op.file.direct_fd, op.op_id, op.is_read
+        taken = 0
+        for chunk, request in enumerate(op.requests):
+            if not queue.post(op_id, chunk, is_read, fd, request.address, request.nbytes,
+                              request.offset):
+                break
+            taken += 1
+        return taken
+
+    def poll(self, pool, wait=True):
+        """Block until ``pool`` or the caller queue has something to say; without
+        ``wait``, only look."""
         if pool is not None:
-            return pool.poll()
-        select.select([self.queue.eventfd], [], [])     # only the queue has work out
+            return pool.poll(None if wait else 0)
+        if self.queue is not None:      # only the queue has work out
+            select.select([self.queue.eventfd], [], [], None if wait else 0)
         return []
 
     def read(self, pool, events):

@@ -113,13 +113,14 @@ class WorkerPool:
                 return _death_message(worker.process)
         return None
 
-    def poll(self):
-        """Block until a worker has something to say (or has died); take nothing yet.
+    def poll(self, timeout=None):
+        """Block until a worker has something to say (or has died), at most ``timeout``
+        milliseconds (None: for ever); take nothing yet.
 
         The one place the parent blocks on its workers: an interrupt here loses nothing
         (Note [deferred interrupts] in io/interrupts.py).
         """
-        return self._poller.poll()
+        return self._poller.poll(timeout)
 
     def read(self, events):
         """The responses ready after ``poll()``; WorkerDied if a worker has gone."""
