@@ -13,8 +13,8 @@ from typing import Any, Union
 
 from .config import handle_arguments
 from .errors import MemoryBudgetError
-from .io.limits import DEFAULT as DEFAULT_LIMITS
 from .io.futures import Future
+from .io.limits import DEFAULT as DEFAULT_LIMITS
 from .io.limits import Limits
 from .io.operation import checked_bool, checked_int
 from .io.placement import HostPlacement

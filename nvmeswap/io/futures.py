@@ -13,7 +13,7 @@ class Future:
     nobody asked ``result()`` for is named in a ResourceWarning when the future goes.
     """
 
-    __slots__ = ("_books", "_op", "_asked")
+    __slots__ = ("_asked", "_books", "_op")
 
     def __init__(self, books, op):
         self._books = books

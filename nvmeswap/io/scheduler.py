@@ -18,11 +18,11 @@ import warnings
 
 from .._transfers import transfer_in_caller
 from ..errors import WorkerDied, caller_stacklevel
-from .books import Books
-from .interrupts import deferred_interrupts
 from .batch import SLICE, BatchOperation, checked_requests
+from .books import Books
 from .files import open_target
 from .futures import Future
+from .interrupts import deferred_interrupts
 from .operation import open_operation, writes
 from .quick import candidate, open_quick_read, quick_transfer
 from .roads import Facts, Memory, Road, route
