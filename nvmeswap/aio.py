@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 from .config import handle_arguments
