@@ -15,9 +15,9 @@ LIMIT = 256 * KiB
 
 def facts(opened=True, is_async=False, is_read=True, nbytes=4 * KiB, aligned=True,
           memory=Memory.LOCKED, busy=False, queue_room=True, conflicts=False,
-          staging_room=True, inline_limit=LIMIT):
+          staging_room=True, inline_limit=LIMIT, batch=False):
     return Facts(opened, is_async, is_read, nbytes, inline_limit, aligned, memory, busy,
-                 queue_room, conflicts, staging_room)
+                 queue_room, conflicts, staging_room, batch)
 
 
 # (facts, roads the handle allows, the road) -- one row per rule and per way to miss it.
@@ -36,6 +36,14 @@ TABLE = [
     (facts(opened=False, is_async=True, memory=Memory.HOST), ALL_ROADS, Road.OPEN),
     (facts(opened=False, is_async=True, is_read=False), ALL_ROADS, Road.OPEN),
     (facts(opened=False, is_async=True), ALL_ROADS - {Road.QUICK_READ}, Road.OPEN),
+    # A slice of a batch (Note [batches]).
+    (facts(batch=True, is_async=True), ALL_ROADS, Road.BATCH),
+    (facts(batch=True, is_async=True, is_read=False, busy=True), ALL_ROADS, Road.BATCH),
+    (facts(batch=True, is_async=True, memory=Memory.HOST), ALL_ROADS, Road.EACH),
+    (facts(batch=True, is_async=True, aligned=False), ALL_ROADS, Road.EACH),
+    (facts(batch=True, is_async=True, nbytes=LIMIT + 4 * KiB), ALL_ROADS, Road.EACH),
+    (facts(batch=True, is_async=True, queue_room=False), ALL_ROADS, Road.EACH),
+    (facts(batch=True, is_async=True), ALWAYS_OPEN, Road.EACH),
     # Opened and placed.
     (facts(memory=Memory.CUFILE, inline_limit=0), ALL_ROADS, Road.CUFILE),
     (facts(memory=Memory.CUFILE, inline_limit=0), ALWAYS_OPEN, Road.CUFILE),
