@@ -263,3 +263,33 @@ def test_closed_pipe_keeps_the_json(tmp_path):
     summary = json.loads(out.read_text())
     assert [summary["jobs"][job]["loops"] for job in ("write", "read")] == [2, 2]
     assert sorted(os.listdir(tmp_path)) == ["b.json"]
+
+
+@pytest.mark.parametrize("batch", [0, 16])
+def test_random_small_requests_are_counted(tmp_path, batch):
+    """--pattern rand: each timed loop is --ops requests of --io-size at random aligned
+    offsets, started one call each or in batches; the figures count them, and the
+    folder is left as it was."""
+    out = tmp_path / "b.json"
+    result = run_cli("bench", "--folder", tmp_path, "--pattern", "rand", "--io-size", "4K",
+                     "--file-size", "1M", "--ops", 64, "--batch", batch, "--loops", 2,
+                     "--json", out)
+    assert result.returncode == 0, result.stderr
+    assert "random 4K requests" in result.stdout and "requests/s" in result.stdout
+    summary = json.loads(out.read_text())
+    for job in ("write", "read"):
+        figures = summary["jobs"][job]
+        assert figures["loops"] == 2 and figures["bytes"] == 2 * 64 * 4096
+        seconds = sum(summary["ranks"][0]["jobs"][job]["task_seconds"])
+        assert figures["ops_per_s"] == pytest.approx(2 * 64 / seconds)
+    assert sorted(os.listdir(tmp_path)) == ["b.json"]
+
+
+def test_random_options_are_checked(tmp_path):
+    for args, message in ((("--batch", 8), "go with --pattern rand"),
+                          (("--pattern", "rand", "--io-size", "5000"), "multiple of 4096"),
+                          (("--pattern", "rand", "--validate"), "without --validate"),
+                          (("--pattern", "rand", "--io-size", "1M", "--file-size", "64K"),
+                           "smaller than --io-size")):
+        result = run_cli("bench", "--folder", tmp_path, *args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)

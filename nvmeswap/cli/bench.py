@@ -17,7 +17,7 @@ import tempfile
 
 from ..errors import ValidationError
 from ..units import SIZE_HELP, human_size, size_argument
-from .bench_ranks import run_ranks
+from .bench_ranks import buffer_bytes, run_ranks
 from .bench_summary import print_report, summarise
 from .options import (
     StopOnInterrupt,
@@ -90,6 +90,19 @@ def add_arguments(parser):
                         help="write every figure and every loop's time to FILE "
                              "('-': standard output, with the table on standard error; "
                              "default: not written)")
+    parser.add_argument("--pattern", choices=("seq", "rand"), default="seq",
+                        help="seq: each timed loop is one operation of --io-size; rand: "
+                             "--ops requests of --io-size at random aligned offsets of a "
+                             "--file-size file, started asynchronously")
+    parser.add_argument("--file-size", type=size_argument, default=None, metavar="SIZE",
+                        help="with --pattern rand: the file the requests fall in "
+                             "(default: 1G)")
+    parser.add_argument("--ops", type=positive_int, default=4096, metavar="N",
+                        help="with --pattern rand: requests per timed loop and rank")
+    parser.add_argument("--batch", type=non_negative_int, default=0, metavar="N",
+                        help="with --pattern rand: start N requests in one call "
+                             "(async_pread_many / async_pwrite_many) and wait for them; 0: "
+                             "one async call per request, waiting every 256 (default: 0)")
     parser.add_argument("--config", metavar="FILE",
                         help="handle settings from a tuner result or a DeepSpeed 'aio' section; "
                              "options given here override it (default: the handle's defaults)")
@@ -171,6 +184,19 @@ def _plan(args):
         check_folder(folder)
     check_output_path(args.json, "--json")
     jobs = [job for job, wanted in (("write", args.write), ("read", args.read)) if wanted]
+    random = args.pattern == "rand"
+    if not random and (args.file_size is not None or args.batch):
+        raise UsageError("--file-size and --batch go with --pattern rand")
+    if random:
+        if args.validate or args.gpu or args.gds:
+            raise UsageError("--pattern rand moves host memory without --validate; "
+                             "drop --validate, --gpu and --gds")
+        if args.io_size % 4096:
+            raise UsageError(f"--pattern rand needs an --io-size that is a multiple of "
+                             f"4096, got {args.io_size}")
+    file_size = args.file_size or (1 << 30)
+    if random and file_size < args.io_size:
+        raise UsageError(f"--file-size {file_size} is smaller than --io-size {args.io_size}")
     return {
         "folders": folders,
         "io_size": args.io_size,
@@ -182,6 +208,10 @@ def _plan(args):
         "buffer": "cuda-pinned" if args.gds else "cuda" if args.gpu else buffer,
         "ranks": args.ranks,
         "progress": sys.stderr.isatty(),
+        "pattern": args.pattern,
+        "file_size": file_size if random else args.io_size,
+        "ops": args.ops if random else 1,
+        "batch": args.batch,
     }
 
 
@@ -220,14 +250,14 @@ def _check_resources(plan):
     """Free disk per folder and free memory for every rank's buffer, before any work."""
     for index, folder in enumerate(plan["folders"]):
         ranks_here = len(range(index, plan["ranks"], len(plan["folders"])))
-        need = ranks_here * plan["io_size"]
+        need = ranks_here * plan["file_size"]
         free = shutil.disk_usage(folder).free
         if need > free:
             raise UsageError(f"--folder {folder} has {human_size(free)} free; the run needs "
-                             f"{human_size(need)} ({ranks_here} rank(s) x --io-size): "
-                             "lower --io-size or free some space")
+                             f"{human_size(need)} ({ranks_here} rank(s) x the file size): "
+                             "lower --io-size (or --file-size) or free some space")
     if not plan["buffer"].startswith("cuda"):
-        need = plan["ranks"] * plan["io_size"]
+        need = plan["ranks"] * buffer_bytes(plan)
         free = available_memory()
         if need > free:
             raise UsageError(f"the run needs {human_size(need)} of memory (--ranks x "

@@ -16,6 +16,9 @@ import warnings
 from ..errors import MemoryLockWarning
 from ..units import GB, format_size
 
+# Random requests started one call each are waited for this many at a time.
+RANDOM_WAIT_EVERY = 256
+
 
 def run_ranks(plan, stop):
     """Every rank's result, in rank order; one rank runs in this process."""
@@ -89,10 +92,12 @@ def _rank_job(rank, plan, barrier, stop):
                                   "single_submit": handle.get_single_submit(),
                                   "overlap_events": handle.get_overlap_events(),
                                   "intra_op_parallelism": handle.get_intra_op_parallelism()}
-            buffer = _make_buffer(handle, plan["buffer"], plan["io_size"], rank)
+            buffer = _make_buffer(handle, plan["buffer"], buffer_bytes(plan), rank)
             _fill(buffer)
             try:
-                if "write" not in plan["jobs"]:
+                if plan["pattern"] == "rand":
+                    _make_file(handle, buffer, path, plan["file_size"])
+                elif "write" not in plan["jobs"]:
                     handle.sync_pwrite(buffer, path)         # something to read
                 for job in plan["jobs"]:
                     if stop.is_set():
@@ -110,14 +115,53 @@ def _rank_job(rank, plan, barrier, stop):
     return result
 
 
+def buffer_bytes(plan):
+    """The memory one rank moves its data from and to."""
+    if plan["pattern"] == "rand":
+        return plan["io_size"] * (plan["batch"] or RANDOM_WAIT_EVERY)
+    return plan["io_size"]
+
+
+def _make_file(handle, buffer, path, size):
+    """A file of ``size`` bytes for random requests to fall in, written with ``buffer``."""
+    view = buffer.view(-1) if hasattr(buffer, "view") else buffer
+    for start in range(0, size, view.numel() if hasattr(view, "numel") else view.size):
+        piece = view[: min(size - start, len(view))]
+        handle.sync_pwrite(piece, path, start)
+
+
+def _random_loop(handle, job, buffer, path, plan, rng):
+    """One timed loop of --pattern rand: ``ops`` requests at random aligned offsets."""
+    io_size, batch = plan["io_size"], plan["batch"]
+    offsets = (rng.integers(0, plan["file_size"] // io_size, plan["ops"]) * io_size).tolist()
+    if batch:
+        many = handle.async_pread_many if job == "read" else handle.async_pwrite_many
+        for first in range(0, len(offsets), batch):
+            part = offsets[first:first + batch]
+            many(buffer, path, part, lengths=[io_size] * len(part))
+            handle.wait()
+        return
+    single = handle.async_pread if job == "read" else handle.async_pwrite
+    views = [buffer[k * io_size:(k + 1) * io_size] for k in range(RANDOM_WAIT_EVERY)]
+    for first in range(0, len(offsets), RANDOM_WAIT_EVERY):
+        for view, offset in zip(views, offsets[first:first + RANDOM_WAIT_EVERY]):
+            single(view, path, offset)
+        handle.wait()
+
+
 def _timed_loops(handle, job, buffer, path, plan, barrier, stop):
+    import numpy
     import psutil
 
     operation = handle.pread if job == "read" else handle.pwrite
+    rng = numpy.random.default_rng(len(job))
 
     def call():
         try:
-            operation(buffer, path, plan["validate"], False, 0)
+            if plan["pattern"] == "rand":
+                _random_loop(handle, job, buffer, path, plan, rng)
+            else:
+                operation(buffer, path, plan["validate"], False, 0)
         except (OSError, RuntimeError):
             # A Ctrl-C also reaches worker processes still starting; then the stop counts.
             if stop.is_set():

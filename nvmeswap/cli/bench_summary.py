@@ -9,7 +9,7 @@ from ..units import DS_IO_GB, GB, format_size
 
 def summarise(plan, results):
     """The figures of a run, ds_io's included (see the module docstring for their meaning)."""
-    size = plan["io_size"]
+    size = plan["io_size"] * plan["ops"]     # bytes per timed loop and rank
     summary = {"config": {k: v for k, v in plan.items() if k != "progress"},
                "units": {"gb_per_s": "10^9 bytes per second",
                          "ds_io_gb_per_s": "2^30 bytes per second (ds_io's GB)",
@@ -42,6 +42,7 @@ def summarise(plan, results):
             "latency_p50_s": _percentile(all_task, 50),
             "latency_p99_s": _percentile(all_task, 99),
             "cpu_seconds_per_gb": sum(r["cpu_seconds"] for r in per_rank) / (moved / GB),
+            "ops_per_s": plan["ops"] * sum(loops) / task_latency,
         }
     return summary
 
@@ -63,8 +64,15 @@ def _buffer_words(summary):
 def print_report(summary, out=None):
     out = out or sys.stdout
     config = summary["config"]
-    print(f"nvmeswap bench: {format_size(config['io_size'])} per operation and rank, "
-          f"{config['ranks']} rank(s), buffer {_buffer_words(summary)}", file=out)
+    if config["pattern"] == "rand":
+        how = (f"in batches of {config['batch']}" if config["batch"]
+               else "one async call each")
+        print(f"nvmeswap bench: {config['ops']} random {format_size(config['io_size'])} "
+              f"requests per loop and rank in a {format_size(config['file_size'])} file, "
+              f"{how}; {config['ranks']} rank(s), buffer {_buffer_words(summary)}", file=out)
+    else:
+        print(f"nvmeswap bench: {format_size(config['io_size'])} per operation and rank, "
+              f"{config['ranks']} rank(s), buffer {_buffer_words(summary)}", file=out)
     settings = summary["ranks"][0].get("settings") or config["handle"]
     print("handle: " + ", ".join(f"{k}={v}" for k, v in settings.items()), file=out)
     print(f"{'job':<7}{'rank':>6}{'loops':>7}{'GB/s':>9}{'p50 ms':>10}{'p99 ms':>10}"
@@ -77,6 +85,8 @@ def print_report(summary, out=None):
         print(f"{job:<7}{'all':>6}{figures['loops']:>7}{figures['gb_per_s']:>9.2f}"
               f"{figures['latency_p50_s'] * 1e3:>10.1f}{figures['latency_p99_s'] * 1e3:>10.1f}"
               f"{figures['cpu_seconds_per_gb']:>10.3f}{figures['bytes']:>15}", file=out)
+        if config["pattern"] == "rand":
+            print(f"{job:<7}{'all':>6}{'':>7}{figures['ops_per_s']:>9.0f} requests/s", file=out)
     # The lines that scripts written for ds_io parse, with ds_io's meanings and its GB (2^30).
     print("ds_io lines (GB = 2^30 bytes; Latency = the timed loops summed; E2E adds the "
           "barrier, not set-up):", file=out)
