@@ -1,6 +1,7 @@
 """One operation: its arguments checked and its file opened, its chunks, and its outcome."""
 import errno
 import operator
+import os
 import resource
 import threading
 
@@ -118,6 +119,11 @@ class ConcurrentWrites:
     def start(self, op):
         if not op.is_read:
             self._add(op.file.identity, op)
+            # Measured again once registered: a write of this file that ended between
+            # our opening and now has grown it, and a failure of ours must not cut that
+            # away; any that ends later overlapped us (a test that lost the race lost
+            # another write's bytes).
+            op.file.size_before = os.fstat(op.file.direct_fd).st_size
 
     def end(self, op):
         """Forget ``op``; True if it is a write that no other write of its file overlapped."""
