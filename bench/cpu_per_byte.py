@@ -1,0 +1,117 @@
+"""CPU seconds per GB moved: nvmeswap against DeepSpeed's aio_handle, in one run.
+
+    python bench/cpu_per_byte.py --folder /nvme/scratch --size 1G --rounds 3
+
+Each contender runs in a fresh process with one locked tensor of --size bytes: a first
+write (the tensor's first transfer: a worker maps its pages now), a fresh write (file
+removed first), an overwrite, and a cold read (page cache dropped). The CPU time of the
+process and its children (workers included, every thread, from /proc's schedstat in
+nanoseconds) is counted per job, per GB (10^9 bytes). Printed per job: each contender's
+median CPU-s/GB and DeepSpeed's over ours (> 1: nvmeswap needs less CPU per byte).
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import peers  # noqa: E402 (the bench folder's shared module)
+
+JOBS = ("first write", "fresh write", "overwrite", "cold read")
+GB = 10**9
+
+
+def cpu_ns(pid):
+    """Nanoseconds on a CPU of every thread of ``pid`` and its live children."""
+    import psutil
+
+    total = 0
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            for tid in os.listdir(f"/proc/{process.pid}/task"):
+                with open(f"/proc/{process.pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+        except (OSError, psutil.Error):
+            pass
+    return total
+
+
+def contender_run(kind, folder, size):
+    """In this process: CPU-s per GB of each job for ``kind``."""
+    if kind == "deepspeed":
+        contender = peers.DeepSpeedContender(size, "locked")
+    else:
+        contender = peers.NvmeswapContender(size, "locked", **({"engine": kind.split()[1]}
+                                                                 if " " in kind else {}))
+    path = os.path.join(folder, "cpu-per-byte.bin")
+    me = os.getpid()
+    figures = {}
+    try:
+        for job in JOBS:
+            if job in ("first write", "fresh write"):
+                peers.fresh(contender, path)
+            elif job == "cold read":
+                peers.drop_page_cache()
+            else:
+                os.sync()
+            before = cpu_ns(me)
+            if job == "cold read":
+                contender.read(path)
+            else:
+                contender.write(path)
+            figures[job] = (cpu_ns(me) - before) / 1e9 / (size / GB)
+    finally:
+        contender.remove(path)
+        contender.close()
+    return figures
+
+
+def main():
+    parser = peers.side_by_side_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="aio",
+                        help="comma-separated nvmeswap engines to run (aio, uring)")
+    peers.add_peers_argument(parser, peers=("deepspeed",))
+    parser.add_argument("--child", nargs=2, help=argparse_hidden())
+    args = parser.parse_args()
+    from nvmeswap.units import parse_size
+
+    size = parse_size(args.size)
+    if args.child:
+        print(json.dumps(contender_run(args.child[0], args.child[1], size)))
+        return
+    os.makedirs(args.folder, exist_ok=True)
+    kinds = [f"nvmeswap {engine}" if engine != "aio" else "nvmeswap"
+             for engine in args.engines.split(",")]
+    kinds += sorted(peers.peers_to_run(args.peers))
+    results = {kind: {job: [] for job in JOBS} for kind in kinds}
+    for round_number in range(args.rounds):
+        for kind in kinds[round_number % len(kinds):] + kinds[:round_number % len(kinds)]:
+            out = subprocess.run([sys.executable, __file__, "--size", args.size, "--child",
+                                  kind, args.folder], capture_output=True, text=True,
+                                 check=True)
+            for job, value in json.loads(out.stdout.splitlines()[-1]).items():
+                results[kind][job].append(value)
+        print(f"round {round_number + 1}/{args.rounds} done", file=sys.stderr)
+    print(f"CPU seconds per GB, {args.size} locked, median of {args.rounds} rounds "
+          "(fresh process per contender)")
+    print(f"{'job':<13}" + "".join(f"{kind:>16}" for kind in kinds)
+          + ("   deepspeed / nvmeswap" if "deepspeed" in kinds else ""))
+    for job in JOBS:
+        medians = {kind: statistics.median(results[kind][job]) for kind in kinds}
+        line = f"{job:<13}" + "".join(f"{medians[kind]:>16.4f}" for kind in kinds)
+        if "deepspeed" in kinds:
+            line += "   " + "  ".join(f"{medians['deepspeed'] / medians[kind]:.2f}"
+                                      for kind in kinds if kind != "deepspeed")
+        print(line)
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
