@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import peers  # noqa: E402 (the bench folder's shared module)
+import peers
 
 JOBS = ("first write", "fresh write", "overwrite", "cold read")
 GB = 10**9
