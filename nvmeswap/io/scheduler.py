@@ -4,11 +4,10 @@ handles run on it.
 
 The road of one operation (Note [roads] in io/roads.py): ``_try_quick`` (a quick road,
 or none) -> ``open_operation`` (checks, file) -> ``placement.place`` (memory and chunk
-plan) -> ``route`` -> ``_book`` (the books, Note [ordering]) -> ``_dispatch`` (a request
-per chunk) or ``_feed`` (staged: a piece at a time as the staging space has room; a
-background thread keeps async ones moving) -> ``Workforce.send`` -> a worker's engine or
-the caller queue -> ``_pump`` (responses) -> ``_complete_chunk`` -> ``_finish`` ->
-``run`` or ``collect``.
+plan) -> ``route`` -> the calling thread (INLINE), or ``Books.book`` (io/books.py: sent
+where its road goes, held behind earlier ones, completed from the responses) -> ``run``
+or ``collect``. A batch (Note [batches]) is checked and opened once, then booked slice by
+slice.
 """
 import functools
 import itertools
