@@ -6,6 +6,7 @@ Anything that could hang or crash runs in a child process with a deadline.
 import concurrent.futures
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -354,11 +355,25 @@ def test_out_of_space_in_a_batch_names_the_file_and_keeps_what_others_wrote(
     h.sync_pwrite(bytearray(random_bytes(3 * MiB + 500_000)), filler)
     shared = small_filesystem / "shared"
     small = bytearray(random_bytes(4096, seed=9))
-    h.async_pwrite(small, shared)                                           # fits
-    h.async_pwrite(bytearray(random_bytes(900_000, seed=8)), shared, 8192)   # does not fit
+    # The small write takes its space first (its road, the caller queue, runs while the
+    # workers are stopped): were the large one's pieces written first, the small one
+    # would find the disk full too (seen once in ~4 runs before this).
+    workers = [w.process.pid for w in h._scheduler.workers.pool.workers]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        h.async_pwrite(small, shared)                                           # fits
+        h.async_pwrite(bytearray(random_bytes(900_000, seed=8)), shared, 8192)   # does not
+        deadline = time.monotonic() + 30
+        while shared.stat().st_size < 4096 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
     with pytest.raises(OSError) as info:
         h.wait()
     assert info.value.errno == 28 and info.value.filename == str(shared)
+    assert info.value.failed_operations == 1
     assert shared.read_bytes()[:4096] == small
 
 
