@@ -14,8 +14,8 @@ import socket
 import threading
 
 from .._memory import Mapping
-from .._queues import AioEngine
 from .._transfers import Completion
+from ..io.engines import worker_engine_type
 from . import protocol
 
 
@@ -31,7 +31,7 @@ def main(argv):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sock = socket.socket(fileno=sock_fd)
     try:
-        engine = AioEngine(*settings)
+        engine = worker_engine_type(settings.engine)(*settings[:4])
     except OSError as error:
         sock.send(protocol.ready_response(error.errno))
         return
