@@ -2,6 +2,7 @@
 records, on both queues; a handle picks its engine; where io_uring is refused, "auto"
 falls back to kernel AIO and "uring" says why."""
 import errno
+import json
 import mmap
 import os
 import select
@@ -481,3 +482,51 @@ def test_where_io_uring_is_refused_auto_falls_back_and_uring_says_why(tmp_path):
     assert lines[2:5] == ["moved: aio True"] * 3
     assert lines[5:] == [(f"warning: EngineFallbackWarning engine='auto': io_uring cannot be "
                           f"used here ({reason}); using kernel AIO")]
+
+
+# -- the command line ---------------------------------------------------------------------
+def _nvmeswap(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "nvmeswap", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, **(env or {})})
+
+
+def test_bench_runs_on_the_engine_asked_for_and_says_so(tmp_path):
+    for engine, expected in (("uring", "uring"), ("auto", "uring"), ("aio", "aio")):
+        result = _nvmeswap("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                           "--engine", engine, "--json", "-")
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert [rank["settings"]["engine"] for rank in summary["ranks"]] == [expected]
+        assert f"engine={expected}" in result.stderr      # the table's handle: line
+    bad = _nvmeswap("bench", "--folder", tmp_path, env={"NVMESWAP_ENGINE": "fast"})
+    assert bad.returncode == 2 and "NVMESWAP_ENGINE='fast'" in bad.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_tune_tries_both_engines_and_report_says_what_auto_chooses(tmp_path):
+    out = tmp_path / "tune.json"
+    result = _nvmeswap("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                       "--budget-seconds", 2, "--json", out)
+    assert result.returncode == 0, result.stderr
+    tuned = json.loads(out.read_text())
+    assert tuned["engines"] == ["aio", "uring"]
+    assert {m["engine"] for m in tuned["measurements"]} == {"aio", "uring"}
+    assert tuned["aio"]["engine"] in ("aio", "uring")
+    with nvmeswap.aio_handle.from_config(tuned) as handle:
+        assert handle.get_engine() == tuned["aio"]["engine"]
+    result = _nvmeswap("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                       "--budget-seconds", 1, "--engine", "uring", "--json", out)
+    assert result.returncode == 0, result.stderr
+    assert {m["engine"] for m in json.loads(out.read_text())["measurements"]} == {"uring"}
+    report = tmp_path / "report.json"
+    result = _nvmeswap("report", "--folder", tmp_path, "--json", report,
+                       env={"NVMESWAP_ENGINE": "auto"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    assert checks["io_uring"]["status"] == "ok"
+    assert checks["engine"]["found"] == (
+        "handles run on io_uring by default (NVMESWAP_ENGINE=auto); engine='auto' would "
+        "choose uring (io_uring works here)")
+    os.unlink(out)
+    os.unlink(report)

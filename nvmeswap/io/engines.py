@@ -88,6 +88,14 @@ def resolve(engine):
     return "aio"
 
 
+def check_usable(engine):
+    """What ``aio_handle(engine=engine)`` would refuse, raised here without making one
+    (the command line's checks before any work)."""
+    engine = checked_engine(engine)
+    if engine == "uring":
+        resolve(engine)
+
+
 def worker_engine_type(engine):
     """The class of a worker's engine for ``engine`` ("aio" or "uring")."""
     if engine == "uring":
