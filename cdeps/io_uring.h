@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 
 /* The same numbers on x86-64, arm64 and every architecture of the generic table. */
 #ifndef __NR_io_uring_setup
@@ -33,6 +34,7 @@
 #endif
 
 #define NVMESWAP_IORING_SETUP_CQSIZE        (1U << 3)
+#define NVMESWAP_IORING_SETUP_COOP_TASKRUN  (1U << 8)   /* Linux 5.19 */
 #define NVMESWAP_IORING_FEAT_SINGLE_MMAP    (1U << 0)
 #define NVMESWAP_IORING_FEAT_NODROP         (1U << 1)
 #define NVMESWAP_IORING_FEAT_RW_CUR_POS     (1U << 3)   /* Linux 5.6: IORING_OP_READ/WRITE */
@@ -48,6 +50,10 @@
 #define NVMESWAP_IORING_REGISTER_BUFFERS    0
 #define NVMESWAP_IORING_UNREGISTER_BUFFERS  1
 #define NVMESWAP_IORING_REGISTER_EVENTFD    4
+#define NVMESWAP_IORING_REGISTER_BUFFERS2   15          /* Linux 5.13 */
+#define NVMESWAP_IORING_REGISTER_BUFFERS_UPDATE 16      /* Linux 5.13 */
+#define NVMESWAP_IORING_RSRC_REGISTER_SPARSE (1U << 0)  /* Linux 5.19 */
+#define NVMESWAP_IORING_MAX_FIXED_BUFFER    (1UL << 30) /* the most one registered buffer holds */
 
 struct nvmeswap_io_sqring_offsets {
     uint32_t head, tail, ring_mask, ring_entries, flags, dropped, array, resv1;
@@ -90,9 +96,30 @@ struct nvmeswap_io_uring_cqe {
     uint32_t flags;
 };
 
+/* A table of registered buffers (IORING_REGISTER_BUFFERS2), and a change to its slots
+ * (IORING_REGISTER_BUFFERS_UPDATE). */
+struct nvmeswap_io_uring_rsrc_register {
+    uint32_t nr;
+    uint32_t flags;
+    uint64_t resv2;
+    uint64_t data;
+    uint64_t tags;
+};
+
+struct nvmeswap_io_uring_rsrc_update2 {
+    uint32_t offset;
+    uint32_t resv;
+    uint64_t data;
+    uint64_t tags;
+    uint32_t nr;
+    uint32_t resv2;
+};
+
 _Static_assert(sizeof(struct nvmeswap_io_uring_params) == 120, "io_uring_params is 120 bytes");
 _Static_assert(sizeof(struct nvmeswap_io_uring_sqe) == 64, "an SQE is 64 bytes");
 _Static_assert(sizeof(struct nvmeswap_io_uring_cqe) == 16, "a CQE is 16 bytes");
+_Static_assert(sizeof(struct nvmeswap_io_uring_rsrc_register) == 32, "rsrc_register: 32 bytes");
+_Static_assert(sizeof(struct nvmeswap_io_uring_rsrc_update2) == 32, "rsrc_update2: 32 bytes");
 
 static inline long nvmeswap_uring_result(long ret)
 {
@@ -122,6 +149,7 @@ static inline long nvmeswap_io_uring_register(int fd, unsigned opcode, const voi
  * nvmeswap_uring_publish. */
 typedef struct {
     int fd;
+    unsigned flags;         /* the IORING_SETUP_* flags asked for and taken, CQSIZE aside */
     unsigned features;
     unsigned sq_entries;
     unsigned sq_tail;
@@ -172,21 +200,30 @@ static inline long nvmeswap_uring_map(nvmeswap_uring *ring, int fd, unsigned lon
 }
 
 /* A ring of ``entries`` submission and ``cq_entries`` completion slots (each rounded up
- * to a power of two by the kernel), mapped; 0 or -errno (nothing left open). */
+ * to a power of two by the kernel), mapped; 0 or -errno (nothing left open). ``flags``
+ * (IORING_SETUP_*) that an older kernel refuses are dropped: ``ring->flags`` says which
+ * it took. */
 static inline long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries,
-                                       unsigned cq_entries)
+                                       unsigned cq_entries, unsigned flags)
 {
     struct nvmeswap_io_uring_params p;
+    long ret;
     memset(ring, 0, sizeof *ring);
-    memset(&p, 0, sizeof p);
-    p.flags = NVMESWAP_IORING_SETUP_CQSIZE;
-    p.cq_entries = cq_entries;
-    long ret = nvmeswap_io_uring_setup(entries, &p);
+    for (;;) {
+        memset(&p, 0, sizeof p);
+        p.flags = NVMESWAP_IORING_SETUP_CQSIZE | flags;
+        p.cq_entries = cq_entries;
+        ret = nvmeswap_io_uring_setup(entries, &p);
+        if (ret != -EINVAL || !flags)
+            break;
+        flags = 0;
+    }
     if (ret < 0) {
         ring->fd = -1;
         return ret;
     }
     ring->fd = (int)ret;
+    ring->flags = flags;
     ring->features = p.features;
     ring->sq_entries = p.sq_entries;
     size_t sq_size = p.sq_off.array + p.sq_entries * sizeof(unsigned);
@@ -292,6 +329,41 @@ static inline long nvmeswap_uring_enter(nvmeswap_uring *ring, unsigned to_submit
                                    wait_nr ? NVMESWAP_IORING_ENTER_GETEVENTS : 0);
 }
 
+/* An empty table of ``nr`` registered buffers; 0 or -errno. */
+static inline long nvmeswap_uring_buffer_table(nvmeswap_uring *ring, unsigned nr)
+{
+    struct nvmeswap_io_uring_rsrc_register table;
+    memset(&table, 0, sizeof table);
+    table.nr = nr;
+    table.flags = NVMESWAP_IORING_RSRC_REGISTER_SPARSE;
+    return nvmeswap_io_uring_register(ring->fd, NVMESWAP_IORING_REGISTER_BUFFERS2, &table,
+                                      sizeof table);
+}
+
+/* Slot ``index`` of the table holds ``len`` bytes at ``base`` (pinned by the kernel until
+ * the slot changes; NULL and 0 empty it); 0 or -errno. */
+static inline long nvmeswap_uring_set_buffer(nvmeswap_uring *ring, unsigned index, void *base,
+                                             size_t len)
+{
+    struct iovec iov = {base, len};
+    struct nvmeswap_io_uring_rsrc_update2 update;
+    memset(&update, 0, sizeof update);
+    update.offset = index;
+    update.data = (uint64_t)(uintptr_t)&iov;
+    update.nr = 1;
+    long ret = nvmeswap_io_uring_register(ring->fd, NVMESWAP_IORING_REGISTER_BUFFERS_UPDATE,
+                                          &update, sizeof update);
+    return ret < 0 ? ret : 0;
+}
+
+/* Make a prepared read or write use registered buffer ``index``, which holds its bytes. */
+static inline void nvmeswap_uring_prep_fixed(struct nvmeswap_io_uring_sqe *sqe, unsigned index)
+{
+    sqe->opcode = sqe->opcode == NVMESWAP_IORING_OP_READ ? NVMESWAP_IORING_OP_READ_FIXED
+                                                         : NVMESWAP_IORING_OP_WRITE_FIXED;
+    sqe->buf_index = (uint16_t)index;
+}
+
 /* Have the kernel signal ``eventfd`` as completions are posted. */
 static inline long nvmeswap_uring_register_eventfd(nvmeswap_uring *ring, int eventfd)
 {
@@ -306,7 +378,7 @@ static inline long nvmeswap_uring_probe(int eventfd, const char **which)
     nvmeswap_uring ring;
     long ret;
     *which = "io_uring_setup";
-    ret = nvmeswap_uring_open(&ring, 2, 4);
+    ret = nvmeswap_uring_open(&ring, 2, 4, 0);
     if (ret < 0)
         return ret;
     if (!(ring.features & NVMESWAP_IORING_FEAT_RW_CUR_POS)

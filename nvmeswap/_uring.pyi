@@ -36,6 +36,10 @@ class UringEngine:
     @property
     def full(self) -> bool:
         """Whether ``begin`` must wait for a transfer to end."""
+    def register_buffers(self, address: int, nbytes: int) -> bool:
+        """Register memory as fixed buffers for the requests inside it; False if refused."""
+    def unregister_buffers(self, address: int) -> None:
+        """Undo ``register_buffers(address, ...)``, before the memory is unmapped."""
     def transfer(self, op_id: int, chunk: int, is_read: bool, direct_fd: int,
                  buffered_fd: int, address: int, nbytes: int, offset: int,
                  alignment: int) -> Completion:
@@ -66,7 +70,7 @@ class UringQueue:
         """Start one request from the calling thread; False if the queue is full."""
     def post(self, op_id: int, chunk: int, is_read: bool, fd: int, address: int,
              nbytes: int, offset: int) -> bool:
-        """``submit`` (no submitting thread pays here); False if the queue is full."""
+        """``submit``, in the calling thread (no submitting thread); False if full."""
     def post_many(self, op_id: int, is_read: bool, fd: int, addresses: Sequence[int],
                   nbytes: int | Sequence[int], offsets: Sequence[int]) -> int:
         """Start a request per address and offset (chunk = index) with one system call;

@@ -5,6 +5,7 @@ import errno
 import json
 import mmap
 import os
+import re
 import select
 import signal
 import subprocess
@@ -157,6 +158,58 @@ def test_odd_sizes_and_offsets_write_and_read_back_as_kernel_aio_does(tmp_path, 
     finally:
         del base
         memory.close()
+
+
+def _registered(pid=None):
+    """The buffers registered with the rings of process ``pid`` (ours by default), as
+    /proc lists them: ``[(address, length), ...]``."""
+    found = []
+    base = f"/proc/{pid or 'self'}"
+    for fd in os.listdir(f"{base}/fd"):
+        try:
+            if os.readlink(f"{base}/fd/{fd}") != "anon_inode:[io_uring]":
+                continue
+            info = Path(f"{base}/fdinfo/{fd}").read_text()
+        except FileNotFoundError:
+            continue
+        found += [(int(a, 16), int(n)) for a, n in re.findall(r"^\s+\d+: (0x[0-9a-f]+)/(\d+)$",
+                                                             info, re.MULTILINE)]
+    return found
+
+
+def test_registered_memory_moves_the_same_bytes(tmp_path):
+    """register_buffers (io_uring's fixed buffers): the ring lists the memory; transfers
+    in it, and one running past its end, move the right bytes; unregistered, it is gone
+    from the ring and its transfers go as before."""
+    path = _file(tmp_path, 8 * MiB, seed=8)
+    data = Path(path).read_bytes()
+    engine = UringEngine(MiB, 8, False, True)
+    memory, outside = mmap.mmap(-1, 8 * MiB), mmap.mmap(-1, 8 * MiB)
+    base = _address(memory)
+    direct = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        assert engine.register_buffers(base, 4 * MiB) is True
+        assert _registered() == [(base, 4 * MiB)]
+        for at, n in ((0, 4 * MiB), (MiB, 2 * MiB), (2 * MiB, 6 * MiB)):
+            memory[:] = bytes(8 * MiB)
+            done = engine.transfer(1, 0, True, direct, -1, base + at, n, at, 4096)
+            assert fields(done) == (1, 0, 0, at, n, n, False)
+            assert memory[at:at + n] == data[at:at + n]
+        memory[:] = random_bytes(8 * MiB, seed=1)
+        assert not engine.transfer(2, 0, False, direct, -1, base, 8 * MiB, 0, 4096).failed
+        assert Path(path).read_bytes() == memory[:]
+        engine.unregister_buffers(base)
+        engine.unregister_buffers(base)
+        assert _registered() == []
+        assert not engine.transfer(3, 0, True, direct, -1, _address(outside), 8 * MiB, 0,
+                                   4096).failed
+        assert outside[:] == memory[:]
+        assert engine.register_buffers(0, 4096) is False
+    finally:
+        os.close(direct)
+        del base
+        memory.close()
+        outside.close()
 
 
 # -- the caller queue ---------------------------------------------------------------------
@@ -395,8 +448,10 @@ def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engin
         offset = (63 - k) * 4 * KiB
         assert bytes(small[k * 4 * KiB:(k + 1) * 4 * KiB].numpy()) == written[offset:offset + 4 * KiB]
     assert type(h._scheduler.workers.queue) is (UringQueue if ring else CallerQueue)
-    for worker in h._scheduler.workers.pool.workers:
-        assert _rings_of(worker.process.pid) == (1 if ring else 0)
+    pids = [worker.process.pid for worker in h._scheduler.workers.pool.workers]
+    assert [_rings_of(pid) for pid in pids] == [1 if ring else 0] * 2
+    # Each region a worker maps is registered with its ring (UringEngine.register_buffers).
+    assert bool(sum(len(_registered(pid)) for pid in pids)) is ring
     assert h.free_cpu_locked_tensor(small)
 
 

@@ -19,6 +19,19 @@ io_uring has not been faster by enough to change what every user gets. io_uring 
 refused under many container seccomp profiles and by ``kernel.io_uring_disabled``;
 ``probe()`` (pyx/_uring.pyx) tries it once per process, and ``nvmeswap report`` says
 what "auto" would choose.
+
+How the rings are set up, each choice measured (bench/engines.py and
+bench/studies/fixed_buffers.py, on a memory-backed device where the CPU's share shows):
+a worker's ring registers every region the worker maps as fixed buffers
+(``UringEngine.register_buffers``: the pages are pinned once, not at every request;
+1 GiB transfers 6-18% faster). The caller queue's ring is made with
+IORING_SETUP_COOP_TASKRUN: by default each completion interrupts the thread that
+submitted its request, which costs a virtual machine an inter-processor interrupt while
+that thread is posting the next one (4 KiB reads posted one by one: 11% more a second).
+Its requests are submitted by the calling thread: a kernel submitting thread
+(IORING_SETUP_SQPOLL) matched CallerQueue's own thread (Note [submitter] in
+pyx/_queues.pyx) in some runs and ran at half its rate in others, where it competed with
+the caller for one of two cores; ``post_many`` submits a batch in one call either way.
 """
 import errno
 import os

@@ -122,6 +122,9 @@ class Executor:
 
     def __init__(self, engine):
         self._engine = engine
+        # io_uring's fixed buffers: each region mapped is registered with the engine's
+        # ring (UringEngine.register_buffers; kernel AIO has none).
+        self._register = getattr(engine, "register_buffers", None)
         self._regions = {}      # region id -> Mapping of its range of the parent's memfd
         self._running = {}      # (op id, chunk) of an engine transfer -> its request
         self._cufile = None     # a CufileIO once the parent sends CUFILE_SETUP
@@ -177,10 +180,14 @@ class Executor:
             return self._run_cufile(request)
         try:
             if request.kind == protocol.MAP:
-                self._regions[request.region_id] = Mapping(request.fds[0], request.nbytes,
-                                                           request.region_offset)
+                mapping = self._regions[request.region_id] = Mapping(
+                    request.fds[0], request.nbytes, request.region_offset)
+                if self._register is not None:
+                    self._register(mapping.address, request.nbytes)
             elif request.kind == protocol.UNMAP:
-                self._regions.pop(request.region_id, None)
+                mapping = self._regions.pop(request.region_id, None)
+                if mapping is not None and self._register is not None:
+                    self._engine.unregister_buffers(mapping.address)
                 if self._cufile is not None:
                     self._cufile.unmap(request.region_id)
         finally:

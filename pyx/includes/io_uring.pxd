@@ -5,6 +5,8 @@ cdef extern from "io_uring.h" nogil:
     enum:
         NVMESWAP_IORING_OP_READ
         NVMESWAP_IORING_OP_WRITE
+        NVMESWAP_IORING_SETUP_COOP_TASKRUN
+        NVMESWAP_IORING_MAX_FIXED_BUFFER
 
     struct nvmeswap_io_uring_sqe:
         pass
@@ -15,9 +17,9 @@ cdef extern from "io_uring.h" nogil:
 
     ctypedef struct nvmeswap_uring:
         int fd
-        unsigned sq_entries
 
-    long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries, unsigned cq_entries)
+    long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries, unsigned cq_entries,
+                             unsigned flags)
     void nvmeswap_uring_close(nvmeswap_uring *ring)
     nvmeswap_io_uring_sqe *nvmeswap_uring_next_sqe(nvmeswap_uring *ring)
     void nvmeswap_uring_prep_rw(nvmeswap_io_uring_sqe *sqe, int opcode, int fd,
@@ -30,4 +32,7 @@ cdef extern from "io_uring.h" nogil:
     void nvmeswap_uring_cq_advance(nvmeswap_uring *ring, unsigned n)
     long nvmeswap_uring_enter(nvmeswap_uring *ring, unsigned to_submit, unsigned wait_nr)
     long nvmeswap_uring_register_eventfd(nvmeswap_uring *ring, int eventfd)
+    long nvmeswap_uring_buffer_table(nvmeswap_uring *ring, unsigned nr)
+    long nvmeswap_uring_set_buffer(nvmeswap_uring *ring, unsigned index, void *base, size_t len)
+    void nvmeswap_uring_prep_fixed(nvmeswap_io_uring_sqe *sqe, unsigned index)
     long nvmeswap_uring_probe(int eventfd, const char **which)
