@@ -14,7 +14,7 @@ and published under the GIL (cdeps/io_uring.h), the kernel is entered without it
 from libc.stdlib cimport malloc, free
 from libc.errno cimport EAGAIN, EBUSY, EINTR
 from posix.types cimport pid_t
-from posix.unistd cimport close, getpid, read, write
+from posix.unistd cimport close, getpid, read
 
 from _check cimport errno_error
 from _transfer_steps cimport Transfer, _begin_transfer, _count_many, _fail, _transfer_ended
@@ -30,6 +30,11 @@ from includes.io_uring cimport (
     nvmeswap_uring_register_eventfd, nvmeswap_uring_set_buffer, nvmeswap_uring_unsubmitted,
 )
 from includes.kernel_aio cimport nvmeswap_eventfd
+from includes.ring_submitter cimport (
+    nvmeswap_ring_submitter, nvmeswap_ring_submitter_post,
+    nvmeswap_ring_submitter_start, nvmeswap_ring_submitter_stop,
+    nvmeswap_ring_submitter_take_error,
+)
 
 cdef enum:
     MAX_REQUEST = 0x7ffff000    # the most one request moves: Linux's MAX_RW_COUNT
@@ -77,10 +82,8 @@ cdef class UringEngine:
     and the wait for the previous ones go to the kernel in one ``io_uring_enter``.
 
     ``register_buffers`` registers memory with the ring (io_uring's fixed buffers): the
-    kernel pins it once instead of at every request, and the requests inside it say so
-    (IORING_OP_READ_FIXED/WRITE_FIXED). The workers register each region they map
-    (workers/main.py). Measured on a memory-backed device: 1 GiB locked transfers 6-18%
-    faster than without (docs/performance.md, "Engines").
+    kernel pins it once, not at every request (IORING_OP_READ_FIXED/WRITE_FIXED); a
+    worker registers a region it moves twice (workers/main.py, Note [engines]).
     """
     cdef nvmeswap_uring ring
     cdef int *free_slots
@@ -98,8 +101,7 @@ cdef class UringEngine:
     cdef size_t fixed_owner[FIXED_SLOTS]    # the address registered (0: a free slot)
     cdef char *fixed_start[FIXED_SLOTS]
     cdef char *fixed_end[FIXED_SLOTS]
-    cdef int n_fixed            # slots in use
-    cdef int last_fixed         # the slot the last request was found in
+    cdef int n_fixed, last_fixed    # slots in use; the slot the last request was found in
     cdef readonly size_t block_size
     cdef readonly int queue_depth
     cdef readonly int max_transfers
@@ -194,21 +196,14 @@ cdef class UringEngine:
                 self.n_fixed -= 1
 
     cdef int _fixed_slot(self, char *start, unsigned nbytes) noexcept nogil:
-        """The registered buffer that holds ``nbytes`` at ``start``, or -1."""
-        cdef int slot = self.last_fixed, seen = 0
-        if self.n_fixed == 0:
-            return -1
-        if self.fixed_start[slot] <= start and start + nbytes <= self.fixed_end[slot] \
-                and self.fixed_owner[slot]:
-            return slot
-        for slot in range(FIXED_SLOTS):
-            if self.fixed_owner[slot]:
-                if self.fixed_start[slot] <= start and start + nbytes <= self.fixed_end[slot]:
-                    self.last_fixed = slot
-                    return slot
-                seen += 1
-                if seen == self.n_fixed:
-                    break
+        """The registered buffer that holds ``nbytes`` at ``start``, or -1 (looked for from
+        the last one found on; a free slot ends at NULL and holds nothing)."""
+        cdef int k, slot
+        for k in range(FIXED_SLOTS if self.n_fixed else 0):
+            slot = (self.last_fixed + k) % FIXED_SLOTS
+            if self.fixed_start[slot] <= start and start + nbytes <= self.fixed_end[slot]:
+                self.last_fixed = slot
+                return slot
         return -1
 
     @property
@@ -366,8 +361,11 @@ cdef class UringEngine:
 cdef class UringQueue:
     """The calling process's own ring, for small operations (Note [caller queue] in
     nvmeswap/io/workforce.py): ``CallerQueue`` (pyx/_queues.pyx) on io_uring, with its
-    interface. ``eventfd`` becomes readable as requests complete (it is registered with
-    the ring); completions are read from the ring without a system call.
+    interface. ``post`` hands what it published to a thread of the queue's own
+    (cdeps/ring_submitter.h: Note [submitter] in pyx/_queues.pyx, on a ring), started by
+    the first post and ended by ``close``. ``eventfd`` becomes readable as requests
+    complete (it is registered with the ring); completions are read from the ring
+    without a system call.
 
     Each request is one aligned O_DIRECT transfer. The memory of a request in flight must
     stay valid until ``reap`` has returned it; closing the queue waits for them all.
@@ -379,6 +377,8 @@ cdef class UringQueue:
     cdef unsigned int *chunks
     cdef long long *offsets
     cdef unsigned *sizes
+    cdef nvmeswap_ring_submitter *submitter
+    cdef bint submitter_tried
     cdef pid_t creator
     cdef readonly int capacity
     cdef readonly int in_flight
@@ -395,8 +395,7 @@ cdef class UringQueue:
         self.chunks = <unsigned int *>malloc(sizeof(unsigned int) * capacity)
         self.offsets = <long long *>malloc(sizeof(long long) * capacity)
         self.sizes = <unsigned *>malloc(sizeof(unsigned) * capacity)
-        if not (self.free_slots and self.op_ids and self.chunks and self.offsets
-                and self.sizes):
+        if not (self.free_slots and self.op_ids and self.chunks and self.offsets and self.sizes):
             raise MemoryError()
         self.capacity = capacity
         cdef int i
@@ -427,7 +426,12 @@ cdef class UringQueue:
         self._release()
 
     cdef void _release(self):
-        # In a forked child the ring is the parent's: its copy is dropped, never waited on.
+        # In a forked child the ring is the parent's: its copy is dropped, never waited on,
+        # and the thread does not exist: its memory is left as it is.
+        if self.submitter != NULL and getpid() == self.creator:
+            with nogil:
+                nvmeswap_ring_submitter_stop(self.submitter)
+        self.submitter = NULL
         if self.ring.fd >= 0 and self.in_flight and getpid() == self.creator:
             with nogil:
                 _settle(&self.ring, self.in_flight, <unsigned>self.in_flight)
@@ -449,9 +453,18 @@ cdef class UringQueue:
 
     def post(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
              size_t address, size_t nbytes, long long offset):
-        """``submit``, in the calling thread: no submitting thread (Note [engines]). False
-        if the queue is full."""
-        return self.submit(op_id, chunk, is_read, fd, address, nbytes, offset)
+        """Hand one request to the submitting thread; False if the queue is full. A refusal
+        by the kernel comes back from ``reap``."""
+        if not self.submitter_tried and self.ring.fd >= 0:
+            self.submitter_tried = True
+            self.submitter = nvmeswap_ring_submitter_start(&self.ring)
+        if self.submitter == NULL:
+            return self.submit(op_id, chunk, is_read, fd, address, nbytes, offset)
+        if self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset) < 0:
+            return False
+        nvmeswap_uring_publish(&self.ring)
+        nvmeswap_ring_submitter_post(self.submitter)
+        return True
 
     def post_many(self, unsigned long long op_id, bint is_read, int fd, addresses, nbytes,
                   offsets):
@@ -494,10 +507,13 @@ cdef class UringQueue:
         return slot
 
     cdef void _push(self) except *:
-        """Submit what is published, GIL released."""
-        cdef long ret
-        with nogil:
-            ret = _settle(&self.ring, self.in_flight, 0)
+        """Submit what is published, GIL released (and raise what failed in the thread)."""
+        cdef long ret = 0
+        if self.submitter != NULL:
+            ret = nvmeswap_ring_submitter_take_error(self.submitter)
+        if ret == 0:
+            with nogil:
+                ret = _settle(&self.ring, self.in_flight, 0)
         if ret < 0:
             raise errno_error(<int>-ret, "io_uring_enter")
 
@@ -546,8 +562,7 @@ cdef class UringQueue:
 def probe():
     """None if io_uring works here (a ring made, an eventfd registered with it, a request
     submitted and completed); else why not, in one sentence."""
-    refused = _refusal()
-    return None if refused is None else refused[1]
+    return (_refusal() or (0, None))[1]
 
 
 def _refusal():
@@ -566,24 +581,19 @@ def _refusal():
 
 
 def _reason(int err, str call):
-    import errno
-    import os
+    import errno, os, pathlib
     name = f"{errno.errorcode.get(err, err)}: {os.strerror(err)}"
     if err == errno.EOPNOTSUPP:
         return "the kernel's io_uring is older than Linux 5.6 (no IORING_OP_READ/WRITE)"
     if err == errno.ENOSYS:
         return (f"{call} is not available ({name}): the kernel was built without io_uring, "
                 "or a seccomp profile (a container's) blocks it")
-    if err == errno.EPERM:
-        try:
-            with open("/proc/sys/kernel/io_uring_disabled") as f:
-                disabled = f.read().strip()
-        except OSError:
-            disabled = "0"
-        if disabled == "2":
-            return f"{call} was refused ({name}): kernel.io_uring_disabled=2 turns it off"
-        if disabled == "1":
-            return (f"{call} was refused ({name}): kernel.io_uring_disabled=1 allows it only "
-                    "to the group kernel.io_uring_group, and this process is not in it")
-        return f"{call} was refused ({name}): a security policy (seccomp, an LSM) forbids it"
-    return f"{call} failed ({name})"
+    if err != errno.EPERM:
+        return f"{call} failed ({name})"
+    knob = pathlib.Path("/proc/sys/kernel/io_uring_disabled")      # there since Linux 6.6
+    disabled = knob.read_text().strip() if knob.exists() else "0"
+    return f"{call} was refused ({name}): " + {
+        "1": "kernel.io_uring_disabled=1 allows it only to the group kernel.io_uring_group, "
+             "and this process is not in it",
+        "2": "kernel.io_uring_disabled=2 turns it off"}.get(
+        disabled, "a security policy (seccomp, an LSM) forbids it")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import random_bytes
+from test_caller_queue import _submitting_threads
 from test_completion import by_caller, by_caller_queue, by_engine, by_worker
 
 import nvmeswap
@@ -282,17 +283,22 @@ def test_a_completion_wakes_the_thread_reading_them(tmp_path):
 
 
 def test_a_forked_child_drops_its_copy_of_the_ring(tmp_path):
-    """The child shares the parent's ring: it must neither wait on it nor take its
-    completions; the parent reaps every one, with the right bytes."""
+    """Note [submitter] on a ring: one submitting thread, started by the first post and
+    ended by close(). A forked child shares the parent's ring: it must neither wait on it
+    (nor on a thread it does not have) nor take its completions; the parent reaps every
+    one, with the right bytes."""
     path = _file(tmp_path, 256 * KiB)
     memory = mmap.mmap(-1, 256 * KiB)
     address = _address(memory)
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    before = _submitting_threads()
     queue = UringQueue(64)
     try:
+        assert _submitting_threads() == before
         for k in range(64):
             assert queue.post(k, 0, True, direct, address + k * 4 * KiB, 4 * KiB,
                               (63 - k) * 4 * KiB)
+        assert _submitting_threads() == before + 1
         pid = os.fork()
         if pid == 0:
             queue.close()
@@ -305,6 +311,8 @@ def test_a_forked_child_drops_its_copy_of_the_ring(tmp_path):
                 pytest.fail("the child still runs")
             time.sleep(0.01)
         assert sorted(c.op_id for c in queue.reap(wait_all=True)) == list(range(64))
+        queue.close()
+        assert _submitting_threads() == before
         data = Path(path).read_bytes()
         for k in range(64):
             offset = (63 - k) * 4 * KiB

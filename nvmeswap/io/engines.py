@@ -20,18 +20,23 @@ refused under many container seccomp profiles and by ``kernel.io_uring_disabled`
 ``probe()`` (pyx/_uring.pyx) tries it once per process, and ``nvmeswap report`` says
 what "auto" would choose.
 
-How the rings are set up, each choice measured (bench/engines.py and
-bench/studies/fixed_buffers.py, on a memory-backed device where the CPU's share shows):
-a worker's ring registers every region the worker maps as fixed buffers
-(``UringEngine.register_buffers``: the pages are pinned once, not at every request;
-1 GiB transfers 6-18% faster). The caller queue's ring is made with
-IORING_SETUP_COOP_TASKRUN: by default each completion interrupts the thread that
-submitted its request, which costs a virtual machine an inter-processor interrupt while
-that thread is posting the next one (4 KiB reads posted one by one: 11% more a second).
-Its requests are submitted by the calling thread: a kernel submitting thread
-(IORING_SETUP_SQPOLL) matched CallerQueue's own thread (Note [submitter] in
-pyx/_queues.pyx) in some runs and ran at half its rate in others, where it competed with
-the caller for one of two cores; ``post_many`` submits a batch in one call either way.
+How the rings are set up, each choice measured (bench/engines.py,
+bench/studies/fixed_buffers.py and the queue alone, on a memory-backed device where the
+CPU's share shows; docs/performance.md, "Engines"):
+
+- A worker registers a region with its ring as fixed buffers at the region's second
+  transfer (``UringEngine.register_buffers``, workers/main.py): the kernel then pins its
+  pages once, not at every request (1 GiB transfers 1.10-1.19x faster). Registering
+  costs what faulting the pages in costs (0.2-0.3 s a GiB in a mapping that has not
+  touched them, 0.03 s after), so a region moved once does not pay it.
+- The caller queue's posted requests go to a thread of the queue's own, as
+  CallerQueue's do (cdeps/ring_submitter.h; Note [submitter] in pyx/_queues.pyx): 4 KiB
+  reads posted one by one, 0.99x CallerQueue's rate, 1.15x submitting them in the
+  caller. A kernel submitting thread (IORING_SETUP_SQPOLL) matched it in some runs and
+  ran at half its rate in others, competing with the caller for one of two cores.
+- The caller queue's ring is made with IORING_SETUP_COOP_TASKRUN: by default each
+  completion interrupts the thread that submitted its request, which costs a virtual
+  machine an inter-processor interrupt (submitting in the caller: 1.11x with it).
 """
 import errno
 import os
