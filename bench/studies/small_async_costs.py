@@ -75,6 +75,7 @@ def main():
 
     import nvmeswap
     from nvmeswap.io import quick, scheduler
+    from nvmeswap.io.books import Books
 
     if not os.path.exists(args.file):
         os.makedirs(os.path.dirname(os.path.abspath(args.file)), exist_ok=True)
@@ -83,9 +84,11 @@ def main():
                          for start in range(0, args.file_size, 1 << 20))
     timers = _Timers()
     timers.wrap(scheduler.Scheduler, "submit", "Scheduler.submit (all of starting)")
-    timers.wrap(scheduler, "quick_read", "  quick_read (check, open, book)")
+    timers.wrap(scheduler.Scheduler, "_try_quick", "  the quick road (check, route, book)")
     timers.wrap(quick, "io_buffer", "    io_buffer (the tensor's checks)")
-    timers.wrap(quick, "open_for_direct_read", "    open_for_direct_read")
+    timers.wrap(scheduler, "route", "    route (Note [roads])")
+    timers.wrap(scheduler, "open_quick_read", "    open_quick_read (open, place)")
+    timers.wrap(Books, "book", "    Books.book (and the post)")
     timers.wrap(scheduler.Scheduler, "_begin", "  the ordinary road")
     timers.labels.append("  CallerQueue.post")
     timers.wrap(scheduler.Scheduler, "collect", "Scheduler.collect (wait)")
