@@ -18,7 +18,8 @@ def extension(name, libraries=()):
 
 setup(
     ext_modules=cythonize(
-        [extension("queues", libraries=["pthread"]), extension("transfers"), extension("memory"),
+        [extension("queues", libraries=["pthread"]), extension("uring"), extension("transfers"),
+         extension("memory"),
          extension("cufile", libraries=["dl"]), extension("cuda", libraries=["dl"])],
         include_path=["pyx"],
         compiler_directives={"language_level": "3"},

@@ -10,6 +10,8 @@ Results cross the Cython edge as in nvmeswap._transfers:
   a worker instead); misuse raises ``ValueError`` (a closed queue) or ``RuntimeError``
   (an engine with no room).
 """
+from collections.abc import Sequence
+
 from nvmeswap._transfers import Completion
 
 class AioEngine:
@@ -63,5 +65,9 @@ class CallerQueue:
     def post(self, op_id: int, chunk: int, is_read: bool, fd: int, address: int,
              nbytes: int, offset: int) -> bool:
         """Hand one request to the submitting thread; False if the queue is full."""
+    def post_many(self, op_id: int, is_read: bool, fd: int, addresses: Sequence[int],
+                  nbytes: int | Sequence[int], offsets: Sequence[int]) -> int:
+        """Start a request per address and offset (chunk = index) in one io_submit; how
+        many the queue took."""
     def reap(self, wait_all: bool = False) -> list[Completion]:
         """The Completions of the requests that have ended (with ``wait_all``, of all)."""

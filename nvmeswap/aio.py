@@ -13,6 +13,7 @@ from typing import Any, Union
 
 from .config import handle_arguments
 from .errors import MemoryBudgetError
+from .io.engines import checked_engine, resolve
 from .io.futures import Future
 from .io.limits import DEFAULT as DEFAULT_LIMITS
 from .io.limits import Limits
@@ -64,6 +65,12 @@ class aio_handle:
         Kept for older callers: every handle of the process now shares one set of locked
         tensors (Note [process-wide locked memory] in io/regions.py), so this changes
         nothing but is still checked to be a handle.
+    engine : {"aio", "uring", "auto"}, optional
+        How requests reach the kernel, in the workers and the caller queue (Note [engines]
+        in io/engines.py): "aio" (kernel AIO), "uring" (io_uring; ``OSError`` here where
+        it is refused), "auto" (io_uring where it works, else kernel AIO with one
+        ``EngineFallbackWarning``). Default: the environment variable ``NVMESWAP_ENGINE``,
+        else "aio". ``get_engine()`` says which one runs.
 
     Notes
     -----
@@ -78,7 +85,7 @@ class aio_handle:
                  intra_op_parallelism: int = 1, *, o_direct: bool | None = None,
                  staging_bytes: int | None = None, memory_budget: int | None = None,
                  share_locked_memory_with: aio_handle | None = None,
-                 _limits: Limits | None = None) -> None:
+                 engine: str | None = None, _limits: Limits | None = None) -> None:
         self._block_size = checked_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         # Note [block size]: O_DIRECT requests must cover whole 4 KiB sectors of memory and
         # file, so a smaller (or unaligned) block size asked for is served by the next
@@ -91,6 +98,7 @@ class aio_handle:
         self._overlap_events = checked_bool("overlap_events", overlap_events)
         if o_direct not in (None, True, False):
             raise TypeError(f"o_direct must be None, True or False, got {o_direct!r}")
+        self._engine = checked_engine(engine)
         if _limits is not None and not isinstance(_limits, Limits):
             raise TypeError(f"_limits must be a Limits, got {type(_limits).__name__}")
         self._limits = limits = _limits or DEFAULT_LIMITS
@@ -106,12 +114,13 @@ class aio_handle:
                 and not isinstance(share_locked_memory_with, aio_handle):
             raise TypeError("share_locked_memory_with must be an aio_handle, got "
                             f"{type(share_locked_memory_with).__name__}")
+        self._engine = resolve(self._engine)     # the last check: it may probe io_uring
         locked = locked_memory().join()
         try:
             self._placement = self._make_placement(
                 HostPlacement(self._parallelism, engine_block, limits, locked))
             engine = EngineSettings(engine_block, self._queue_depth, self._single_submit,
-                                    self._overlap_events)
+                                    self._overlap_events, self._engine)
             self._scheduler = Scheduler(self._placement, self._parallelism, engine, o_direct,
                                         limits)
         except BaseException:
@@ -145,6 +154,11 @@ class aio_handle:
 
     def get_intra_op_parallelism(self) -> int:
         return self._parallelism
+
+    def get_engine(self) -> str:
+        """The engine that moves this handle's requests: "aio" or "uring" (what "auto"
+        chose, Note [engines] in io/engines.py)."""
+        return self._engine
 
     def get_alignment(self) -> int:
         """DeepNVMe's alignment: 512 x ``intra_op_parallelism``, the multiple that DeepSpeed

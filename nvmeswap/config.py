@@ -15,6 +15,7 @@ _ALIASES = {
     "io_parallel": "intra_op_parallelism",
     "staging_bytes": "staging_bytes",       # nvmeswap's own (Note [staging ring])
     "memory_budget": "memory_budget",
+    "engine": "engine",                     # nvmeswap's own (Note [engines])
 }
 # Keys of a DeepSpeed "aio" section that say nothing about a handle.
 _IGNORED = {"use_gds"}
@@ -41,6 +42,8 @@ def handle_arguments(config):
         name = _ALIASES[key]
         if name in ("single_submit", "overlap_events"):
             arguments[name] = _boolean(key, value)
+        elif name == "engine":
+            arguments[name] = value         # checked by the handle
         else:
             arguments[name] = _integer(key, value)
     return arguments

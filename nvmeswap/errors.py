@@ -87,6 +87,10 @@ class BufferedIOWarning(RuntimeWarning):
     """The filesystem refused O_DIRECT, so I/O goes through the page cache."""
 
 
+class EngineFallbackWarning(RuntimeWarning):
+    """``engine="auto"`` found io_uring refused here and uses kernel AIO (Note [engines])."""
+
+
 class MemoryLockWarning(RuntimeWarning):
     """Page-locking was refused (RLIMIT_MEMLOCK); memory is shared but not locked."""
 

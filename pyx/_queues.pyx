@@ -19,7 +19,10 @@ from posix.types cimport pid_t
 from posix.unistd cimport close, getpid, read, write
 
 from _check cimport errno_error
-from _transfer_steps cimport Outcome, _aio_context, _clear_iocb, _fail, _failed, _move_edges
+from _transfer_steps cimport (
+    Outcome, Transfer, _aio_context, _begin_transfer, _clear_iocb, _count_many, _fail, _failed,
+    _transfer_ended,
+)
 from nvmeswap._transfers cimport completion
 
 from includes.kernel_aio cimport (
@@ -31,20 +34,6 @@ from includes.submitter cimport (
     nvmeswap_submitter, nvmeswap_submitter_start, nvmeswap_submitter_post,
     nvmeswap_submitter_drain, nvmeswap_submitter_take_failed, nvmeswap_submitter_stop,
 )
-
-
-cdef struct Transfer:
-    unsigned long long op_id
-    unsigned int chunk
-    bint is_read
-    int fd
-    char *buf           # the O_DIRECT middle: its memory, length and file offset
-    long long nbytes
-    long long offset
-    long long total     # requests it takes
-    long long prepared
-    long long completed
-    Outcome out         # once failed, no more of its requests start
 
 
 cdef class AioEngine:
@@ -171,20 +160,8 @@ cdef class AioEngine:
         cdef int index = 0
         while self.used[index]:
             index += 1
-        cdef Transfer *t = &self.transfers[index]
-        cdef long long middle_start, middle_end
-        t.op_id = op_id
-        t.chunk = chunk
-        t.is_read = is_read
-        t.total = t.prepared = t.completed = 0
-        _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &t.out,
-                    &middle_start, &middle_end)
-        if not t.out.failed and middle_end > middle_start:
-            t.fd = direct_fd
-            t.buf = <char *>address + (middle_start - offset)
-            t.nbytes = middle_end - middle_start
-            t.offset = middle_start
-            t.total = (t.nbytes + <long long>self.block_size - 1) // <long long>self.block_size
+        _begin_transfer(&self.transfers[index], op_id, chunk, is_read, direct_fd, buffered_fd,
+                        address, nbytes, offset, alignment, <long long>self.block_size)
         self.used[index] = True
         self.order[self.n_order] = index
         self.n_order += 1
@@ -214,7 +191,7 @@ cdef class AioEngine:
         for k in range(self.n_order):
             index = self.order[k]
             t = &self.transfers[index]
-            if t.completed == t.prepared and (t.prepared == t.total or t.out.failed):
+            if _transfer_ended(t):
                 self.used[index] = False
                 ended.append(completion(t.op_id, t.chunk, t.out.err, t.out.at_offset,
                                         t.out.requested, t.out.got))
@@ -342,6 +319,7 @@ cdef class CallerQueue:
     """
     cdef aio_context_t ctx
     cdef iocb *slots
+    cdef iocb **batch           # post_many's requests, submitted together
     cdef io_event *events
     cdef int *free_slots
     cdef int n_free
@@ -363,13 +341,15 @@ cdef class CallerQueue:
         self.submitter = NULL
         self.creator = getpid()
         self.slots = <iocb *>malloc(sizeof(iocb) * capacity)
+        self.batch = <iocb **>malloc(sizeof(iocb *) * capacity)
         self.events = <io_event *>malloc(sizeof(io_event) * capacity)
         self.free_slots = <int *>malloc(sizeof(int) * capacity)
         self.op_ids = <unsigned long long *>malloc(sizeof(unsigned long long) * capacity)
         self.chunks = <unsigned int *>malloc(sizeof(unsigned int) * capacity)
         self.refused_slots = <int *>malloc(sizeof(int) * capacity)
         self.refused_errnos = <int *>malloc(sizeof(int) * capacity)
-        if not (self.slots and self.events and self.free_slots and self.op_ids and self.chunks
+        if not (self.slots and self.batch and self.events and self.free_slots and self.op_ids
+                and self.chunks
                 and self.refused_slots and self.refused_errnos):
             raise MemoryError()
         self.capacity = capacity
@@ -392,6 +372,7 @@ cdef class CallerQueue:
         if self.eventfd >= 0:
             close(self.eventfd)
         free(self.slots)
+        free(self.batch)
         free(self.events)
         free(self.free_slots)
         free(self.op_ids)
@@ -451,6 +432,33 @@ cdef class CallerQueue:
             return False
         nvmeswap_submitter_post(self.submitter, &self.slots[slot])
         return True
+
+    def post_many(self, unsigned long long op_id, bint is_read, int fd, addresses, nbytes,
+                  offsets):
+        """Start a request per address and file offset (chunk = its index), all in one
+        io_submit from the calling thread; ``nbytes`` is one size for all or one per
+        request. Returns how many the queue took, from the first on: the rest did not fit.
+        A refusal by the kernel comes back from ``reap``."""
+        cdef int count = _count_many(addresses, nbytes, offsets)
+        cdef int taken = 0, done = 0, slot
+        cdef bint one_size = isinstance(nbytes, int)
+        cdef long ret
+        while taken < count:
+            slot = self._take_slot(op_id, taken, is_read, fd, addresses[taken],
+                                   nbytes if one_size else nbytes[taken], offsets[taken])
+            if slot < 0:
+                break
+            self.batch[taken] = &self.slots[slot]
+            taken += 1
+        while done < taken:
+            with nogil:
+                ret = nvmeswap_io_submit(self.ctx, taken - done, self.batch + done)
+            if ret > 0:
+                done += <int>ret
+            elif ret != -EINTR:     # the first request not taken is refused; on after it
+                self._refused(<int>self.batch[done].aio_data, <int>-ret if ret < 0 else EIO)
+                done += 1
+        return taken
 
     cdef int _take_slot(self, unsigned long long op_id, unsigned int chunk, bint is_read,
                         int fd, size_t address, size_t nbytes, long long offset) except -2:

@@ -1,7 +1,7 @@
-# The steps of a transfer, written once for both extensions: its outcome, the O_DIRECT
-# split and the buffered edges (pyx/_queues.pyx and pyx/_transfers.pyx), a kernel AIO
-# context and its requests (both queues of pyx/_queues.pyx). Inline: nothing is
-# imported at run time.
+# The steps of a transfer, written once for every extension: its outcome, the O_DIRECT
+# split and the buffered edges (pyx/_queues.pyx, pyx/_uring.pyx and pyx/_transfers.pyx),
+# an engine's record of a transfer in progress (both engines), a kernel AIO context and
+# its requests (both queues of pyx/_queues.pyx). Inline: nothing is imported at run time.
 from libc.errno cimport EINTR, EINVAL
 
 from _check cimport errno_error
@@ -19,6 +19,21 @@ cdef struct Outcome:
     long long at_offset
     long long requested
     long long got
+
+
+cdef struct Transfer:
+    # A transfer in an engine (Note [concurrent transfers] in pyx/_queues.pyx).
+    unsigned long long op_id
+    unsigned int chunk
+    bint is_read
+    int fd
+    char *buf           # the O_DIRECT middle: its memory, length and file offset
+    long long nbytes
+    long long offset
+    long long total     # requests it takes
+    long long prepared
+    long long completed
+    Outcome out         # once failed, no more of its requests start
 
 
 cdef inline void _fail(Outcome *out, int err, long long at, long long requested,
@@ -85,6 +100,41 @@ cdef inline void _move_edges(bint is_read, int buffered_fd, size_t address, size
         if not out.failed and end > middle_end[0]:
             _plain_transfer(is_read, buffered_fd, <char *>address + (middle_end[0] - offset),
                             end - middle_end[0], middle_end[0], out)
+
+
+cdef inline void _begin_transfer(Transfer *t, unsigned long long op_id, unsigned int chunk,
+                                 bint is_read, int direct_fd, int buffered_fd, size_t address,
+                                 size_t nbytes, long long offset, size_t alignment,
+                                 long long block_size):
+    """An engine's new transfer: its head and tail moved now (``_move_edges``), its
+    aligned middle left as ``total`` requests of ``block_size`` on ``direct_fd``."""
+    cdef long long middle_start, middle_end
+    t.op_id = op_id
+    t.chunk = chunk
+    t.is_read = is_read
+    t.total = t.prepared = t.completed = 0
+    _move_edges(is_read, buffered_fd, address, nbytes, offset, alignment, &t.out,
+                &middle_start, &middle_end)
+    if not t.out.failed and middle_end > middle_start:
+        t.fd = direct_fd
+        t.buf = <char *>address + (middle_start - offset)
+        t.nbytes = middle_end - middle_start
+        t.offset = middle_start
+        t.total = (t.nbytes + block_size - 1) // block_size
+
+
+cdef inline bint _transfer_ended(Transfer *t) noexcept nogil:
+    """Every request it started has completed, and none is left to start."""
+    return t.completed == t.prepared and (t.prepared == t.total or t.out.failed)
+
+
+cdef inline int _count_many(addresses, nbytes, offsets) except -1:
+    """How many requests a queue's ``post_many`` names; ValueError if its lists disagree."""
+    cdef Py_ssize_t count = len(addresses)
+    if len(offsets) != count or (not isinstance(nbytes, int) and len(nbytes) != count):
+        raise ValueError("post_many needs as many offsets (and sizes, unless one size is "
+                         "given for all) as addresses")
+    return <int>count
 
 
 cdef inline aio_context_t _aio_context(int nr_events) except? 0:

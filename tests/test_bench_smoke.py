@@ -20,12 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from nvmeswap._uring import probe
+
 torch = pytest.importorskip("torch", reason="the bench scripts move torch tensors")
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 SHARED_MODULES = {"peers.py"}       # imported by the scripts, never run
 RUNS_AT_ONCE = max(2, min(4, os.cpu_count() or 1))
+URING_REFUSED = probe() or ""      # why io_uring cannot be used here, if it cannot
 
 
 @dataclasses.dataclass
@@ -108,6 +111,18 @@ CASES = {case.name or case.script: case for case in [
     Case("studies/shared_memory_cost.py",
          ["--folder", "{folder}", "--size", "1048576", "--rounds", "1"],
          [r"^write .* shared/private: \d+\.\d\d$", r"^read .* shared/private: \d+\.\d\d$"]),
+    Case("engines.py", ["--folder", "{folder}", "--size", "2M", "--rounds", "1", "--ops", "256"],
+         [r"^measurement +aio +uring +uring / aio$",
+          r"^fresh write +\d+\.\d\d GB/s +\d+\.\d\d GB/s +\d+\.\d\dx",
+          r"^4 KiB async reads +\d+/s +\d+/s +\d+\.\d\dx"], skip=URING_REFUSED),
+    Case("studies/fixed_buffers.py", ["--folder", "{folder}", "--size", "2M", "--rounds", "1"],
+         [r"^uring, registered( +\d+\.\d\d){3}$",
+          r"^uring, registered / uring: +fresh write \d+\.\d\dx"], skip=URING_REFUSED),
+    Case("studies/queue_post.py",
+         ["--file", "{folder}/queue-post.bin", "--file-size", "4M", "--ops", "256",
+          "--rounds", "1"],
+         [r"^aio post +\d+/s +1\.00x$", r"^uring post_many +\d+/s +\d+\.\d\dx$"],
+         skip=URING_REFUSED),
     Case("studies/deepspeed_unaligned_slices.py",
          ["--engine", "nvmeswap", "--folder", "{folder}"],
          [r"^nvmeswap +slice 0: ", r"^nvmeswap: 8 of 8 slices bit-exact$"]),

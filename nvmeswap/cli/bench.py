@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 from ..errors import ValidationError
+from ..io.engines import ENGINES, check_usable
 from ..units import SIZE_HELP, human_size, size_argument
 from .bench_ranks import buffer_bytes, run_ranks
 from .bench_summary import print_report, summarise
@@ -34,7 +35,7 @@ from .options import (
 
 BUFFERS = ("locked", "pinned", "plain", "numpy")
 SETTINGS = ("block_size", "queue_depth", "single_submit", "overlap_events",
-            "intra_op_parallelism")
+            "intra_op_parallelism", "engine")
 
 
 def add_arguments(parser):
@@ -69,6 +70,10 @@ def add_arguments(parser):
                         type=positive_int, dest="intra_op_parallelism", default=None,
                         metavar="N", help="worker processes that share each operation "
                                           "(default: the handle's, 1)")
+    parser.add_argument("--engine", choices=ENGINES, default=None,
+                        help="how requests reach the kernel: aio (kernel AIO), uring (io_uring), "
+                             "auto (io_uring where it works) (default: $NVMESWAP_ENGINE, "
+                             "else aio)")
     parser.add_argument("--loops", type=positive_int, default=3, metavar="N",
                         help="timed operations per job and rank")
     parser.add_argument("--warmup-loops", "--warmup_loops", type=non_negative_int, default=1,
@@ -159,6 +164,7 @@ def _plan(args):
     for name in SETTINGS:
         if getattr(args, name) is not None:
             handle_args[name] = getattr(args, name)
+    _check_engine(handle_args.get("engine"), "--engine")
     # Only what was asked for: importing torch to count GPUs takes seconds.
     gpus = gpu_count() if (args.gpu or args.gds or args.buffer == "pinned") else 0
     if args.gpu or args.gds:
@@ -213,6 +219,15 @@ def _plan(args):
         "ops": args.ops if random else 1,
         "batch": args.batch,
     }
+
+
+def _check_engine(engine, option):
+    """Refuse, before the run, an engine that cannot run here (io_uring refused, or a
+    bad NVMESWAP_ENGINE)."""
+    try:
+        check_usable(engine)
+    except (ValueError, TypeError, OSError) as error:
+        raise UsageError(f"{option} {engine}: {error}" if engine else str(error)) from None
 
 
 def available_memory():

@@ -91,7 +91,8 @@ def _rank_job(rank, plan, barrier, stop):
                                   "queue_depth": handle.get_queue_depth(),
                                   "single_submit": handle.get_single_submit(),
                                   "overlap_events": handle.get_overlap_events(),
-                                  "intra_op_parallelism": handle.get_intra_op_parallelism()}
+                                  "intra_op_parallelism": handle.get_intra_op_parallelism(),
+                                  "engine": handle.get_engine()}
             buffer = _make_buffer(handle, plan["buffer"], buffer_bytes(plan), rank)
             _fill(buffer)
             try:

@@ -4,7 +4,6 @@ First the versions (nvmeswap, Python, torch, numpy, kernel, and the Cython and c
 built the extensions); then every check with a status, what it found and, for a problem,
 the fix in one line.
 """
-import ctypes
 import errno
 import json
 import os
@@ -90,7 +89,7 @@ def _check(name, status, found, fix=None):
 
 
 def machine_checks():
-    return [_kernel_aio(), _aio_limit(), _memlock(), _io_uring(), *_cuda()]
+    return [_kernel_aio(), _aio_limit(), _memlock(), _io_uring(), _engine(), *_cuda()]
 
 
 def _kernel_aio():
@@ -150,22 +149,43 @@ def _memlock():
 
 
 def _io_uring():
+    """Whether io_uring works here (pyx/_uring.pyx's probe: a ring made, an eventfd
+    registered, a request completed)."""
+    from ..io.engines import uring_refusal
+    refused = uring_refusal()
+    if refused is None:
+        return _check("io_uring", OK, "works (engine='uring' or 'auto' may use it)")
+    err, why = refused
     try:
         disabled = int(_read("/proc/sys/kernel/io_uring_disabled"))
-    except OSError:
+    except (OSError, ValueError):
         disabled = 0
-    if disabled == 2:
-        return _check("io_uring", WARN, "disabled (kernel.io_uring_disabled=2); nvmeswap uses "
-                                        "kernel AIO and does not need it")
-    libc = ctypes.CDLL(None, use_errno=True)
-    params = ctypes.create_string_buffer(120)
-    fd = libc.syscall(425, 4, params)       # io_uring_setup on x86-64 and arm64
-    if fd < 0:
-        err = ctypes.get_errno()
-        return _check("io_uring", WARN, f"io_uring_setup failed ({os.strerror(err)}); nvmeswap "
-                                        "uses kernel AIO and does not need it")
-    os.close(fd)
-    return _check("io_uring", OK, "available (fio's io_uring engine can be compared)")
+    if disabled:
+        fix = "sysctl -w kernel.io_uring_disabled=0"
+    elif err in (errno.ENOSYS, errno.EPERM):
+        fix = ("in a container, allow io_uring_setup, io_uring_enter and io_uring_register "
+               "in its seccomp profile")
+    else:
+        fix = None
+    return _check("io_uring", WARN, f"{why}; kernel AIO does not need it", fix)
+
+
+def _engine():
+    """Which engine handles run by default here, and what engine='auto' would choose."""
+    from ..io.engines import ENVIRONMENT, auto_choice, checked_engine
+    choice, why = auto_choice()
+    try:
+        default = checked_engine(None)
+    except ValueError as error:
+        return _check("engine", FAIL, str(error), f"export {ENVIRONMENT}=aio (or uring, auto)")
+    source = f"{ENVIRONMENT}={default}" if os.environ.get(ENVIRONMENT, "").strip() else \
+        f"no {ENVIRONMENT}"
+    runs = choice if default == "auto" else default
+    found = (f"handles run on {'io_uring' if runs == 'uring' else 'kernel AIO'} by default "
+             f"({source}); engine='auto' would choose {choice} ({why})")
+    if default == "uring" and choice != "uring":
+        return _check("engine", FAIL, found, f"export {ENVIRONMENT}=auto (or aio)")
+    return _check("engine", OK, found)
 
 
 def _cuda():

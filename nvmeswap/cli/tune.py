@@ -1,9 +1,11 @@
 """``nvmeswap tune``: the best handle settings for a folder (DeepSpeed's ``ds_nvme_tune``).
 
 The default search walks one setting at a time from a good start (parallelism, then
-block size, then queue depth, then the submit modes), reusing one handle and one locked
-buffer per configuration, widening a setting only when its edge wins, and confirms the
-leaders by measuring them again, interleaved. ``--exhaustive`` measures the full grid.
+block size, then queue depth, then the submit modes, then the engine: kernel AIO and
+io_uring where it works, or the one ``--engine`` names), reusing one handle and one
+locked buffer per configuration, widening a setting only when its edge wins, and
+confirms the leaders by measuring them again, interleaved. ``--exhaustive`` measures the
+full grid.
 The result (JSON) goes to --json FILE, or alone to standard output; everything else goes to
 standard error. Ctrl-C stops after the current configuration and keeps the best so far.
 """
@@ -14,7 +16,9 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
+from ..io.engines import ENGINES, check_usable, resolve, uring_refusal
 from ..units import GB, SIZE_HELP, format_size, size_argument
 from .options import (
     StopOnInterrupt,
@@ -41,6 +45,10 @@ def add_arguments(parser):
     parser.add_argument("--loops", type=positive_int, default=2, metavar="N",
                         help="timed loops per configuration")
     parser.add_argument("--exhaustive", action="store_true", help="measure the whole grid")
+    parser.add_argument("--engine", choices=ENGINES, default=None,
+                        help="tune this engine only (auto: the one aio_handle(engine='auto') "
+                             "would run; default: both kernel AIO and io_uring, io_uring "
+                             "where it works)")
     parser.add_argument("--budget-seconds", type=positive_float, default=50.0, metavar="S",
                         help="stop the search (not --exhaustive) after this many seconds; "
                              "the confirming round comes after")
@@ -70,14 +78,15 @@ def run(args):
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    engines = _engines(args.engine)
     started = time.monotonic()
-    tuner = Tuner(folder, args.io_size, args.loops)
-    planned = len(full_grid()) if args.exhaustive else tuner.planned_search()
+    tuner = Tuner(folder, args.io_size, args.loops, engines)
+    planned = len(full_grid(engines)) if args.exhaustive else tuner.planned_search()
     tuner.progress = _progress_bar(planned)
     try:
         with StopOnInterrupt(tuner.stop):
             if args.exhaustive:
-                tuner.measure_all(full_grid())
+                tuner.measure_all(full_grid(engines))
             else:
                 tuner.search(deadline=started + args.budget_seconds)
             if tuner.progress is not None:
@@ -106,6 +115,7 @@ def run(args):
         **{job: {**picks[job]["config"], "gb_per_s": picks[job]["gb_per_s"]} for job in JOBS},
         "units": {"gb_per_s": "10^9 bytes per second", "io_size": "bytes"},
         "io_size": args.io_size,
+        "engines": list(engines),
         "seconds": time.monotonic() - started,
         "interrupted": interrupted,
         "configurations_measured": len(tuner.results),
@@ -132,22 +142,45 @@ def _progress_bar(total):
                 dynamic_ncols=True)
 
 
-def full_grid():
+def _engines(asked):
+    """The engines to tune: the one asked for (refused before any work if it cannot run
+    here), else kernel AIO and io_uring where it works (saying why not, if not)."""
+    if asked is not None:
+        try:
+            check_usable(asked)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # said below, in tune's words
+                engine = resolve(asked)
+        except OSError as error:
+            raise UsageError(f"--engine {asked}: {error}") from None
+        if engine != asked and asked == "auto":
+            print(f"--engine auto: {uring_refusal()[1]}; tuning aio", file=sys.stderr)
+        return (engine,)
+    refused = uring_refusal()
+    if refused is not None:
+        print(f"io_uring cannot be used here ({refused[1]}): tuning aio only", file=sys.stderr)
+        return ("aio",)
+    return ("aio", "uring")
+
+
+def full_grid(engines=("aio",)):
     parallelism = sorted({1, 2, min(4, 2 * (os.cpu_count() or 1))})
     return list(itertools.product(BLOCK_SIZES, QUEUE_DEPTHS, parallelism,
-                                  (False, True), (False, True)))
+                                  (False, True), (False, True), engines))
 
 
 def config_of(key):
-    block_size, queue_depth, parallelism, single_submit, overlap_events = key
+    """A configuration's handle arguments; ``key``: (block size, queue depth, parallelism,
+    single submit, overlap events, engine)."""
+    block_size, queue_depth, parallelism, single_submit, overlap_events, engine = key
     return {"block_size": block_size, "queue_depth": queue_depth,
             "intra_op_parallelism": parallelism, "single_submit": single_submit,
-            "overlap_events": overlap_events}
+            "overlap_events": overlap_events, "engine": engine}
 
 
 def key_of(config):
     return (config["block_size"], config["queue_depth"], config["intra_op_parallelism"],
-            config["single_submit"], config["overlap_events"])
+            config["single_submit"], config["overlap_events"], config.get("engine", "aio"))
 
 
 def _parallelisms():
@@ -162,7 +195,8 @@ class Tuner:
     bar or None) advances once per configuration measured.
     """
 
-    def __init__(self, folder, io_size, loops):
+    def __init__(self, folder, io_size, loops, engines=("aio",)):
+        self.engines = tuple(engines)
         self.folder = tempfile.mkdtemp(prefix="nvmeswap-tune-", dir=folder)
         self.path = os.path.join(self.folder, "tune.bin")
         self.io_size = io_size
@@ -216,15 +250,29 @@ class Tuner:
         return len(_parallelisms()) + len(BLOCK_SIZES) + len(QUEUE_DEPTHS) + 4
 
     def planned_confirm(self, leaders=3, rounds=2):
+        rivals = self.engine_rivals()
+        return len(rivals) + len(self.leaders(leaders) | set(rivals)) * rounds
+
+    def leaders(self, leaders=3):
         chosen = set()
         for job in JOBS:
             chosen.update(sorted(self.results, key=lambda k: self.results[k][job],
                                  reverse=True)[:leaders])
-        return len(chosen) * rounds
+        return chosen
+
+    def engine_rivals(self):
+        """The best configuration so far on each other engine, where not yet measured:
+        every engine is tried, whatever the budget left for the search."""
+        if not self.results:
+            return []
+        best = self.best()
+        return [best[:5] + (engine,) for engine in self.engines
+                if best[:5] + (engine,) not in self.results]
 
     def search(self, deadline):
-        """One setting at a time from a good start; widen a range only if its edge wins."""
-        start = (1 * M, 32, 1, False, True)
+        """One setting at a time from a good start, on the first engine; widen a range only
+        if its edge wins. (The other engines are tried in ``confirm``.)"""
+        start = (1 * M, 32, 1, False, True, self.engines[0])
         steps = [(2, _parallelisms()), (0, BLOCK_SIZES), (1, QUEUE_DEPTHS)]
         current = start
         for position, values in steps:
@@ -247,16 +295,16 @@ class Tuner:
             if not measured:
                 return
             current = self.best(among=measured)
-        modes = [current[:3] + (single, overlap)
+        modes = [current[:3] + (single, overlap) + current[5:]
                  for single, overlap in itertools.product((False, True), (False, True))]
         self.measure_all(modes, deadline)
 
     def confirm(self, leaders=3, rounds=2):
-        """Measure the leaders of each job again, interleaved; the picks use all samples."""
-        chosen = set()
-        for job in JOBS:
-            ranked = sorted(self.results, key=lambda k: self.results[k][job], reverse=True)
-            chosen.update(ranked[:leaders])
+        """Measure the best so far on every other engine, then the leaders of each job
+        and those again, interleaved; the picks use all samples."""
+        rivals = self.engine_rivals()
+        self.measure_all(rivals)
+        chosen = self.leaders(leaders) | {key for key in rivals if key in self.results}
         for _ in range(rounds):
             for key in sorted(chosen):
                 if self.stop.is_set():
@@ -282,7 +330,7 @@ def _print_result(result):
           "(GB = 10^9 bytes)", file=out)
     for job in JOBS:
         pick = result[job]
-        settings = ", ".join(f"{k}={pick[k]}" for k in config_of((0,) * 5))
+        settings = ", ".join(f"{k}={pick[k]}" for k in config_of((0,) * 6))
         print(f"best {job:<9} {pick['gb_per_s']:6.2f} GB/s  {settings}", file=out)
 
 

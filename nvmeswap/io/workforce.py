@@ -7,9 +7,9 @@ import os
 import resource
 import select
 
-from .._queues import CallerQueue
 from ..workers import protocol
 from ..workers.pool import WorkerPool
+from .engines import caller_queue_type
 from .roads import CALLER_ROADS
 
 GONE = -1
@@ -33,7 +33,8 @@ class Workforce:
     and length, host memory the kernel can reach) is one kernel AIO request; a worker
     adds two process wake-ups and a socket round trip to it, more than the request costs
     on a fast device. So such asynchronous operations go into the handle's own kernel AIO
-    context (posted to its submitting thread, Note [submitter] in pyx/_queues.pyx) and
+    context (posted to its submitting thread, Note [submitter] in pyx/_queues.pyx), or its
+    own ring on io_uring (Note [engines] in io/engines.py), and
     are reaped in bulk by whichever thread reads responses; the context's eventfd wakes
     that thread beside the workers' sockets. Many small reads are then in flight at once,
     as fio keeps them. A worker's death does not touch them. Larger operations still fan
@@ -60,7 +61,7 @@ class Workforce:
             self.pool = WorkerPool(self._parallelism, self._engine_settings)
             self._next = 0
             if self.queue is None:  # after the workers: theirs must fit under fs.aio-max-nr
-                self.queue = _caller_queue(self._limits)
+                self.queue = _caller_queue(self._limits, self._engine_settings.engine)
             if self.queue is not None:
                 self.pool.also_wake(self.queue.eventfd)
         return self.pool
@@ -72,16 +73,10 @@ class Workforce:
         return queue is not None and queue.in_flight + may_post + requests <= queue.capacity
 
     def post_batch(self, op):
-        """Post every request of a batch (Note [batches]) to the caller queue; how many
-        it took (all: its room was counted when the batch was routed)."""
-        queue, fd, op_id, is_read = self.queue, op.file.direct_fd, op.op_id, op.is_read
-        taken = 0
-        for chunk, request in enumerate(op.requests):
-            if not queue.post(op_id, chunk, is_read, fd, request.address, request.nbytes,
-                              request.offset):
-                break
-            taken += 1
-        return taken
+        """Post every request of a batch (Note [batches]) to the caller queue in one call;
+        how many it took (all: its room was counted when the batch was routed)."""
+        return self.queue.post_many(op.op_id, op.is_read, op.file.direct_fd, op.addresses(),
+                                    op.lengths(), op.offsets())
 
     def poll(self, pool, wait=True):
         """Block until ``pool`` or the caller queue has something to say; without
@@ -213,12 +208,13 @@ class Workforce:
                     pass    # a dead worker maps nothing; the pump will see its death
 
 
-def _caller_queue(limits):
-    """The handle's caller queue, or None where the kernel refuses another AIO context
-    (fs.aio-max-nr): small operations then go to the workers like the rest."""
+def _caller_queue(limits, engine):
+    """The handle's caller queue on its engine (Note [engines] in io/engines.py), or None
+    where the kernel refuses another AIO context (fs.aio-max-nr) or ring: small
+    operations then go to the workers like the rest."""
     try:
         # Back-pressure keeps fewer than max_chunks_in_flight out; twice that leaves
         # room for threads that passed it at once.
-        return CallerQueue(2 * limits.max_chunks_in_flight)
+        return caller_queue_type(engine)(2 * limits.max_chunks_in_flight)
     except OSError:
         return None

@@ -14,8 +14,8 @@ import socket
 import threading
 
 from .._memory import Mapping
-from .._queues import AioEngine
 from .._transfers import Completion
+from ..io.engines import worker_engine_type
 from . import protocol
 
 
@@ -31,7 +31,7 @@ def main(argv):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sock = socket.socket(fileno=sock_fd)
     try:
-        engine = AioEngine(*settings)
+        engine = worker_engine_type(settings.engine)(*settings[:4])
     except OSError as error:
         sock.send(protocol.ready_response(error.errno))
         return
@@ -122,6 +122,11 @@ class Executor:
 
     def __init__(self, engine):
         self._engine = engine
+        # io_uring's fixed buffers (UringEngine.register_buffers; kernel AIO has none): a
+        # region is registered with the engine's ring at its second transfer here, so
+        # that a region moved once does not pay for it (Note [engines] in io/engines.py).
+        self._register = getattr(engine, "register_buffers", None)
+        self._transfers_of = {}     # region id -> transfers begun on it, until the second
         self._regions = {}      # region id -> Mapping of its range of the parent's memfd
         self._running = {}      # (op id, chunk) of an engine transfer -> its request
         self._cufile = None     # a CufileIO once the parent sends CUFILE_SETUP
@@ -147,6 +152,8 @@ class Executor:
             _close_all(request.fds)
             return _failure(request, errno.EMFILE)     # its MAP lost its descriptor
         buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
+        if self._register is not None:
+            self._count_transfer(request.region_id, mapping)
         try:
             self._engine.begin(request.op_id, request.chunk, request.kind == protocol.READ,
                                request.fds[0], buffered_fd,
@@ -157,6 +164,13 @@ class Executor:
             raise
         self._running[request.op_id, request.chunk] = request
         return None
+
+    def _count_transfer(self, region_id, mapping):
+        count = self._transfers_of.get(region_id, 0) + 1
+        if count <= 2:
+            self._transfers_of[region_id] = count
+            if count == 2:
+                self._register(mapping.address, mapping.size)
 
     def advance(self, block):
         """Responses for the transfers that have ended."""
@@ -180,7 +194,9 @@ class Executor:
                 self._regions[request.region_id] = Mapping(request.fds[0], request.nbytes,
                                                            request.region_offset)
             elif request.kind == protocol.UNMAP:
-                self._regions.pop(request.region_id, None)
+                mapping = self._regions.pop(request.region_id, None)
+                if self._transfers_of.pop(request.region_id, 0) == 2 and mapping is not None:
+                    self._engine.unregister_buffers(mapping.address)
                 if self._cufile is not None:
                     self._cufile.unmap(request.region_id)
         finally:

@@ -69,6 +69,7 @@ class WorkerPool:
 
     def __init__(self, size, engine_settings):
         self.workers = []
+        self._engine = engine_settings.engine
         try:
             for _ in range(size):
                 self.workers.append(Worker(engine_settings))
@@ -97,6 +98,8 @@ class WorkerPool:
                 raise WorkerDied(f"worker process {worker.process.pid} did not start "
                                  f"(exit status {worker.process.poll()})")
             err = protocol.unpack_response(data).err
+            if err and self._engine == "uring":
+                raise os_error(err, None, "io_uring_setup failed in a worker process")
             if err:
                 raise os_error(err, "/proc/sys/fs/aio-max-nr",
                                "io_setup failed: too many kernel AIO contexts are in use; raise "

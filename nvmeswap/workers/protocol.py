@@ -33,20 +33,22 @@ _FD_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
 class EngineSettings(NamedTuple):
-    """A worker's kernel AIO engine, as the handle was asked for it; passed on the
-    worker's command line."""
+    """A worker's engine, as the handle was asked for it; passed on the worker's command
+    line. ``engine`` is "aio" or "uring" (Note [engines] in io/engines.py)."""
     block_size: int
     queue_depth: int
     single_submit: bool
     overlap_events: bool
+    engine: str = "aio"
 
     def to_argv(self):
-        return [str(int(value)) for value in self]
+        return [*(str(int(value)) for value in self[:4]), self.engine]
 
     @classmethod
     def from_argv(cls, argv):
-        block_size, queue_depth, single_submit, overlap_events = map(int, argv)
-        return cls(block_size, queue_depth, bool(single_submit), bool(overlap_events))
+        block_size, queue_depth, single_submit, overlap_events = map(int, argv[:4])
+        return cls(block_size, queue_depth, bool(single_submit), bool(overlap_events),
+                   argv[4])
 
 
 class Request(NamedTuple):

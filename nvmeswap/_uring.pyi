@@ -1,0 +1,82 @@
+"""The io_uring queues: a worker's transfer loop and the caller's own queue (pyx/_uring.pyx).
+
+The kernel AIO queues of nvmeswap._queues on io_uring, with the same interfaces and the
+same results:
+
+- a failure of the call itself raises ``OSError`` with its errno, naming the system call
+  (pyx/_check.pxd); no function returns an errno;
+- each transfer or request ends in a :class:`~nvmeswap._transfers.Completion`, a request
+  the kernel refused included (it comes back from ``UringQueue.reap``);
+- a full ``UringQueue`` is a False return from ``post``/``submit`` (the request goes to
+  a worker instead); misuse raises ``ValueError`` (a closed queue) or ``RuntimeError``
+  (an engine with no room).
+"""
+from collections.abc import Sequence
+
+from nvmeswap._transfers import Completion
+
+class UringEngine:
+    """One ring running many transfers at once (a worker's); ``AioEngine``'s interface."""
+
+    def __init__(self, block_size: int, queue_depth: int, single_submit: bool,
+                 overlap_events: bool, max_transfers: int = 256) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def max_transfers(self) -> int: ...
+    @property
+    def single_submit(self) -> bool: ...
+    @property
+    def overlap_events(self) -> bool: ...
+    @property
+    def busy(self) -> bool:
+        """Whether transfers are in progress."""
+    @property
+    def full(self) -> bool:
+        """Whether ``begin`` must wait for a transfer to end."""
+    def register_buffers(self, address: int, nbytes: int) -> bool:
+        """Register memory as fixed buffers for the requests inside it; False if refused."""
+    def unregister_buffers(self, address: int) -> None:
+        """Undo ``register_buffers(address, ...)``, before the memory is unmapped."""
+    def transfer(self, op_id: int, chunk: int, is_read: bool, direct_fd: int,
+                 buffered_fd: int, address: int, nbytes: int, offset: int,
+                 alignment: int) -> Completion:
+        """Move the bytes and wait for them (an engine with nothing else in progress)."""
+    def begin(self, op_id: int, chunk: int, is_read: bool, direct_fd: int, buffered_fd: int,
+              address: int, nbytes: int, offset: int, alignment: int) -> None:
+        """Start a transfer; ``advance`` returns its Completion."""
+    def advance(self, block: bool) -> list[Completion]:
+        """Start and reap requests; the Completions of the transfers that have ended."""
+
+class UringQueue:
+    """The calling process's own ring for small aligned requests; ``CallerQueue``'s
+    interface."""
+
+    def __init__(self, capacity: int) -> None: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted or posted and not yet reaped."""
+    @property
+    def eventfd(self) -> int:
+        """Readable when requests have ended; -1 once closed."""
+    def close(self) -> None:
+        """Wait for the requests in flight and free the ring; idempotent."""
+    def submit(self, op_id: int, chunk: int, is_read: bool, fd: int, address: int,
+               nbytes: int, offset: int) -> bool:
+        """Start one request from the calling thread; False if the queue is full."""
+    def post(self, op_id: int, chunk: int, is_read: bool, fd: int, address: int,
+             nbytes: int, offset: int) -> bool:
+        """``submit``, in the calling thread (no submitting thread); False if full."""
+    def post_many(self, op_id: int, is_read: bool, fd: int, addresses: Sequence[int],
+                  nbytes: int | Sequence[int], offsets: Sequence[int]) -> int:
+        """Start a request per address and offset (chunk = index) with one system call;
+        how many the queue took."""
+    def reap(self, wait_all: bool = False) -> list[Completion]:
+        """The Completions of the requests that have ended (with ``wait_all``, of all)."""
+
+def probe() -> str | None:
+    """None if io_uring works here; else why not, in one sentence."""

@@ -1,0 +1,599 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The io_uring queues: a worker's transfer loop (``UringEngine``) and the calling
+process's own queue for small requests (``UringQueue``), each on one ring; and
+``probe()``, which says whether io_uring works here (Note [engines] in
+nvmeswap/io/engines.py).
+
+They are the kernel AIO queues of pyx/_queues.pyx on another interface, with the same
+methods, checks and results: the same O_DIRECT split (pyx/_transfer_steps.pxd), and each
+transfer or request ends in a ``Completion``, a request the kernel refused included. A
+failure of the ring itself raises ``OSError`` naming the system call; misuse is a
+``ValueError`` or ``RuntimeError``; a full queue is a False return. Entries are written
+and published under the GIL (cdeps/io_uring.h), the kernel is entered without it.
+"""
+from libc.stdlib cimport malloc, free
+from libc.errno cimport EAGAIN, EBUSY, EINTR
+from posix.types cimport pid_t
+from posix.unistd cimport close, getpid, read
+
+from _check cimport errno_error
+from _transfer_steps cimport Transfer, _begin_transfer, _count_many, _fail, _transfer_ended
+from nvmeswap._transfers cimport completion
+
+from includes.io_uring cimport (
+    NVMESWAP_IORING_MAX_FIXED_BUFFER, NVMESWAP_IORING_OP_READ, NVMESWAP_IORING_OP_WRITE,
+    NVMESWAP_IORING_SETUP_COOP_TASKRUN, nvmeswap_io_uring_cqe, nvmeswap_io_uring_sqe,
+    nvmeswap_uring, nvmeswap_uring_buffer_table, nvmeswap_uring_close,
+    nvmeswap_uring_cq_advance, nvmeswap_uring_cq_ready, nvmeswap_uring_cqe, nvmeswap_uring_enter,
+    nvmeswap_uring_next_sqe, nvmeswap_uring_open, nvmeswap_uring_prep_fixed,
+    nvmeswap_uring_prep_rw, nvmeswap_uring_probe, nvmeswap_uring_publish,
+    nvmeswap_uring_register_eventfd, nvmeswap_uring_set_buffer, nvmeswap_uring_unsubmitted,
+)
+from includes.kernel_aio cimport nvmeswap_eventfd
+from includes.ring_submitter cimport (
+    nvmeswap_ring_submitter, nvmeswap_ring_submitter_post,
+    nvmeswap_ring_submitter_start, nvmeswap_ring_submitter_stop,
+    nvmeswap_ring_submitter_take_error,
+)
+
+cdef enum:
+    MAX_REQUEST = 0x7ffff000    # the most one request moves: Linux's MAX_RW_COUNT
+    FIXED_SLOTS = 256           # registered buffers an engine holds
+
+
+cdef long _open_ring(nvmeswap_uring *ring, int entries, unsigned flags) except -1:
+    """``ring`` made and mapped for ``entries`` requests in flight (room for twice as many
+    completions: the completion queue never overflows)."""
+    cdef long ret = nvmeswap_uring_open(ring, <unsigned>entries, 2 * <unsigned>entries, flags)
+    if ret < 0:
+        raise errno_error(<int>-ret, "io_uring_setup")
+    return 0
+
+
+cdef long _settle(nvmeswap_uring *ring, int in_flight, unsigned wanted) noexcept nogil:
+    """Submit what is published and wait until ``wanted`` completions are ready (of the
+    ``in_flight`` requests not yet reaped); 0, or -errno where the ring failed.
+
+    A kernel short of resources (EAGAIN, EBUSY) takes the published requests at a later
+    enter: until then, completions of the others are waited for instead."""
+    cdef long ret
+    cdef unsigned pending, ready
+    while True:
+        ready = nvmeswap_uring_cq_ready(ring)
+        pending = nvmeswap_uring_unsubmitted(ring)
+        if ready >= wanted and pending == 0:
+            return 0
+        ret = nvmeswap_uring_enter(ring, pending, wanted if ready < wanted else 0)
+        if ret == -EAGAIN or ret == -EBUSY:
+            if ready >= wanted:
+                return 0
+            if <unsigned>in_flight > pending + ready:   # some are the kernel's: wait for one
+                ret = nvmeswap_uring_enter(ring, 0, ready + 1)
+        if ret < 0 and ret != -EINTR:
+            return ret
+        if ret == 0 and pending and wanted == 0:
+            return 0    # none taken now: the next enter offers them again
+
+
+cdef class UringEngine:
+    """One ring, its ``queue_depth`` request slots, and the transfers in progress (at most
+    ``max_transfers``): ``AioEngine`` (pyx/_queues.pyx) on io_uring, with its interface
+    and Note [concurrent transfers]. Without ``single_submit``, the requests of a batch
+    and the wait for the previous ones go to the kernel in one ``io_uring_enter``.
+
+    ``register_buffers`` registers memory with the ring (io_uring's fixed buffers): the
+    kernel pins it once, not at every request (IORING_OP_READ_FIXED/WRITE_FIXED); a
+    worker registers a region it moves twice (workers/main.py, Note [engines]).
+    """
+    cdef nvmeswap_uring ring
+    cdef int *free_slots
+    cdef int n_free
+    cdef int in_flight          # requests published and not yet reaped
+    cdef int *owner             # slot -> index of its transfer
+    cdef long long *slot_offset
+    cdef unsigned *slot_nbytes
+    cdef Transfer *transfers
+    cdef bint *used
+    cdef int *order             # indices of the transfers in progress, oldest first
+    cdef int n_order
+    cdef pid_t creator
+    cdef int buffer_table       # registered buffers: 0 no table yet, 1 made, -1 refused
+    cdef size_t fixed_owner[FIXED_SLOTS]    # the address registered (0: a free slot)
+    cdef char *fixed_start[FIXED_SLOTS]
+    cdef char *fixed_end[FIXED_SLOTS]
+    cdef int n_fixed, last_fixed    # slots in use; the slot the last request was found in
+    cdef readonly size_t block_size
+    cdef readonly int queue_depth
+    cdef readonly int max_transfers
+    cdef readonly bint single_submit
+    cdef readonly bint overlap_events
+
+    def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
+                  bint overlap_events, int max_transfers=256):
+        self.ring.fd = -1
+        self.creator = getpid()
+        if block_size == 0 or block_size > MAX_REQUEST or queue_depth <= 0 \
+                or max_transfers <= 0:
+            raise ValueError("block_size (at most 2 GiB - 4 KiB), queue_depth and "
+                             "max_transfers must be positive")
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.max_transfers = max_transfers
+        self.single_submit = single_submit
+        self.overlap_events = overlap_events
+        self.free_slots = <int *>malloc(sizeof(int) * queue_depth)
+        self.owner = <int *>malloc(sizeof(int) * queue_depth)
+        self.slot_offset = <long long *>malloc(sizeof(long long) * queue_depth)
+        self.slot_nbytes = <unsigned *>malloc(sizeof(unsigned) * queue_depth)
+        self.transfers = <Transfer *>malloc(sizeof(Transfer) * max_transfers)
+        self.used = <bint *>malloc(sizeof(bint) * max_transfers)
+        self.order = <int *>malloc(sizeof(int) * max_transfers)
+        if not (self.free_slots and self.owner and self.slot_offset and self.slot_nbytes
+                and self.transfers and self.used and self.order):
+            raise MemoryError()
+        cdef int i
+        for i in range(queue_depth):
+            self.free_slots[i] = i
+        for i in range(max_transfers):
+            self.used[i] = False
+        self.n_free = queue_depth
+        _open_ring(&self.ring, queue_depth, 0)
+
+    def __dealloc__(self):
+        # The kernel writes into the transfers' memory until their requests complete.
+        if self.ring.fd >= 0 and self.in_flight and getpid() == self.creator:
+            with nogil:
+                _settle(&self.ring, self.in_flight, <unsigned>self.in_flight)
+        nvmeswap_uring_close(&self.ring)
+        free(self.free_slots)
+        free(self.owner)
+        free(self.slot_offset)
+        free(self.slot_nbytes)
+        free(self.transfers)
+        free(self.used)
+        free(self.order)
+
+    def register_buffers(self, size_t address, size_t nbytes):
+        """Register ``nbytes`` at ``address`` with the ring (in pieces of at most 1 GiB):
+        the requests inside it then skip pinning its pages. True if registered; False if
+        the kernel refuses (before Linux 5.19, or beyond RLIMIT_MEMLOCK without
+        CAP_IPC_LOCK) or the table is full: its requests then go as any others do. The
+        memory stays mapped until ``unregister_buffers(address)``."""
+        cdef size_t pieces = (nbytes + NVMESWAP_IORING_MAX_FIXED_BUFFER - 1) \
+            // NVMESWAP_IORING_MAX_FIXED_BUFFER
+        cdef size_t done = 0, length
+        cdef int slot = 0
+        if self.ring.fd < 0 or nbytes == 0 or address == 0:
+            return False
+        if self.buffer_table == 0:
+            self.buffer_table = 1 if nvmeswap_uring_buffer_table(&self.ring, FIXED_SLOTS) == 0 \
+                else -1
+        if self.buffer_table < 0 or self.n_fixed + <int>pieces > FIXED_SLOTS:
+            return False
+        while done < nbytes:
+            while self.fixed_owner[slot]:
+                slot += 1
+            length = min(nbytes - done, <size_t>NVMESWAP_IORING_MAX_FIXED_BUFFER)
+            if nvmeswap_uring_set_buffer(&self.ring, slot, <void *>(address + done), length):
+                self.unregister_buffers(address)
+                return False
+            self.fixed_owner[slot] = address
+            self.fixed_start[slot] = <char *>(address + done)
+            self.fixed_end[slot] = <char *>(address + done + length)
+            self.n_fixed += 1
+            done += length
+        return True
+
+    def unregister_buffers(self, size_t address):
+        """Undo ``register_buffers(address, ...)`` (nothing if it was not registered), before
+        the memory is unmapped; a request in flight keeps its pages until it completes."""
+        cdef int slot
+        for slot in range(FIXED_SLOTS):
+            if self.fixed_owner[slot] == address and address:
+                nvmeswap_uring_set_buffer(&self.ring, slot, NULL, 0)
+                self.fixed_owner[slot] = 0
+                self.fixed_start[slot] = self.fixed_end[slot] = NULL
+                self.n_fixed -= 1
+
+    cdef int _fixed_slot(self, char *start, unsigned nbytes) noexcept nogil:
+        """The registered buffer that holds ``nbytes`` at ``start``, or -1 (looked for from
+        the last one found on; a free slot ends at NULL and holds nothing)."""
+        cdef int k, slot
+        for k in range(FIXED_SLOTS if self.n_fixed else 0):
+            slot = (self.last_fixed + k) % FIXED_SLOTS
+            if self.fixed_start[slot] <= start and start + nbytes <= self.fixed_end[slot]:
+                self.last_fixed = slot
+                return slot
+        return -1
+
+    @property
+    def busy(self):
+        """Whether transfers are in progress."""
+        return self.n_order > 0
+
+    @property
+    def full(self):
+        """Whether ``begin`` must wait for a transfer to end."""
+        return self.n_order == self.max_transfers
+
+    def transfer(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+                 int direct_fd, int buffered_fd, size_t address, size_t nbytes,
+                 long long offset, size_t alignment):
+        """Move the bytes and wait for them; return the transfer's ``Completion``. Only for
+        an engine with nothing else in progress; ``alignment`` as for ``begin``."""
+        if self.n_order:
+            raise RuntimeError("transfer needs an engine with nothing in progress")
+        self.begin(op_id, chunk, is_read, direct_fd, buffered_fd, address, nbytes, offset,
+                   alignment)
+        while True:
+            ended = self.advance(True)
+            if ended:
+                return ended[0]
+
+    def begin(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+              int direct_fd, int buffered_fd, size_t address, size_t nbytes,
+              long long offset, size_t alignment):
+        """Start a transfer (Note [concurrent transfers]); ``advance`` returns its
+        ``Completion``, carrying ``op_id`` and ``chunk``, when it has ended. The caller
+        keeps the memory mapped until then.
+
+        The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
+        ``buffered_fd``; the aligned middle through the ring in ``advance``. ``alignment``
+        is 1 when ``direct_fd`` is not O_DIRECT; else ``address - offset`` is a multiple
+        of it.
+        """
+        if self.n_order == self.max_transfers:
+            raise RuntimeError("too many transfers in progress")
+        cdef int index = 0
+        while self.used[index]:
+            index += 1
+        _begin_transfer(&self.transfers[index], op_id, chunk, is_read, direct_fd, buffered_fd,
+                        address, nbytes, offset, alignment, <long long>self.block_size)
+        self.used[index] = True
+        self.order[self.n_order] = index
+        self.n_order += 1
+
+    def advance(self, bint block):
+        """Start requests while slots are free; with ``block``, wait for completions
+        first if requests are in flight. Returns the ``Completion`` of each transfer that
+        has ended, oldest first."""
+        cdef long ret = 0
+        with nogil:
+            self._fill()
+            if self.single_submit:
+                ret = self._submit_one_by_one()
+            if ret >= 0 and self.in_flight:
+                ret = _settle(&self.ring, self.in_flight,
+                              (1 if self.overlap_events else <unsigned>self.in_flight)
+                              if block else 0)
+            if ret >= 0:
+                self._reap()
+                self._fill()
+                ret = self._submit_one_by_one() if self.single_submit else \
+                    _settle(&self.ring, self.in_flight, 0)
+        if ret < 0:
+            # The ring itself failed: nothing more can be reaped safely.
+            raise errno_error(<int>-ret, "io_uring_enter")
+        return self._ended()
+
+    cdef list _ended(self):
+        cdef list ended = []
+        cdef int k = 0, kept = 0, index
+        cdef Transfer *t
+        for k in range(self.n_order):
+            index = self.order[k]
+            t = &self.transfers[index]
+            if _transfer_ended(t):
+                self.used[index] = False
+                ended.append(completion(t.op_id, t.chunk, t.out.err, t.out.at_offset,
+                                        t.out.requested, t.out.got))
+            else:
+                self.order[kept] = index
+                kept += 1
+        self.n_order = kept
+        return ended
+
+    cdef void _fill(self) noexcept nogil:
+        """Write the next requests of the oldest transfers into free slots and publish
+        them (without ``overlap_events``, only once the previous batch has completed)."""
+        cdef int k, index, slot, fixed, ready = 0
+        cdef long long bs = <long long>self.block_size
+        cdef long long at
+        cdef Transfer *t
+        cdef nvmeswap_io_uring_sqe *sqe
+        if not self.overlap_events and self.in_flight > 0:
+            return
+        for k in range(self.n_order):
+            index = self.order[k]
+            t = &self.transfers[index]
+            while self.n_free > 0 and t.prepared < t.total and not t.out.failed:
+                self.n_free -= 1
+                slot = self.free_slots[self.n_free]
+                at = t.prepared * bs
+                self.owner[slot] = index
+                self.slot_offset[slot] = t.offset + at
+                self.slot_nbytes[slot] = <unsigned>min(bs, t.nbytes - at)
+                sqe = nvmeswap_uring_next_sqe(&self.ring)
+                nvmeswap_uring_prep_rw(
+                    sqe, NVMESWAP_IORING_OP_READ if t.is_read else NVMESWAP_IORING_OP_WRITE,
+                    t.fd, <unsigned long long>(t.buf + at), self.slot_nbytes[slot],
+                    self.slot_offset[slot], slot)
+                fixed = self._fixed_slot(t.buf + at, self.slot_nbytes[slot])
+                if fixed >= 0:
+                    nvmeswap_uring_prep_fixed(sqe, fixed)
+                ready += 1
+                t.prepared += 1
+            if self.n_free == 0:
+                break
+        if ready:
+            nvmeswap_uring_publish(&self.ring)
+            self.in_flight += ready
+
+    cdef long _submit_one_by_one(self) noexcept nogil:
+        """``single_submit``: one enter per published request; 0 or -errno."""
+        cdef long ret = 1
+        while ret != 0 and nvmeswap_uring_unsubmitted(&self.ring):
+            ret = nvmeswap_uring_enter(&self.ring, 1, 0)
+            if ret < 0 and ret != -EINTR:   # what a refusal means is _settle's to say
+                return _settle(&self.ring, self.in_flight, 0)
+        return 0
+
+    cdef void _reap(self) noexcept nogil:
+        """Read every completion ready into its transfer's outcome."""
+        cdef unsigned i, n = nvmeswap_uring_cq_ready(&self.ring)
+        cdef int slot
+        cdef Transfer *t
+        cdef nvmeswap_io_uring_cqe *cqe
+        for i in range(n):
+            cqe = nvmeswap_uring_cqe(&self.ring, i)
+            slot = <int>cqe.user_data
+            t = &self.transfers[self.owner[slot]]
+            if not t.out.failed and cqe.res != <int>self.slot_nbytes[slot]:
+                _fail(&t.out, -cqe.res if cqe.res < 0 else 0, self.slot_offset[slot],
+                      self.slot_nbytes[slot], cqe.res if cqe.res > 0 else 0)
+            t.completed += 1
+            self.free_slots[self.n_free] = slot
+            self.n_free += 1
+        nvmeswap_uring_cq_advance(&self.ring, n)
+        self.in_flight -= <int>n
+
+
+cdef class UringQueue:
+    """The calling process's own ring, for small operations (Note [caller queue] in
+    nvmeswap/io/workforce.py): ``CallerQueue`` (pyx/_queues.pyx) on io_uring, with its
+    interface. ``post`` hands what it published to a thread of the queue's own
+    (cdeps/ring_submitter.h: Note [submitter] in pyx/_queues.pyx, on a ring), started by
+    the first post and ended by ``close``. ``eventfd`` becomes readable as requests
+    complete (it is registered with the ring); completions are read from the ring
+    without a system call.
+
+    Each request is one aligned O_DIRECT transfer. The memory of a request in flight must
+    stay valid until ``reap`` has returned it; closing the queue waits for them all.
+    """
+    cdef nvmeswap_uring ring
+    cdef int *free_slots
+    cdef int n_free
+    cdef unsigned long long *op_ids
+    cdef unsigned int *chunks
+    cdef long long *offsets
+    cdef unsigned *sizes
+    cdef nvmeswap_ring_submitter *submitter
+    cdef bint submitter_tried
+    cdef pid_t creator
+    cdef readonly int capacity
+    cdef readonly int in_flight
+    cdef readonly int eventfd
+
+    def __cinit__(self, int capacity):
+        self.ring.fd = -1
+        self.eventfd = -1
+        self.creator = getpid()
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.free_slots = <int *>malloc(sizeof(int) * capacity)
+        self.op_ids = <unsigned long long *>malloc(sizeof(unsigned long long) * capacity)
+        self.chunks = <unsigned int *>malloc(sizeof(unsigned int) * capacity)
+        self.offsets = <long long *>malloc(sizeof(long long) * capacity)
+        self.sizes = <unsigned *>malloc(sizeof(unsigned) * capacity)
+        if not (self.free_slots and self.op_ids and self.chunks and self.offsets and self.sizes):
+            raise MemoryError()
+        self.capacity = capacity
+        cdef int i
+        for i in range(capacity):
+            self.free_slots[i] = capacity - 1 - i
+        self.n_free = capacity
+        cdef long ret = nvmeswap_eventfd()
+        if ret < 0:
+            raise errno_error(<int>-ret, "eventfd")
+        self.eventfd = <int>ret
+        # No interrupt of a running submitter for each completion (Note [engines]).
+        _open_ring(&self.ring, capacity, NVMESWAP_IORING_SETUP_COOP_TASKRUN)
+        ret = nvmeswap_uring_register_eventfd(&self.ring, self.eventfd)
+        if ret < 0:
+            raise errno_error(<int>-ret, "io_uring_register")
+
+    def __dealloc__(self):
+        self._release()
+        free(self.free_slots)
+        free(self.op_ids)
+        free(self.chunks)
+        free(self.offsets)
+        free(self.sizes)
+
+    def close(self):
+        """Submit what is posted, wait for the requests in flight and free the ring;
+        idempotent."""
+        self._release()
+
+    cdef void _release(self):
+        # In a forked child the ring is the parent's: its copy is dropped, never waited on,
+        # and the thread does not exist: its memory is left as it is.
+        if self.submitter != NULL and getpid() == self.creator:
+            with nogil:
+                nvmeswap_ring_submitter_stop(self.submitter)
+        self.submitter = NULL
+        if self.ring.fd >= 0 and self.in_flight and getpid() == self.creator:
+            with nogil:
+                _settle(&self.ring, self.in_flight, <unsigned>self.in_flight)
+        nvmeswap_uring_close(&self.ring)
+        if self.eventfd >= 0:
+            close(self.eventfd)
+            self.eventfd = -1
+        self.in_flight = 0
+
+    def submit(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
+               size_t address, size_t nbytes, long long offset):
+        """Start one request from the calling thread; False if the queue is full. A refusal
+        by the kernel comes back from ``reap``."""
+        if self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset) < 0:
+            return False
+        nvmeswap_uring_publish(&self.ring)
+        self._push()
+        return True
+
+    def post(self, unsigned long long op_id, unsigned int chunk, bint is_read, int fd,
+             size_t address, size_t nbytes, long long offset):
+        """Hand one request to the submitting thread; False if the queue is full. A refusal
+        by the kernel comes back from ``reap``."""
+        if not self.submitter_tried and self.ring.fd >= 0:
+            self.submitter_tried = True
+            self.submitter = nvmeswap_ring_submitter_start(&self.ring)
+        if self.submitter == NULL:
+            return self.submit(op_id, chunk, is_read, fd, address, nbytes, offset)
+        if self._take_slot(op_id, chunk, is_read, fd, address, nbytes, offset) < 0:
+            return False
+        nvmeswap_uring_publish(&self.ring)
+        nvmeswap_ring_submitter_post(self.submitter)
+        return True
+
+    def post_many(self, unsigned long long op_id, bint is_read, int fd, addresses, nbytes,
+                  offsets):
+        """Start a request per address and file offset (chunk = its index), all with one
+        system call; ``nbytes`` is one size for all or one per request. Returns how many
+        the queue took, from the first on: the rest did not fit."""
+        cdef int count = _count_many(addresses, nbytes, offsets)
+        cdef int taken = 0
+        cdef bint one_size = isinstance(nbytes, int)
+        while taken < count and self._take_slot(
+                op_id, taken, is_read, fd, addresses[taken],
+                nbytes if one_size else nbytes[taken], offsets[taken]) >= 0:
+            taken += 1
+        if taken:
+            nvmeswap_uring_publish(&self.ring)
+            self._push()
+        return taken
+
+    cdef int _take_slot(self, unsigned long long op_id, unsigned int chunk, bint is_read,
+                        int fd, size_t address, size_t nbytes, long long offset) except -2:
+        """A slot and a submission entry filled with the request (not yet published),
+        counted in flight; -1 if none is free."""
+        if self.ring.fd < 0:
+            raise ValueError("the caller queue is closed")
+        if nbytes > MAX_REQUEST:
+            raise ValueError(f"a request moves at most {MAX_REQUEST} bytes, not {nbytes}")
+        if self.n_free == 0:
+            return -1
+        self.n_free -= 1
+        cdef int slot = self.free_slots[self.n_free]
+        # Never NULL: every slot in flight holds at most one entry, and there are as many.
+        nvmeswap_uring_prep_rw(nvmeswap_uring_next_sqe(&self.ring),
+                               NVMESWAP_IORING_OP_READ if is_read else NVMESWAP_IORING_OP_WRITE,
+                               fd, address, <unsigned>nbytes, offset, slot)
+        self.op_ids[slot] = op_id
+        self.chunks[slot] = chunk
+        self.offsets[slot] = offset
+        self.sizes[slot] = <unsigned>nbytes
+        self.in_flight += 1
+        return slot
+
+    cdef void _push(self) except *:
+        """Submit what is published, GIL released (and raise what failed in the thread)."""
+        cdef long ret = 0
+        if self.submitter != NULL:
+            ret = nvmeswap_ring_submitter_take_error(self.submitter)
+        if ret == 0:
+            with nogil:
+                ret = _settle(&self.ring, self.in_flight, 0)
+        if ret < 0:
+            raise errno_error(<int>-ret, "io_uring_enter")
+
+    def reap(self, bint wait_all=False):
+        """The ``Completion`` of each request that has ended, those the kernel refused
+        included; with ``wait_all``, of every request in flight (GIL released while it
+        waits)."""
+        cdef unsigned long long counter
+        cdef list done = []
+        cdef long ret
+        cdef int wanted, missing
+        # The counter first: a completion after it has been read signals again. (Read
+        # even with nothing in flight, as CallerQueue.reap does.)
+        if self.eventfd >= 0:
+            read(self.eventfd, &counter, sizeof(counter))
+        if self.in_flight == 0:
+            return done
+        wanted = self.in_flight if wait_all else 0
+        while True:
+            missing = max(0, wanted - <int>len(done))
+            with nogil:
+                ret = _settle(&self.ring, self.in_flight, <unsigned>missing)
+            if ret < 0:
+                raise errno_error(<int>-ret, "io_uring_enter")
+            self._take_ready(done)
+            if len(done) >= wanted:
+                return done
+
+    cdef void _take_ready(self, list done):
+        cdef unsigned i, n = nvmeswap_uring_cq_ready(&self.ring)
+        cdef nvmeswap_io_uring_cqe *cqe
+        cdef int slot, res
+        for i in range(n):
+            cqe = nvmeswap_uring_cqe(&self.ring, i)
+            slot = <int>cqe.user_data
+            res = cqe.res
+            done.append(completion(self.op_ids[slot], self.chunks[slot],
+                                   -res if res < 0 else 0, self.offsets[slot],
+                                   self.sizes[slot], res if res > 0 else 0))
+            self.free_slots[self.n_free] = slot
+            self.n_free += 1
+        nvmeswap_uring_cq_advance(&self.ring, n)
+        self.in_flight -= <int>n
+
+
+def probe():
+    """None if io_uring works here (a ring made, an eventfd registered with it, a request
+    submitted and completed); else why not, in one sentence."""
+    return (_refusal() or (0, None))[1]
+
+
+def _refusal():
+    """None if io_uring works here; else ``(errno, why not)``."""
+    cdef const char *which = NULL
+    cdef long ret = nvmeswap_eventfd()
+    if ret < 0:
+        return -ret, f"eventfd failed: {errno_error(<int>-ret)}"
+    cdef int fd = <int>ret
+    with nogil:
+        ret = nvmeswap_uring_probe(fd, &which)
+    close(fd)
+    if ret == 0:
+        return None
+    return -ret, _reason(<int>-ret, which.decode())
+
+
+def _reason(int err, str call):
+    import errno, os, pathlib
+    name = f"{errno.errorcode.get(err, err)}: {os.strerror(err)}"
+    if err == errno.EOPNOTSUPP:
+        return "the kernel's io_uring is older than Linux 5.6 (no IORING_OP_READ/WRITE)"
+    if err == errno.ENOSYS:
+        return (f"{call} is not available ({name}): the kernel was built without io_uring, "
+                "or a seccomp profile (a container's) blocks it")
+    if err != errno.EPERM:
+        return f"{call} failed ({name})"
+    knob = pathlib.Path("/proc/sys/kernel/io_uring_disabled")      # there since Linux 6.6
+    disabled = knob.read_text().strip() if knob.exists() else "0"
+    return f"{call} was refused ({name}): " + {
+        "1": "kernel.io_uring_disabled=1 allows it only to the group kernel.io_uring_group, "
+             "and this process is not in it",
+        "2": "kernel.io_uring_disabled=2 turns it off"}.get(
+        disabled, "a security policy (seccomp, an LSM) forbids it")

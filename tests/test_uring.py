@@ -1,0 +1,595 @@
+"""Note [engines]: io_uring moves the same bytes as kernel AIO and says so in the same
+records, on both queues; a handle picks its engine; where io_uring is refused, "auto"
+falls back to kernel AIO and "uring" says why."""
+import errno
+import json
+import mmap
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import random_bytes
+from test_caller_queue import _submitting_threads
+from test_completion import by_caller, by_caller_queue, by_engine, by_worker
+
+import nvmeswap
+from nvmeswap._memory import buffer_address
+from nvmeswap._queues import AioEngine, CallerQueue
+from nvmeswap._uring import UringEngine, UringQueue, probe
+from nvmeswap.io import engines
+from nvmeswap.workers import protocol
+from nvmeswap.workers.main import Executor
+
+KiB, MiB = 1 << 10, 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+REFUSED = probe()
+pytestmark = pytest.mark.skipif(REFUSED is not None, reason=f"io_uring: {REFUSED}")
+ENGINES = {"aio": AioEngine, "uring": UringEngine}
+QUEUES = {"aio": CallerQueue, "uring": UringQueue}
+
+
+def fields(done):
+    return (done.op_id, done.chunk, done.err, done.at_offset, done.requested, done.got,
+            done.failed)
+
+
+def _file(tmp_path, nbytes, seed=0):
+    path = tmp_path / "source"
+    path.write_bytes(random_bytes(nbytes, seed=seed))
+    return str(path)
+
+
+def _address(memory):
+    return np.frombuffer(memory, dtype=np.uint8).ctypes.data
+
+
+# -- the engine ----------------------------------------------------------------------------
+@pytest.mark.parametrize("single_submit", [False, True])
+@pytest.mark.parametrize("overlap_events", [False, True])
+def test_transfers_share_the_ring_and_end_one_by_one(tmp_path, overlap_events, single_submit):
+    """Note [concurrent transfers] on a ring: reads of many sizes and phases started
+    together all land their bytes; one into memory the kernel cannot touch fails alone,
+    with its errno and offset, as AioEngine's does."""
+    path = _file(tmp_path, 32 * MiB, seed=4)
+    data = Path(path).read_bytes()
+    engine = UringEngine(MiB, 16, single_submit, overlap_events, max_transfers=8)
+    memory = mmap.mmap(-1, 40 * MiB)
+    base = _address(memory)
+    inaccessible = mmap.mmap(-1, 4 * MiB, prot=0)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffered = os.open(path, os.O_RDONLY)
+    reads = [(0, 8 * MiB, 0), (8 * MiB + 100, 3 * MiB + 5, 4096 + 100), (12 * MiB, 4096, 20 * MiB),
+             (13 * MiB + 7, 9, 7), (14 * MiB, 17 * MiB, 15 * MiB)]
+    try:
+        for op_id, (at, n, offset) in enumerate(reads):
+            engine.begin(op_id, 2, True, direct, buffered, base + at, n, offset, 4096)
+        engine.begin(99, 0, True, direct, buffered, buffer_address(inaccessible, False)[0],
+                     2 * MiB, 0, 4096)
+        assert engine.busy and not engine.full
+        ended = {}
+        while engine.busy:
+            for done in engine.advance(True):
+                ended[done.op_id] = fields(done)
+        assert ended.pop(99) == (99, 0, errno.EFAULT, 0, MiB, 0, True)
+        assert ended == {op_id: (op_id, 2, 0, offset, n, n, False)
+                         for op_id, (_, n, offset) in enumerate(reads)}
+        for at, n, offset in reads:
+            assert memory[at:at + n] == data[offset:offset + n]
+        assert engine.advance(True) == []
+    finally:
+        os.close(direct)
+        os.close(buffered)
+        inaccessible.close()
+        del base
+        memory.close()
+
+
+def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path):
+    path = _file(tmp_path, MiB)
+    engine = UringEngine(MiB, 4, False, True, max_transfers=2)
+    memory = np.zeros(4 * MiB, dtype=np.uint8)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    aligned = memory.ctypes.data // 4096 * 4096 + 4096
+    try:
+        engine.begin(1, 0, True, direct, -1, aligned, 2 * MiB, 0, 4096)
+        engine.begin(2, 0, True, direct, -1, aligned, 4096, 0, 4096)
+        assert engine.full
+        with pytest.raises(RuntimeError, match="too many"):
+            engine.begin(3, 0, True, direct, -1, aligned, 4096, 0, 4096)
+        ended = {}
+        while engine.busy:
+            ended.update((done.op_id, fields(done)) for done in engine.advance(True))
+        assert ended == {1: (1, 0, 0, MiB, MiB, 0, True), 2: (2, 0, 0, 0, 4096, 4096, False)}
+        with pytest.raises(RuntimeError, match="nothing in progress"):
+            engine.begin(4, 0, True, direct, -1, aligned, 4096, 0, 4096)
+            engine.transfer(5, 0, True, direct, -1, aligned, 4096, 0, 4096)
+        assert [fields(done) for done in engine.advance(True)] == [
+            (4, 0, 0, 0, 4096, 4096, False)]
+        engine.begin(6, 1, True, direct, -1, aligned + 1, 4096, 0, 4096)
+        assert [fields(done) for done in engine.advance(False)] == [
+            (6, 1, errno.EINVAL, 0, 4096, 0, True)]
+    finally:
+        os.close(direct)
+    with pytest.raises(ValueError):
+        UringEngine(0, 4, False, True)
+
+
+@pytest.mark.parametrize("single_submit, overlap_events",
+                         [(False, False), (False, True), (True, False), (True, True)])
+def test_odd_sizes_and_offsets_write_and_read_back_as_kernel_aio_does(tmp_path, single_submit,
+                                                                      overlap_events):
+    """Writes then reads of odd sizes at odd offsets (heads and tails through the buffered
+    descriptor), on both engines: the same Completions, the same file, the same bytes."""
+    memory = mmap.mmap(-1, 4 * MiB)
+    base = _address(memory)
+    records = {}
+    try:
+        for name, kind in ENGINES.items():
+            engine = kind(256 * KiB, 4, single_submit, overlap_events)
+            path = str(tmp_path / name)
+            direct = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+            buffered = os.open(path, os.O_RDWR)
+            records[name] = []
+            try:
+                for k, (size, offset) in enumerate((s, o) for s in (1, 4095, 4097, 3 * MiB + 5)
+                                                   for o in (0, 7, 4096)):
+                    data = random_bytes(size, seed=k)
+                    memory[offset:offset + size] = data     # memory and file at one phase
+                    for is_read in (False, True):
+                        if is_read:
+                            memory[offset:offset + size] = bytes(size)
+                        records[name].append(fields(engine.transfer(
+                            k, is_read, is_read, direct, buffered, base + offset, size,
+                            offset + 8 * MiB * k, 4096)))
+                    assert memory[offset:offset + size] == data, (name, size, offset)
+            finally:
+                os.close(direct)
+                os.close(buffered)
+        assert records["uring"] == records["aio"]
+        assert (tmp_path / "uring").read_bytes() == (tmp_path / "aio").read_bytes()
+    finally:
+        del base
+        memory.close()
+
+
+def _registered(pid=None):
+    """The buffers registered with the rings of process ``pid`` (ours by default), as
+    /proc lists them: ``[(address, length), ...]``."""
+    found = []
+    base = f"/proc/{pid or 'self'}"
+    for fd in os.listdir(f"{base}/fd"):
+        try:
+            if os.readlink(f"{base}/fd/{fd}") != "anon_inode:[io_uring]":
+                continue
+            info = Path(f"{base}/fdinfo/{fd}").read_text()
+        except FileNotFoundError:
+            continue
+        found += [(int(a, 16), int(n)) for a, n in re.findall(r"^\s+\d+: (0x[0-9a-f]+)/(\d+)$",
+                                                             info, re.MULTILINE)]
+    return found
+
+
+def test_registered_memory_moves_the_same_bytes(tmp_path):
+    """register_buffers (io_uring's fixed buffers): the ring lists the memory; transfers
+    in it, and one running past its end, move the right bytes; unregistered, it is gone
+    from the ring and its transfers go as before."""
+    path = _file(tmp_path, 8 * MiB, seed=8)
+    data = Path(path).read_bytes()
+    engine = UringEngine(MiB, 8, False, True)
+    memory, outside = mmap.mmap(-1, 8 * MiB), mmap.mmap(-1, 8 * MiB)
+    base = _address(memory)
+    direct = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        assert engine.register_buffers(base, 4 * MiB) is True
+        assert _registered() == [(base, 4 * MiB)]
+        for at, n in ((0, 4 * MiB), (MiB, 2 * MiB), (2 * MiB, 6 * MiB)):
+            memory[:] = bytes(8 * MiB)
+            done = engine.transfer(1, 0, True, direct, -1, base + at, n, at, 4096)
+            assert fields(done) == (1, 0, 0, at, n, n, False)
+            assert memory[at:at + n] == data[at:at + n]
+        memory[:] = random_bytes(8 * MiB, seed=1)
+        assert not engine.transfer(2, 0, False, direct, -1, base, 8 * MiB, 0, 4096).failed
+        assert Path(path).read_bytes() == memory[:]
+        engine.unregister_buffers(base)
+        engine.unregister_buffers(base)
+        assert _registered() == []
+        assert not engine.transfer(3, 0, True, direct, -1, _address(outside), 8 * MiB, 0,
+                                   4096).failed
+        assert outside[:] == memory[:]
+        assert engine.register_buffers(0, 4096) is False
+    finally:
+        os.close(direct)
+        del base
+        memory.close()
+        outside.close()
+
+
+# -- the caller queue ---------------------------------------------------------------------
+def test_the_queue_reports_what_the_kernel_says(tmp_path):
+    """As CallerQueue's: success, a short read at end of file (no errno, the bytes got), a
+    failed request (its errno), a request the kernel refused; a full queue says no, a
+    closed one raises."""
+    path = _file(tmp_path, 64 * KiB)
+    memory = mmap.mmap(-1, 64 * KiB)
+    address = _address(memory)
+    queue = UringQueue(4)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    read_only = os.open(path, os.O_RDONLY)
+
+    def reaped():
+        done = queue.reap(wait_all=True)
+        assert queue.in_flight == 0
+        return sorted(fields(c) for c in done)
+
+    try:
+        assert queue.capacity == 4
+        for start in (queue.submit, queue.post):
+            assert start(1, 0, True, direct, address, 8 * KiB, 4 * KiB) is True
+            assert start(2, 3, True, direct, address + 8 * KiB, 8 * KiB, 60 * KiB) is True
+            assert start(3, 1, True, direct, 4 * KiB, 4 * KiB, 0) is True    # unmapped
+            assert start(4, 0, False, read_only, address, 4 * KiB, 0) is True
+            assert queue.in_flight == 4
+            assert start(5, 0, True, direct, address, 4 * KiB, 0) is False
+            assert reaped() == [(1, 0, 0, 4 * KiB, 8 * KiB, 8 * KiB, False),
+                                (2, 3, 0, 60 * KiB, 8 * KiB, 4 * KiB, True),
+                                (3, 1, errno.EFAULT, 0, 4 * KiB, 0, True),
+                                (4, 0, errno.EBADF, 0, 4 * KiB, 0, True)]
+            assert memory[:8 * KiB] == Path(path).read_bytes()[4 * KiB:12 * KiB]
+        assert queue.reap() == []
+    finally:
+        queue.close()
+        queue.close()
+        os.close(direct)
+        os.close(read_only)
+        del address
+        memory.close()
+    assert queue.eventfd == -1
+    for start in (queue.submit, queue.post):
+        with pytest.raises(ValueError, match="closed"):
+            start(1, 0, True, -1, 0, 4 * KiB, 0)
+    with pytest.raises(ValueError, match="closed"):
+        queue.post_many(1, True, -1, [0], 4 * KiB, [0])
+
+
+def test_a_completion_wakes_the_thread_reading_them(tmp_path):
+    """The eventfd registered with the ring becomes readable for a completion, a refusal
+    included, and a reap without waiting then returns it."""
+    path = _file(tmp_path, 4 * KiB)
+    queue = UringQueue(4)
+    read_only = os.open(path, os.O_RDONLY)
+    try:
+        assert select.select([queue.eventfd], [], [], 0)[0] == []
+        assert queue.submit(5, 1, False, read_only, 0, 4 * KiB, 0)
+        assert select.select([queue.eventfd], [], [], 10)[0] == [queue.eventfd]
+        deadline = time.monotonic() + 10
+        done = []
+        while not done and time.monotonic() < deadline:
+            done = queue.reap()
+        assert [fields(c)[:3] for c in done] == [(5, 1, errno.EBADF)]
+        assert queue.in_flight == 0 and queue.reap() == []
+        assert select.select([queue.eventfd], [], [], 0)[0] == []
+    finally:
+        queue.close()
+        os.close(read_only)
+
+
+def test_a_forked_child_drops_its_copy_of_the_ring(tmp_path):
+    """Note [submitter] on a ring: one submitting thread, started by the first post and
+    ended by close(). A forked child shares the parent's ring: it must neither wait on it
+    (nor on a thread it does not have) nor take its completions; the parent reaps every
+    one, with the right bytes."""
+    path = _file(tmp_path, 256 * KiB)
+    memory = mmap.mmap(-1, 256 * KiB)
+    address = _address(memory)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    before = _submitting_threads()
+    queue = UringQueue(64)
+    try:
+        assert _submitting_threads() == before
+        for k in range(64):
+            assert queue.post(k, 0, True, direct, address + k * 4 * KiB, 4 * KiB,
+                              (63 - k) * 4 * KiB)
+        assert _submitting_threads() == before + 1
+        pid = os.fork()
+        if pid == 0:
+            queue.close()
+            os._exit(0)
+        deadline = time.monotonic() + 30
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the child still runs")
+            time.sleep(0.01)
+        assert sorted(c.op_id for c in queue.reap(wait_all=True)) == list(range(64))
+        queue.close()
+        assert _submitting_threads() == before
+        data = Path(path).read_bytes()
+        for k in range(64):
+            offset = (63 - k) * 4 * KiB
+            assert memory[k * 4 * KiB:(k + 1) * 4 * KiB] == data[offset:offset + 4 * KiB]
+    finally:
+        queue.close()
+        os.close(direct)
+        del address
+        memory.close()
+
+
+@pytest.mark.parametrize("engine", ["aio", "uring"])
+def test_post_many_takes_what_fits_in_one_call(tmp_path, engine):
+    """``post_many``: chunk = index, the requests the queue has room for (from the first
+    on), one size for all or one each; a refused request among them comes back alone."""
+    path = _file(tmp_path, MiB, seed=6)
+    data = Path(path).read_bytes()
+    memory = mmap.mmap(-1, 128 * KiB)
+    address = _address(memory)
+    queue = QUEUES[engine](16)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    read_only = os.open(path, os.O_RDONLY)
+    offsets = [(7 * k % 32) * 8 * KiB for k in range(32)]
+    addresses = [address + k * 4 * KiB for k in range(32)]
+    try:
+        with pytest.raises(ValueError, match="as many"):
+            queue.post_many(1, True, direct, addresses, 4 * KiB, offsets[:3])
+        assert queue.post_many(1, True, direct, addresses, 4 * KiB, offsets) == 16
+        assert queue.in_flight == 16
+        assert queue.post_many(1, True, direct, addresses, 4 * KiB, offsets) == 0
+        done = sorted(fields(c) for c in queue.reap(wait_all=True))
+        assert done == [(1, k, 0, offsets[k], 4 * KiB, 4 * KiB, False) for k in range(16)]
+        for k in range(16):
+            assert memory[k * 4 * KiB:(k + 1) * 4 * KiB] == data[offsets[k]:offsets[k] + 4 * KiB]
+        sizes = [4 * KiB * (1 + k % 2) for k in range(8)]
+        assert queue.post_many(2, True, direct, addresses[:8:2] + addresses[9:12:2],
+                               sizes[:6], offsets[:6]) == 6
+        assert queue.post_many(3, False, read_only, addresses[:1], 4 * KiB, [0]) == 1
+        done = sorted(fields(c) for c in queue.reap(wait_all=True))
+        assert done == [(2, k, 0, offsets[k], sizes[k], sizes[k], False) for k in range(6)] \
+            + [(3, 0, errno.EBADF, 0, 4 * KiB, 0, True)]
+        assert queue.post_many(4, True, direct, [], 4 * KiB, []) == 0
+    finally:
+        queue.close()
+        os.close(direct)
+        os.close(read_only)
+        del address
+        memory.close()
+
+
+# -- one record ---------------------------------------------------------------------------
+def by_uring_engine(fd, memory, nbytes, offset):
+    return UringEngine(1 << 20, 4, False, True).transfer(7, 3, True, fd, -1, _address(memory),
+                                                         nbytes, offset, 4096)
+
+
+def by_uring_worker(fd, memory, nbytes, offset):
+    """A worker's executor on a UringEngine, its response read back as the parent does."""
+    memfd = os.memfd_create("completion-test")
+    try:
+        os.ftruncate(memfd, len(memory))
+        executor = Executor(UringEngine(1 << 20, 4, False, True))
+        executor.run(protocol.unpack_request(protocol.map_request(1, len(memory)),
+                                             [os.dup(memfd)]))
+        read = protocol.transfer_request(protocol.READ, 1, 7, 3, 0, nbytes, offset, 4096)
+        assert executor.start(protocol.unpack_request(read, [os.dup(fd)])) is None
+        (response,) = executor.advance(block=True)
+        executor.run(protocol.unpack_request(protocol.unmap_request(1), []))
+        executor.close()
+        memory[:] = os.pread(memfd, len(memory), 0)
+    finally:
+        os.close(memfd)
+    return protocol.unpack_response(response)
+
+
+def by_uring_queue(fd, memory, nbytes, offset):
+    queue = UringQueue(4)
+    try:
+        assert queue.post(7, 3, True, fd, _address(memory), nbytes, offset)
+        (done,) = queue.reap(wait_all=True)
+    finally:
+        queue.close()
+    return done
+
+
+@pytest.mark.parametrize("offset, got", [(4 * KiB, 8 * KiB), (60 * KiB, 4 * KiB)],
+                         ids=["whole", "short-at-end-of-file"])
+def test_every_road_of_both_engines_returns_the_same_record(tmp_path, offset, got):
+    path = tmp_path / "f"
+    data = random_bytes(64 * KiB, seed=9)
+    path.write_bytes(data)
+    memory = mmap.mmap(-1, 8 * KiB)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        records = {}
+        for road in (by_engine, by_worker, by_caller_queue, by_caller, by_uring_engine,
+                     by_uring_worker, by_uring_queue):
+            memory[:] = bytes(8 * KiB)
+            done = road(fd, memory, 8 * KiB, offset)
+            assert type(done) is nvmeswap._transfers.Completion
+            records[road.__name__] = fields(done)
+            assert memory[:got] == data[offset:offset + got], road.__name__
+    finally:
+        os.close(fd)
+        memory.close()
+    assert records == dict.fromkeys(records, (7, 3, 0, offset, 8 * KiB, got, got < 8 * KiB))
+
+
+# -- the handle ---------------------------------------------------------------------------
+def _rings_of(pid):
+    """How many io_uring instances process ``pid`` holds open."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[io_uring]"
+        except FileNotFoundError:
+            pass
+    return count
+
+
+@pytest.mark.parametrize("engine", ["aio", "uring", "auto"])
+def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engine):
+    """Workers and caller queue on the engine chosen; large, unaligned and small queued
+    operations move the right bytes on it."""
+    import torch
+    h = handle_factory(intra_op_parallelism=2, engine=engine)
+    ring = engine != "aio"
+    assert h.get_engine() == ("uring" if ring else "aio")
+    path = str(tmp_path / "f")
+    data = torch.frombuffer(bytearray(random_bytes(9 * MiB + 3, seed=2)), dtype=torch.uint8)
+    assert h.sync_pwrite(data, path, 5) == 1
+    back = torch.zeros_like(data)
+    assert h.async_pread(back, path, 5) == 0 and h.wait() == 1
+    assert torch.equal(back, data)
+    small = h.new_cpu_locked_tensor(64 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    for k in range(64):
+        h.async_pread(small[k * 4 * KiB:(k + 1) * 4 * KiB], path, (63 - k) * 4 * KiB)
+    assert h.wait() == 64
+    written = Path(path).read_bytes()
+    for k in range(64):
+        offset = (63 - k) * 4 * KiB
+        assert bytes(small[k * 4 * KiB:(k + 1) * 4 * KiB].numpy()) == written[offset:offset + 4 * KiB]
+    assert type(h._scheduler.workers.queue) is (UringQueue if ring else CallerQueue)
+    pids = [worker.process.pid for worker in h._scheduler.workers.pool.workers]
+    assert [_rings_of(pid) for pid in pids] == [1 if ring else 0] * 2
+    # Each region a worker maps is registered with its ring (UringEngine.register_buffers).
+    assert bool(sum(len(_registered(pid)) for pid in pids)) is ring
+    assert h.free_cpu_locked_tensor(small)
+
+
+def test_the_engine_argument_is_checked_before_anything_starts(monkeypatch):
+    with pytest.raises(ValueError, match="engine must be one of aio, uring, auto"):
+        nvmeswap.aio_handle(engine="io_uring")
+    with pytest.raises(TypeError, match="engine must be a str"):
+        nvmeswap.aio_handle(engine=1)
+    monkeypatch.setenv("NVMESWAP_ENGINE", "fast")
+    with pytest.raises(ValueError, match="NVMESWAP_ENGINE='fast'"):
+        nvmeswap.aio_handle()
+    assert engines.checked_engine("aio") == "aio"
+    monkeypatch.setenv("NVMESWAP_ENGINE", "uring")
+    assert engines.checked_engine(None) == "uring"
+    monkeypatch.setenv("NVMESWAP_ENGINE", "")
+    assert engines.checked_engine(None) == "aio"
+
+
+def test_the_environment_sets_the_default_engine(handle_factory, monkeypatch):
+    monkeypatch.setenv("NVMESWAP_ENGINE", "uring")
+    assert handle_factory().get_engine() == "uring"
+    assert handle_factory(engine="aio").get_engine() == "aio"
+    monkeypatch.setenv("NVMESWAP_ENGINE", "aio")
+    assert handle_factory().get_engine() == "aio"
+    assert nvmeswap.aio_handle.from_config({"engine": "uring"}).get_engine() == "uring"
+
+
+# -- where io_uring is refused ------------------------------------------------------------
+BLOCKED_SCRIPT = textwrap.dedent("""
+    import ctypes, errno, os, platform, struct, sys, warnings
+    # A seccomp filter that fails io_uring_setup (425) with ENOSYS, as a container's does.
+    arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[platform.machine()]
+    ld_arch, ld_nr, jeq, ret = (0x20, 4), (0x20, 0), 0x15, 0x06
+    program = [(0x20, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x7FFF0000),
+               (0x20, 0, 0, 0), (jeq, 0, 1, 425), (ret, 0, 0, 0x00050000 | errno.ENOSYS),
+               (ret, 0, 0, 0x7FFF0000)]
+    code = b"".join(struct.pack("HBBI", *op) for op in program)
+    buffer = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxQ", len(program), ctypes.addressof(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(38, 1, 0, 0, 0) == 0                      # PR_SET_NO_NEW_PRIVS
+    assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0  # SECCOMP_MODE_FILTER
+    sys.path.insert(0, sys.argv[1])
+    import nvmeswap, numpy as np
+    from nvmeswap._uring import probe
+    print("probe:", probe())
+    try:
+        nvmeswap.aio_handle(engine="uring")
+    except OSError as error:
+        print("uring:", errno.errorcode[error.errno], error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for engine in ("auto", "auto", None):
+            with nvmeswap.aio_handle(intra_op_parallelism=2, engine=engine) as h:
+                data = np.frombuffer(os.urandom(3 << 20), dtype=np.uint8)
+                h.sync_pwrite(data, sys.argv[2], 7)
+                back = np.zeros_like(data)
+                h.async_pread(back, sys.argv[2], 7)
+                h.wait()
+                print("moved:", h.get_engine(), np.array_equal(back, data))
+    for w in caught:
+        print("warning:", w.category.__name__, w.message)
+""")
+
+
+def test_where_io_uring_is_refused_auto_falls_back_and_uring_says_why(tmp_path):
+    """In a child whose seccomp filter fails io_uring_setup with ENOSYS (x86-64 and
+    aarch64): probe() says so, engine="uring" raises OSError(ENOSYS) at the call, and
+    engine="auto" (also from NVMESWAP_ENGINE) moves the right bytes on kernel AIO after
+    one EngineFallbackWarning saying why."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("the seccomp filter is written for x86-64 and aarch64")
+    done = subprocess.run([sys.executable, "-c", BLOCKED_SCRIPT, str(ROOT), str(tmp_path / "f")],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "NVMESWAP_ENGINE": "auto"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    reason = ("io_uring_setup is not available (ENOSYS: Function not implemented): the kernel "
+              "was built without io_uring, or a seccomp profile (a container's) blocks it")
+    assert lines[0] == f"probe: {reason}"
+    assert lines[1] == (f"uring: ENOSYS [Errno 38] engine='uring': io_uring cannot be used "
+                        f"here: {reason}; use engine='aio' or 'auto'")
+    assert lines[2:5] == ["moved: aio True"] * 3
+    assert lines[5:] == [(f"warning: EngineFallbackWarning engine='auto': io_uring cannot be "
+                          f"used here ({reason}); using kernel AIO")]
+
+
+# -- the command line ---------------------------------------------------------------------
+def _nvmeswap(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "nvmeswap", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, **(env or {})})
+
+
+def test_bench_runs_on_the_engine_asked_for_and_says_so(tmp_path):
+    for engine, expected in (("uring", "uring"), ("auto", "uring"), ("aio", "aio")):
+        result = _nvmeswap("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                           "--engine", engine, "--json", "-")
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert [rank["settings"]["engine"] for rank in summary["ranks"]] == [expected]
+        assert f"engine={expected}" in result.stderr      # the table's handle: line
+    bad = _nvmeswap("bench", "--folder", tmp_path, env={"NVMESWAP_ENGINE": "fast"})
+    assert bad.returncode == 2 and "NVMESWAP_ENGINE='fast'" in bad.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_tune_tries_both_engines_and_report_says_what_auto_chooses(tmp_path):
+    out = tmp_path / "tune.json"
+    result = _nvmeswap("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                       "--budget-seconds", 2, "--json", out)
+    assert result.returncode == 0, result.stderr
+    tuned = json.loads(out.read_text())
+    assert tuned["engines"] == ["aio", "uring"]
+    assert {m["engine"] for m in tuned["measurements"]} == {"aio", "uring"}
+    assert tuned["aio"]["engine"] in ("aio", "uring")
+    with nvmeswap.aio_handle.from_config(tuned) as handle:
+        assert handle.get_engine() == tuned["aio"]["engine"]
+    result = _nvmeswap("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                       "--budget-seconds", 1, "--engine", "uring", "--json", out)
+    assert result.returncode == 0, result.stderr
+    assert {m["engine"] for m in json.loads(out.read_text())["measurements"]} == {"uring"}
+    report = tmp_path / "report.json"
+    result = _nvmeswap("report", "--folder", tmp_path, "--json", report,
+                       env={"NVMESWAP_ENGINE": "auto"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    assert checks["io_uring"]["status"] == "ok"
+    assert checks["engine"]["found"] == (
+        "handles run on io_uring by default (NVMESWAP_ENGINE=auto); engine='auto' would "
+        "choose uring (io_uring works here)")
+    os.unlink(out)
+    os.unlink(report)
