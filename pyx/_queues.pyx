@@ -21,8 +21,8 @@ from posix.unistd cimport close, getpid, read, write
 from _check cimport errno_error
 from _transfer_steps cimport (
     Outcome, Transfer, _aio_context, _begin_transfer, _clear_iocb, _count_many, _fail, _failed,
-    _transfer_ended,
 )
+from _transfer_table cimport TransferTable, _table_add, _table_ended, _table_free, _table_init
 from nvmeswap._transfers cimport completion
 
 from includes.kernel_aio cimport (
@@ -56,10 +56,7 @@ cdef class AioEngine:
     cdef int n_free
     cdef int in_flight
     cdef int *owner             # slot -> index of its transfer
-    cdef Transfer *transfers
-    cdef bint *used
-    cdef int *order             # indices of the transfers in progress, oldest first
-    cdef int n_order
+    cdef TransferTable table    # the transfers in progress (_transfer_table.pxd)
     cdef readonly size_t block_size
     cdef readonly int queue_depth
     cdef readonly int max_transfers
@@ -74,9 +71,9 @@ cdef class AioEngine:
         self.events = NULL
         self.free_slots = NULL
         self.owner = NULL
-        self.transfers = NULL
-        self.used = NULL
-        self.order = NULL
+        self.table.transfers = NULL
+        self.table.used = NULL
+        self.table.order = NULL
         if block_size == 0 or queue_depth <= 0 or max_transfers <= 0:
             raise ValueError("block_size, queue_depth and max_transfers must be positive")
         self.block_size = block_size
@@ -89,20 +86,14 @@ cdef class AioEngine:
         self.events = <io_event *>malloc(sizeof(io_event) * queue_depth)
         self.free_slots = <int *>malloc(sizeof(int) * queue_depth)
         self.owner = <int *>malloc(sizeof(int) * queue_depth)
-        self.transfers = <Transfer *>malloc(sizeof(Transfer) * max_transfers)
-        self.used = <bint *>malloc(sizeof(bint) * max_transfers)
-        self.order = <int *>malloc(sizeof(int) * max_transfers)
         if not (self.slots and self.batch and self.events and self.free_slots and self.owner
-                and self.transfers and self.used and self.order):
+                and _table_init(&self.table, max_transfers)):
             raise MemoryError()
         cdef int i
         for i in range(queue_depth):
             self.free_slots[i] = i
-        for i in range(max_transfers):
-            self.used[i] = False
         self.n_free = queue_depth
         self.in_flight = 0
-        self.n_order = 0
         self.ctx = _aio_context(queue_depth)
 
     def __dealloc__(self):
@@ -113,19 +104,17 @@ cdef class AioEngine:
         free(self.events)
         free(self.free_slots)
         free(self.owner)
-        free(self.transfers)
-        free(self.used)
-        free(self.order)
+        _table_free(&self.table)
 
     @property
     def busy(self):
         """Whether transfers are in progress."""
-        return self.n_order > 0
+        return self.table.n_order > 0
 
     @property
     def full(self):
         """Whether ``begin`` must wait for a transfer to end."""
-        return self.n_order == self.max_transfers
+        return self.table.n_order == self.max_transfers
 
     def transfer(self, unsigned long long op_id, unsigned int chunk, bint is_read,
                  int direct_fd, int buffered_fd, size_t address, size_t nbytes,
@@ -136,7 +125,7 @@ cdef class AioEngine:
         progress. ``alignment`` is 1 when ``direct_fd`` is not O_DIRECT; otherwise
         ``address - offset`` must be a multiple of it.
         """
-        if self.n_order:
+        if self.table.n_order:
             raise RuntimeError("transfer needs an engine with nothing in progress")
         self.begin(op_id, chunk, is_read, direct_fd, buffered_fd, address, nbytes, offset,
                    alignment)
@@ -155,16 +144,12 @@ cdef class AioEngine:
         The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
         ``buffered_fd``; the aligned middle through kernel AIO in ``advance``.
         """
-        if self.n_order == self.max_transfers:
+        cdef int index = _table_add(&self.table)
+        if index < 0:
             raise RuntimeError("too many transfers in progress")
-        cdef int index = 0
-        while self.used[index]:
-            index += 1
-        _begin_transfer(&self.transfers[index], op_id, chunk, is_read, direct_fd, buffered_fd,
-                        address, nbytes, offset, alignment, <long long>self.block_size)
-        self.used[index] = True
-        self.order[self.n_order] = index
-        self.n_order += 1
+        _begin_transfer(&self.table.transfers[index], op_id, chunk, is_read, direct_fd,
+                        buffered_fd, address, nbytes, offset, alignment,
+                        <long long>self.block_size)
 
     def advance(self, bint block):
         """Start requests while slots are free; with ``block``, wait for completions
@@ -182,24 +167,7 @@ cdef class AioEngine:
         if ret < 0:
             # The context itself failed: nothing more can be reaped safely.
             raise errno_error(<int>-ret, "io_getevents")
-        return self._ended()
-
-    cdef list _ended(self):
-        cdef list ended = []
-        cdef int k = 0, kept = 0, index
-        cdef Transfer *t
-        for k in range(self.n_order):
-            index = self.order[k]
-            t = &self.transfers[index]
-            if _transfer_ended(t):
-                self.used[index] = False
-                ended.append(completion(t.op_id, t.chunk, t.out.err, t.out.at_offset,
-                                        t.out.requested, t.out.got))
-            else:
-                self.order[kept] = index
-                kept += 1
-        self.n_order = kept
-        return ended
+        return _table_ended(&self.table)
 
     cdef void _start_requests(self) noexcept nogil:
         """Fill free slots with the next requests of the oldest transfers, and submit them."""
@@ -209,9 +177,9 @@ cdef class AioEngine:
         cdef iocb *cb
         if not self.overlap_events and self.in_flight > 0:
             return
-        for k in range(self.n_order):
-            index = self.order[k]
-            t = &self.transfers[index]
+        for k in range(self.table.n_order):
+            index = self.table.order[k]
+            t = &self.table.transfers[index]
             while self.n_free > 0 and t.prepared < t.total and not t.out.failed:
                 self.n_free -= 1
                 slot = self.free_slots[self.n_free]
@@ -236,7 +204,7 @@ cdef class AioEngine:
         # Never submitted (the context is full, or refused them): give the slots back.
         for i in range(ready - 1, submitted - 1, -1):
             slot = <int>self.batch[i].aio_data
-            self.transfers[self.owner[slot]].prepared -= 1
+            self.table.transfers[self.owner[slot]].prepared -= 1
             self.free_slots[self.n_free] = slot
             self.n_free += 1
 
@@ -258,7 +226,7 @@ cdef class AioEngine:
             elif ret == -EAGAIN and self.in_flight + done > 0:
                 break                # the context is full: reap first, then retry
             else:
-                t = &self.transfers[self.owner[<int>self.batch[done].aio_data]]
+                t = &self.table.transfers[self.owner[<int>self.batch[done].aio_data]]
                 if not t.out.failed:
                     _fail(&t.out, <int>(-ret if ret < 0 else EIO),
                           self.batch[done].aio_offset,
@@ -287,7 +255,7 @@ cdef class AioEngine:
         for i in range(ret):
             slot = <int>self.events[i].data
             cb = &self.slots[slot]
-            t = &self.transfers[self.owner[slot]]
+            t = &self.table.transfers[self.owner[slot]]
             if not t.out.failed:
                 _failed(&self.events[i], cb, &t.out)
             t.completed += 1

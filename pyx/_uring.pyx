@@ -17,7 +17,8 @@ from posix.types cimport pid_t
 from posix.unistd cimport close, getpid, read
 
 from _check cimport errno_error
-from _transfer_steps cimport Transfer, _begin_transfer, _count_many, _fail, _transfer_ended
+from _transfer_steps cimport Transfer, _begin_transfer, _count_many, _fail
+from _transfer_table cimport TransferTable, _table_add, _table_ended, _table_free, _table_init
 from nvmeswap._transfers cimport completion
 
 from includes.io_uring cimport (
@@ -92,10 +93,7 @@ cdef class UringEngine:
     cdef int *owner             # slot -> index of its transfer
     cdef long long *slot_offset
     cdef unsigned *slot_nbytes
-    cdef Transfer *transfers
-    cdef bint *used
-    cdef int *order             # indices of the transfers in progress, oldest first
-    cdef int n_order
+    cdef TransferTable table    # the transfers in progress (_transfer_table.pxd)
     cdef pid_t creator
     cdef int buffer_table       # registered buffers: 0 no table yet, 1 made, -1 refused
     cdef size_t fixed_owner[FIXED_SLOTS]    # the address registered (0: a free slot)
@@ -125,17 +123,12 @@ cdef class UringEngine:
         self.owner = <int *>malloc(sizeof(int) * queue_depth)
         self.slot_offset = <long long *>malloc(sizeof(long long) * queue_depth)
         self.slot_nbytes = <unsigned *>malloc(sizeof(unsigned) * queue_depth)
-        self.transfers = <Transfer *>malloc(sizeof(Transfer) * max_transfers)
-        self.used = <bint *>malloc(sizeof(bint) * max_transfers)
-        self.order = <int *>malloc(sizeof(int) * max_transfers)
         if not (self.free_slots and self.owner and self.slot_offset and self.slot_nbytes
-                and self.transfers and self.used and self.order):
+                and _table_init(&self.table, max_transfers)):
             raise MemoryError()
         cdef int i
         for i in range(queue_depth):
             self.free_slots[i] = i
-        for i in range(max_transfers):
-            self.used[i] = False
         self.n_free = queue_depth
         _open_ring(&self.ring, queue_depth, 0)
 
@@ -149,9 +142,7 @@ cdef class UringEngine:
         free(self.owner)
         free(self.slot_offset)
         free(self.slot_nbytes)
-        free(self.transfers)
-        free(self.used)
-        free(self.order)
+        _table_free(&self.table)
 
     def register_buffers(self, size_t address, size_t nbytes):
         """Register ``nbytes`` at ``address`` with the ring (in pieces of at most 1 GiB):
@@ -209,19 +200,19 @@ cdef class UringEngine:
     @property
     def busy(self):
         """Whether transfers are in progress."""
-        return self.n_order > 0
+        return self.table.n_order > 0
 
     @property
     def full(self):
         """Whether ``begin`` must wait for a transfer to end."""
-        return self.n_order == self.max_transfers
+        return self.table.n_order == self.max_transfers
 
     def transfer(self, unsigned long long op_id, unsigned int chunk, bint is_read,
                  int direct_fd, int buffered_fd, size_t address, size_t nbytes,
                  long long offset, size_t alignment):
         """Move the bytes and wait for them; return the transfer's ``Completion``. Only for
         an engine with nothing else in progress; ``alignment`` as for ``begin``."""
-        if self.n_order:
+        if self.table.n_order:
             raise RuntimeError("transfer needs an engine with nothing in progress")
         self.begin(op_id, chunk, is_read, direct_fd, buffered_fd, address, nbytes, offset,
                    alignment)
@@ -242,16 +233,12 @@ cdef class UringEngine:
         is 1 when ``direct_fd`` is not O_DIRECT; else ``address - offset`` is a multiple
         of it.
         """
-        if self.n_order == self.max_transfers:
+        cdef int index = _table_add(&self.table)
+        if index < 0:
             raise RuntimeError("too many transfers in progress")
-        cdef int index = 0
-        while self.used[index]:
-            index += 1
-        _begin_transfer(&self.transfers[index], op_id, chunk, is_read, direct_fd, buffered_fd,
-                        address, nbytes, offset, alignment, <long long>self.block_size)
-        self.used[index] = True
-        self.order[self.n_order] = index
-        self.n_order += 1
+        _begin_transfer(&self.table.transfers[index], op_id, chunk, is_read, direct_fd,
+                        buffered_fd, address, nbytes, offset, alignment,
+                        <long long>self.block_size)
 
     def advance(self, bint block):
         """Start requests while slots are free; with ``block``, wait for completions
@@ -274,24 +261,7 @@ cdef class UringEngine:
         if ret < 0:
             # The ring itself failed: nothing more can be reaped safely.
             raise errno_error(<int>-ret, "io_uring_enter")
-        return self._ended()
-
-    cdef list _ended(self):
-        cdef list ended = []
-        cdef int k = 0, kept = 0, index
-        cdef Transfer *t
-        for k in range(self.n_order):
-            index = self.order[k]
-            t = &self.transfers[index]
-            if _transfer_ended(t):
-                self.used[index] = False
-                ended.append(completion(t.op_id, t.chunk, t.out.err, t.out.at_offset,
-                                        t.out.requested, t.out.got))
-            else:
-                self.order[kept] = index
-                kept += 1
-        self.n_order = kept
-        return ended
+        return _table_ended(&self.table)
 
     cdef void _fill(self) noexcept nogil:
         """Write the next requests of the oldest transfers into free slots and publish
@@ -303,9 +273,9 @@ cdef class UringEngine:
         cdef nvmeswap_io_uring_sqe *sqe
         if not self.overlap_events and self.in_flight > 0:
             return
-        for k in range(self.n_order):
-            index = self.order[k]
-            t = &self.transfers[index]
+        for k in range(self.table.n_order):
+            index = self.table.order[k]
+            t = &self.table.transfers[index]
             while self.n_free > 0 and t.prepared < t.total and not t.out.failed:
                 self.n_free -= 1
                 slot = self.free_slots[self.n_free]
@@ -347,7 +317,7 @@ cdef class UringEngine:
         for i in range(n):
             cqe = nvmeswap_uring_cqe(&self.ring, i)
             slot = <int>cqe.user_data
-            t = &self.transfers[self.owner[slot]]
+            t = &self.table.transfers[self.owner[slot]]
             if not t.out.failed and cqe.res != <int>self.slot_nbytes[slot]:
                 _fail(&t.out, -cqe.res if cqe.res < 0 else 0, self.slot_offset[slot],
                       self.slot_nbytes[slot], cqe.res if cqe.res > 0 else 0)
