@@ -1,5 +1,5 @@
 """Note [concurrent transfers]: a worker's engine runs many transfers at once on one AIO
-context, and reports each as it ends."""
+context (or io_uring ring, Note [engines]), and reports each as it ends."""
 import errno
 import mmap
 import os
@@ -10,8 +10,16 @@ from conftest import random_bytes
 
 from nvmeswap._memory import buffer_address
 from nvmeswap._queues import AioEngine
+from nvmeswap._uring import UringEngine, probe
 
 MiB = 1 << 20
+REFUSED = probe()
+
+
+@pytest.fixture(params=["aio", pytest.param("uring", marks=pytest.mark.skipif(
+    REFUSED is not None, reason=f"io_uring: {REFUSED}"))])
+def engine_kind(request):
+    return {"aio": AioEngine, "uring": UringEngine}[request.param]
 
 
 def fields(done):
@@ -19,22 +27,36 @@ def fields(done):
             done.failed)
 
 
+def _file(tmp_path, nbytes, seed=0):
+    path = tmp_path / "source"
+    path.write_bytes(random_bytes(nbytes, seed=seed))
+    return str(path)
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _address(memory):
+    return np.frombuffer(memory, dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("single_submit", [False, True])
 @pytest.mark.parametrize("overlap_events", [False, True])
-def test_transfers_share_the_queue_and_end_one_by_one(tmp_path, overlap_events):
-    """Reads of many sizes and phases (aligned, unaligned heads and tails, smaller than a
-    block) started together all land their bytes; one into memory the kernel cannot
-    touch fails alone, with its errno and offset."""
-    path = str(tmp_path / "f")
-    data = random_bytes(32 * MiB, seed=4)
-    with open(path, "wb") as f:
-        f.write(data)
-    engine = AioEngine(MiB, 16, False, overlap_events, max_transfers=8)
+def test_transfers_share_the_queue_and_end_one_by_one(tmp_path, engine_kind, overlap_events,
+                                                     single_submit):
+    """Note [concurrent transfers]: reads of many sizes and phases started together all
+    land their bytes; one into memory the kernel cannot touch fails alone, with its errno
+    and offset."""
+    path = _file(tmp_path, 32 * MiB, seed=4)
+    data = _read(path)
+    engine = engine_kind(MiB, 16, single_submit, overlap_events, max_transfers=8)
     memory = mmap.mmap(-1, 40 * MiB)
-    base = buffer_address(memory, True)[0]
+    base = _address(memory)
     inaccessible = mmap.mmap(-1, 4 * MiB, prot=0)
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
     buffered = os.open(path, os.O_RDONLY)
-    # (memory offset, nbytes, file offset): each pair of memory and file at one phase.
     reads = [(0, 8 * MiB, 0), (8 * MiB + 100, 3 * MiB + 5, 4096 + 100), (12 * MiB, 4096, 20 * MiB),
              (13 * MiB + 7, 9, 7), (14 * MiB, 17 * MiB, 15 * MiB)]
     try:
@@ -61,11 +83,9 @@ def test_transfers_share_the_queue_and_end_one_by_one(tmp_path, overlap_events):
         memory.close()
 
 
-def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path):
-    path = str(tmp_path / "f")
-    with open(path, "wb") as f:
-        f.write(random_bytes(MiB))
-    engine = AioEngine(MiB, 4, False, True, max_transfers=2)
+def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path, engine_kind):
+    path = _file(tmp_path, MiB)
+    engine = engine_kind(MiB, 4, False, True, max_transfers=2)
     memory = np.zeros(4 * MiB, dtype=np.uint8)
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
     aligned = memory.ctypes.data // 4096 * 4096 + 4096
@@ -78,16 +98,16 @@ def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path):
         ended = {}
         while engine.busy:
             ended.update((done.op_id, fields(done)) for done in engine.advance(True))
-        # End of file at 1 MiB: the first request there got nothing.
         assert ended == {1: (1, 0, 0, MiB, MiB, 0, True), 2: (2, 0, 0, 0, 4096, 4096, False)}
         with pytest.raises(RuntimeError, match="nothing in progress"):
             engine.begin(4, 0, True, direct, -1, aligned, 4096, 0, 4096)
             engine.transfer(5, 0, True, direct, -1, aligned, 4096, 0, 4096)
         assert [fields(done) for done in engine.advance(True)] == [
             (4, 0, 0, 0, 4096, 4096, False)]
-        # Misaligned memory and a head with no buffered descriptor: refused, no I/O.
         engine.begin(6, 1, True, direct, -1, aligned + 1, 4096, 0, 4096)
         assert [fields(done) for done in engine.advance(False)] == [
             (6, 1, errno.EINVAL, 0, 4096, 0, True)]
     finally:
         os.close(direct)
+    with pytest.raises(ValueError):
+        engine_kind(0, 4, False, True)

@@ -21,7 +21,6 @@ from test_caller_queue import _submitting_threads
 from test_completion import by_caller, by_caller_queue, by_engine, by_worker
 
 import nvmeswap
-from nvmeswap._memory import buffer_address
 from nvmeswap._queues import AioEngine, CallerQueue
 from nvmeswap._uring import UringEngine, UringQueue, probe
 from nvmeswap.io import engines
@@ -52,77 +51,7 @@ def _address(memory):
     return np.frombuffer(memory, dtype=np.uint8).ctypes.data
 
 
-# -- the engine ----------------------------------------------------------------------------
-@pytest.mark.parametrize("single_submit", [False, True])
-@pytest.mark.parametrize("overlap_events", [False, True])
-def test_transfers_share_the_ring_and_end_one_by_one(tmp_path, overlap_events, single_submit):
-    """Note [concurrent transfers] on a ring: reads of many sizes and phases started
-    together all land their bytes; one into memory the kernel cannot touch fails alone,
-    with its errno and offset, as AioEngine's does."""
-    path = _file(tmp_path, 32 * MiB, seed=4)
-    data = Path(path).read_bytes()
-    engine = UringEngine(MiB, 16, single_submit, overlap_events, max_transfers=8)
-    memory = mmap.mmap(-1, 40 * MiB)
-    base = _address(memory)
-    inaccessible = mmap.mmap(-1, 4 * MiB, prot=0)
-    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    buffered = os.open(path, os.O_RDONLY)
-    reads = [(0, 8 * MiB, 0), (8 * MiB + 100, 3 * MiB + 5, 4096 + 100), (12 * MiB, 4096, 20 * MiB),
-             (13 * MiB + 7, 9, 7), (14 * MiB, 17 * MiB, 15 * MiB)]
-    try:
-        for op_id, (at, n, offset) in enumerate(reads):
-            engine.begin(op_id, 2, True, direct, buffered, base + at, n, offset, 4096)
-        engine.begin(99, 0, True, direct, buffered, buffer_address(inaccessible, False)[0],
-                     2 * MiB, 0, 4096)
-        assert engine.busy and not engine.full
-        ended = {}
-        while engine.busy:
-            for done in engine.advance(True):
-                ended[done.op_id] = fields(done)
-        assert ended.pop(99) == (99, 0, errno.EFAULT, 0, MiB, 0, True)
-        assert ended == {op_id: (op_id, 2, 0, offset, n, n, False)
-                         for op_id, (_, n, offset) in enumerate(reads)}
-        for at, n, offset in reads:
-            assert memory[at:at + n] == data[offset:offset + n]
-        assert engine.advance(True) == []
-    finally:
-        os.close(direct)
-        os.close(buffered)
-        inaccessible.close()
-        del base
-        memory.close()
-
-
-def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path):
-    path = _file(tmp_path, MiB)
-    engine = UringEngine(MiB, 4, False, True, max_transfers=2)
-    memory = np.zeros(4 * MiB, dtype=np.uint8)
-    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    aligned = memory.ctypes.data // 4096 * 4096 + 4096
-    try:
-        engine.begin(1, 0, True, direct, -1, aligned, 2 * MiB, 0, 4096)
-        engine.begin(2, 0, True, direct, -1, aligned, 4096, 0, 4096)
-        assert engine.full
-        with pytest.raises(RuntimeError, match="too many"):
-            engine.begin(3, 0, True, direct, -1, aligned, 4096, 0, 4096)
-        ended = {}
-        while engine.busy:
-            ended.update((done.op_id, fields(done)) for done in engine.advance(True))
-        assert ended == {1: (1, 0, 0, MiB, MiB, 0, True), 2: (2, 0, 0, 0, 4096, 4096, False)}
-        with pytest.raises(RuntimeError, match="nothing in progress"):
-            engine.begin(4, 0, True, direct, -1, aligned, 4096, 0, 4096)
-            engine.transfer(5, 0, True, direct, -1, aligned, 4096, 0, 4096)
-        assert [fields(done) for done in engine.advance(True)] == [
-            (4, 0, 0, 0, 4096, 4096, False)]
-        engine.begin(6, 1, True, direct, -1, aligned + 1, 4096, 0, 4096)
-        assert [fields(done) for done in engine.advance(False)] == [
-            (6, 1, errno.EINVAL, 0, 4096, 0, True)]
-    finally:
-        os.close(direct)
-    with pytest.raises(ValueError):
-        UringEngine(0, 4, False, True)
-
-
+# -- the engine (the tests shared with kernel AIO are in test_engine.py) ------------------
 @pytest.mark.parametrize("single_submit, overlap_events",
                          [(False, False), (False, True), (True, False), (True, True)])
 def test_odd_sizes_and_offsets_write_and_read_back_as_kernel_aio_does(tmp_path, single_submit,
