@@ -209,8 +209,9 @@ class Books:
             if self.pumping_thread is not None:
                 return
             self.pumping_thread = threading.get_ident()
+            pool = self.workers.pool    # read under the lock, as wait_until reads it
         try:
-            self._pump(self.workers.pool, wait=False)
+            self._pump(pool, wait=False)
         finally:
             with deferred_interrupts(), self.cond:
                 self.pumping_thread = None
