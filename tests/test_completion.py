@@ -23,18 +23,18 @@ def fields(done):
             done.failed)
 
 
-def by_engine(fd, memory, nbytes, offset):
-    engine = AioEngine(1 << 20, 4, False, True)
+def by_engine(fd, memory, nbytes, offset, engine_kind=AioEngine):
+    engine = engine_kind(1 << 20, 4, False, True)
     return engine.transfer(7, 3, True, fd, -1, _address(memory), nbytes, offset, 4096)
 
 
-def by_worker(fd, memory, nbytes, offset):
+def by_worker(fd, memory, nbytes, offset, engine_kind=AioEngine):
     """A worker's executor and engine, into a region of a memfd; its response datagram
     read back as the parent reads it."""
     memfd = os.memfd_create("completion-test")
     try:
         os.ftruncate(memfd, len(memory))
-        executor = Executor(AioEngine(1 << 20, 4, False, True))
+        executor = Executor(engine_kind(1 << 20, 4, False, True))
         executor.run(protocol.unpack_request(protocol.map_request(1, len(memory)),
                                              [os.dup(memfd)]))
         read = protocol.transfer_request(protocol.READ, 1, 7, 3, 0, nbytes, offset, 4096)
@@ -48,8 +48,8 @@ def by_worker(fd, memory, nbytes, offset):
     return protocol.unpack_response(response)
 
 
-def by_caller_queue(fd, memory, nbytes, offset):
-    queue = CallerQueue(4)
+def by_caller_queue(fd, memory, nbytes, offset, queue_kind=CallerQueue):
+    queue = queue_kind(4)
     try:
         assert queue.post(7, 3, True, fd, _address(memory), nbytes, offset)
         (done,) = queue.reap(wait_all=True)

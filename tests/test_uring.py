@@ -2,6 +2,7 @@
 records, on both queues; a handle picks its engine; where io_uring is refused, "auto"
 falls back to kernel AIO and "uring" says why."""
 import errno
+import functools
 import json
 import mmap
 import os
@@ -14,18 +15,16 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import random_bytes
 from test_caller_queue import _submitting_threads
 from test_completion import by_caller, by_caller_queue, by_engine, by_worker
+from test_engine import _address, _file, fields
 
 import nvmeswap
 from nvmeswap._queues import AioEngine, CallerQueue
 from nvmeswap._uring import UringEngine, UringQueue, probe
 from nvmeswap.io import engines
-from nvmeswap.workers import protocol
-from nvmeswap.workers.main import Executor
 
 KiB, MiB = 1 << 10, 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,21 +33,6 @@ REFUSED = probe()
 pytestmark = pytest.mark.skipif(REFUSED is not None, reason=f"io_uring: {REFUSED}")
 ENGINES = {"aio": AioEngine, "uring": UringEngine}
 QUEUES = {"aio": CallerQueue, "uring": UringQueue}
-
-
-def fields(done):
-    return (done.op_id, done.chunk, done.err, done.at_offset, done.requested, done.got,
-            done.failed)
-
-
-def _file(tmp_path, nbytes, seed=0):
-    path = tmp_path / "source"
-    path.write_bytes(random_bytes(nbytes, seed=seed))
-    return str(path)
-
-
-def _address(memory):
-    return np.frombuffer(memory, dtype=np.uint8).ctypes.data
 
 
 # -- the engine (the tests shared with kernel AIO are in test_engine.py) ------------------
@@ -293,38 +277,9 @@ def test_post_many_takes_what_fits_in_one_call(tmp_path, engine):
 
 
 # -- one record ---------------------------------------------------------------------------
-def by_uring_engine(fd, memory, nbytes, offset):
-    return UringEngine(1 << 20, 4, False, True).transfer(7, 3, True, fd, -1, _address(memory),
-                                                         nbytes, offset, 4096)
-
-
-def by_uring_worker(fd, memory, nbytes, offset):
-    """A worker's executor on a UringEngine, its response read back as the parent does."""
-    memfd = os.memfd_create("completion-test")
-    try:
-        os.ftruncate(memfd, len(memory))
-        executor = Executor(UringEngine(1 << 20, 4, False, True))
-        executor.run(protocol.unpack_request(protocol.map_request(1, len(memory)),
-                                             [os.dup(memfd)]))
-        read = protocol.transfer_request(protocol.READ, 1, 7, 3, 0, nbytes, offset, 4096)
-        assert executor.start(protocol.unpack_request(read, [os.dup(fd)])) is None
-        (response,) = executor.advance(block=True)
-        executor.run(protocol.unpack_request(protocol.unmap_request(1), []))
-        executor.close()
-        memory[:] = os.pread(memfd, len(memory), 0)
-    finally:
-        os.close(memfd)
-    return protocol.unpack_response(response)
-
-
-def by_uring_queue(fd, memory, nbytes, offset):
-    queue = UringQueue(4)
-    try:
-        assert queue.post(7, 3, True, fd, _address(memory), nbytes, offset)
-        (done,) = queue.reap(wait_all=True)
-    finally:
-        queue.close()
-    return done
+by_uring_engine = functools.partial(by_engine, engine_kind=UringEngine)
+by_uring_worker = functools.partial(by_worker, engine_kind=UringEngine)
+by_uring_queue = functools.partial(by_caller_queue, queue_kind=UringQueue)
 
 
 @pytest.mark.parametrize("offset, got", [(4 * KiB, 8 * KiB), (60 * KiB, 4 * KiB)],
@@ -337,13 +292,15 @@ def test_every_road_of_both_engines_returns_the_same_record(tmp_path, offset, go
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         records = {}
-        for road in (by_engine, by_worker, by_caller_queue, by_caller, by_uring_engine,
-                     by_uring_worker, by_uring_queue):
+        roads = {"engine": by_engine, "worker": by_worker, "caller queue": by_caller_queue,
+                 "caller": by_caller, "uring engine": by_uring_engine,
+                 "uring worker": by_uring_worker, "uring queue": by_uring_queue}
+        for name, road in roads.items():
             memory[:] = bytes(8 * KiB)
             done = road(fd, memory, 8 * KiB, offset)
             assert type(done) is nvmeswap._transfers.Completion
-            records[road.__name__] = fields(done)
-            assert memory[:got] == data[offset:offset + got], road.__name__
+            records[name] = fields(done)
+            assert memory[:got] == data[offset:offset + got], name
     finally:
         os.close(fd)
         memory.close()
