@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .roads import ALL_ROADS, Road
+from .roads import ALL_ROADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +48,6 @@ class Limits:
 
     def replace(self, **changes) -> Limits:
         return dataclasses.replace(self, **changes)
-
-    def allows(self, road: Road) -> bool:
-        return road in self.roads
 
 
 DEFAULT = Limits()
