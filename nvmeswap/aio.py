@@ -259,16 +259,19 @@ class aio_handle:
         return self._run(buffer, filename, file_offset, is_read=False, validate=validate)
 
     def wait(self) -> int:
-        """Wait for every started operation; return how many completed (0 if none).
+        """Wait for the operations this thread started; return how many completed (0 if
+        none).
 
         If any failed, the first failure is raised once all have completed; its
         ``failed_operations`` attribute (and, on Python 3.11+, its note) says how many.
 
-        Threads: a handle may be used from several threads at once. Each asynchronous
-        operation is counted by exactly one ``wait()``: the one that takes it (a call
-        takes the operations started before it, and another thread's concurrent call
-        returns only later ones, or 0). A ``wait()`` interrupted by Ctrl-C counts
-        nothing; the next one counts what it had taken.
+        Threads: a handle may be used from several threads at once. A thread's
+        ``wait()`` waits for the asynchronous operations that thread started and counts
+        them, whatever other threads do; operations of a thread that has ended are
+        counted by the next ``wait()`` of any thread. A thread that started none waits
+        for every operation in flight and returns 0 (so an operation handed to another
+        thread to wait for is complete when its ``wait()`` returns). A ``wait()``
+        interrupted by Ctrl-C counts nothing; the next one counts what it had taken.
         """
         self._scheduler.check_usable()
         return self._scheduler.collect()

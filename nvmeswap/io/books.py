@@ -46,6 +46,7 @@ class Books:
         op.started = True
         op.is_async = is_async
         if is_async and for_wait:
+            op.starter = threading.get_ident()
             self.async_ops.append(op)
         if op.road is Road.CALLER_QUEUE and op.staged is None:
             op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
@@ -64,6 +65,16 @@ class Books:
         self.held.append(op)
         if is_async and not self._driving:
             self._drive_in_background()     # so that it starts without waiting for wait()
+
+    def take_for_wait(self, thread):
+        """The asynchronous operations ``thread``'s ``wait()`` counts: those it started,
+        and those of threads that have ended (nobody else will count them)."""
+        alive = {other.ident for other in threading.enumerate()}
+        taken, left = [], []
+        for op in self.async_ops:
+            (taken if op.starter == thread or op.starter not in alive else left).append(op)
+        self.async_ops = left
+        return taken
 
     def _go(self, op):
         if op.staged is None:

@@ -37,6 +37,7 @@ class Operation:
         "shares_file",
         "staged",
         "started",
+        "starter",
         "validate",
         "waits_for",
     )
@@ -61,6 +62,7 @@ class Operation:
         self.shares_file = False    # Note [shared growth]
         self.road = None            # Note [roads]: set when it is routed
         self.is_async = False
+        self.starter = None         # the thread whose wait() counts it, if any
         self.waits_for = None       # earlier operations it must follow (Note [ordering])
         self.count = 1              # the operations wait() counts it as (Note [batches])
         self.failures = 0           # its requests that failed

@@ -138,15 +138,22 @@ class Scheduler:
                      self._queue_room(len(requests)), batch=True)
 
     def collect(self):
-        """Wait for every submitted operation; return how many, or raise the first failure.
+        """Wait for the operations the calling thread started; return how many, or raise
+        the first failure.
 
-        Each operation is collected once: a thread takes the operations submitted so far
-        and waits for them; another thread's ``collect()`` takes only later ones. An
-        interrupted wait gives its operations back, for the next ``collect()`` to count.
+        Each operation is counted once, by its own thread's ``collect()`` (or by any
+        thread's, once its thread has ended). A thread with none to count waits for
+        everyone's operations in flight and counts none of them: an operation handed to
+        another thread to wait for is complete when that thread's ``wait()`` returns.
+        An interrupted wait gives its operations back, for the next ``collect()`` to count.
         """
         with deferred_interrupts(), self._cond:
-            ops, self.books.async_ops = self.books.async_ops, []
+            ops = self.books.take_for_wait(threading.get_ident())
+            if not ops:
+                others = [op for op in self.books.ops.values() if op.starter is not None]
         if not ops:
+            if others:
+                self.books.wait_until(functools.partial(_all_done, others))
             return 0
         try:
             self.books.wait_until(functools.partial(_all_done, ops))
