@@ -1,10 +1,14 @@
 """Promises kept when the world misbehaves: threads sharing a handle, full disks, files
 replaced while written, resource limits, fork, folders removed under the swapper."""
+import errno
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
+import pytest
 from conftest import random_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -120,3 +124,92 @@ def test_the_operations_of_a_thread_that_ended_are_counted_by_the_next_wait(
     thread.join()
     assert h.wait() == 3
     assert all((tmp_path / f"f{i}").read_bytes() == data for i in range(3))
+
+
+# -- full disks --------------------------------------------------------------------------
+@pytest.fixture
+def ext4(tmp_path):
+    """An ext4 filesystem of 32 MiB of the test's own, no blocks reserved for root (so
+    that full means full); needs root, mkfs.ext4 and a loop device."""
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        pytest.skip("an ext4 filesystem of the test's own needs root and mkfs.ext4")
+    image, mount_point = tmp_path / "ext4.img", tmp_path / "ext4"
+    mount_point.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(32 * MiB)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mount_point)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def _fill(folder, spare):
+    """Fill ``folder``'s filesystem to all but ``spare`` bytes."""
+    with open(folder / "filler", "wb") as f:
+        f.write(bytes(_free(folder) - spare))
+        os.fsync(f.fileno())
+
+
+def _free(folder):
+    info = os.statvfs(folder)
+    return info.f_bavail * info.f_frsize
+
+
+@pytest.mark.parametrize("nbytes", [512 * KiB + 3, 8 * MiB], ids=["written", "preallocated"])
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_write_the_full_disk_refuses_leaves_the_file_and_the_free_space_as_they_were(
+        handle_factory, ext4, nbytes, is_async):
+    """On a real full ext4 disk a write that cannot get its space (found by the workers'
+    writes or by the preallocation of a large one) fails naming the file; the file keeps
+    its length and its bytes, the disk its free space; an async write's failure comes at
+    wait() (it used to raise at the call, and leave the file extended by the whole
+    request and the disk with no space)."""
+    h = handle_factory(intra_op_parallelism=2)
+    folder = ext4
+    _fill(folder, 200 * KiB)
+    path = folder / "target"
+    head = random_bytes(4096, seed=1)
+    path.write_bytes(head)
+    free = _free(folder)
+    data = bytearray(random_bytes(nbytes, seed=2))
+    with pytest.raises(OSError) as info:
+        if is_async:
+            h.async_pwrite(data, path, 4096)    # must not raise here
+            h.wait()
+        else:
+            h.sync_pwrite(data, path, 4096)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
+    assert path.read_bytes() == head
+    assert _free(folder) == free
+    # What fits still goes in, and the disk gives it back when it is removed.
+    h.sync_pwrite(data[:64 * KiB], path, 4096)
+    assert path.read_bytes() == head + data[:64 * KiB]
+
+
+def test_a_failed_write_never_cuts_a_file_that_replaced_its_own(handle_factory, ext4):
+    """The file is renamed over while a write to it is in flight and failing: the
+    failure cleans up the file it wrote (gone with the rename), never the new one at its
+    path (which it used to cut to its old size)."""
+    h = handle_factory(intra_op_parallelism=2)
+    folder = ext4
+    replacement = random_bytes(600 * KiB + 7, seed=4)   # shorter than the write's end
+    (folder / "replacement").write_bytes(replacement)
+    _fill(folder, 200 * KiB)
+    path = folder / "target"
+    path.write_bytes(random_bytes(4096, seed=5))
+    pids = _worker_pids(h)
+    _signal_all(pids, signal.SIGSTOP)
+    try:
+        h.async_pwrite(bytearray(random_bytes(900 * KiB, seed=6)), path, 4096)
+        os.rename(folder / "replacement", path)
+    finally:
+        _signal_all(pids, signal.SIGCONT)
+    with pytest.raises(OSError) as info:
+        h.wait()
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
+    assert path.read_bytes() == replacement

@@ -108,7 +108,7 @@ class Books:
             if not self._sent(op, index):
                 break
         if op.road in WORKER_ROADS:     # the workers hold their own copies of the descriptors
-            op.file.close()
+            op.file.close(keep_for_undo=not op.is_read)
 
     def _sent(self, op, index):
         """Send one chunk; False if it could not go. A live worker's refusal fails the
@@ -309,6 +309,17 @@ class Books:
         op.done = True
         if self.held:
             self._release_held(op)
+
+    def book_failure(self, op, is_async, for_wait=True):
+        """Enter an operation that failed before any I/O (a write without room for its
+        bytes) as done with its error: an asynchronous one is reported at ``wait()``."""
+        with deferred_interrupts(), self.cond:
+            op.started = True
+            op.is_async = is_async
+            if is_async and for_wait:
+                op.starter = threading.get_ident()
+                self.async_ops.append(op)
+        self.abandon(op)
 
     def abandon(self, op):
         """Give back what an operation that never started holds."""

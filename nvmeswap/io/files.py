@@ -64,8 +64,14 @@ class TargetFile:
         On ext4 and XFS a direct write that extends a file allocates blocks and moves the
         file size request by request; allocating the whole extension first makes a write
         into a fresh file nearly as fast as an overwrite (bench/studies/preallocation.py). A full
-        disk is then reported before any byte is written. A filesystem without
-        fallocate(2) just writes as it would have.
+        disk (or a quota, or the file-size limit) is then found before any byte is
+        written: raised here, it becomes the write's error, reported where an I/O error
+        would be (``wait()`` for an asynchronous write), and the write's end cuts the file
+        back to its size, which gives its blocks back. A filesystem without fallocate(2)
+        just writes as it would have.
+
+        A failed write's growth is undone through the descriptor the write holds, never
+        by path: a file renamed over or recreated meanwhile is someone else's.
         """
         if end <= self.size_before or not stat.S_ISREG(os.fstat(self.direct_fd).st_mode):
             return
@@ -73,28 +79,41 @@ class TargetFile:
         try:
             preallocate(self.direct_fd, self.size_before, length)
         except OSError as error:    # any other errno: it writes as it would have
-            if error.errno == errno.ENOSPC:
-                raise os_error(errno.ENOSPC, self.name, f"cannot allocate {length} bytes at "
-                                                        f"offset {self.size_before}") from None
+            if error.errno in NO_ROOM:
+                raise os_error(error.errno, self.name, f"cannot allocate {length} bytes at "
+                                                       f"offset {self.size_before}"
+                                                       f"{NO_ROOM[error.errno]}") from None
 
     def undo_growth(self, end):
         """After a failed write that would have ended at ``end``: cut the file back to
-        where it was, so that it cannot look complete, unless something else has grown it
-        beyond this write since.
-        """
+        where it was, so that it cannot look complete and its blocks go back to the
+        filesystem, unless something else has grown it beyond this write since."""
+        if self.direct_fd < 0:
+            return
         try:
-            if self.size_before < os.stat(self.path).st_size <= end:
-                os.truncate(self.path, self.size_before)
+            if self.size_before <= os.fstat(self.direct_fd).st_size <= end:
+                os.ftruncate(self.direct_fd, self.size_before)
         except OSError:
             pass
 
-    def close(self):
-        """Close our descriptors (idempotent); the workers hold their own copies."""
-        if self.direct_fd >= 0:
-            os.close(self.direct_fd)
+    def close(self, keep_for_undo=False):
+        """Close our descriptors (idempotent); the workers hold their own copies. With
+        ``keep_for_undo``, a write keeps one until it ends, for ``undo_growth``."""
         if self.buffered_fd >= 0:
             os.close(self.buffered_fd)
-        self.direct_fd = self.buffered_fd = -1
+            self.buffered_fd = -1
+        if self.direct_fd >= 0 and not keep_for_undo:
+            os.close(self.direct_fd)
+            self.direct_fd = -1
+
+
+#: The errnos that say a write cannot have its space, and what to change.
+NO_ROOM = {
+    errno.ENOSPC: "",
+    errno.EDQUOT: " (the disk quota is used up)",
+    errno.EFBIG: " (beyond the file-size limit: `ulimit -f`, RLIMIT_FSIZE, or the "
+                 "filesystem's largest file)",
+}
 
 
 def open_target(target, *, for_write, offset, nbytes, o_direct):

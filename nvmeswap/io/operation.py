@@ -7,7 +7,7 @@ import threading
 
 from ..errors import error_from_code, os_error, short_file_error
 from .buffers import IoBuffer, io_buffer
-from .files import open_target
+from .files import NO_ROOM, open_target
 from .process_state import shared
 
 MAX_FILE_END = (1 << 63) - 1
@@ -199,6 +199,12 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
     if not is_read and buf.nbytes >= preallocate_min:
         try:
             file.preallocate(file_offset + buf.nbytes)
+        except OSError as error:
+            if error.errno not in NO_ROOM:
+                writes().end(op)
+                file.close()
+                raise
+            op.error = error    # the write's failure, reported where its I/O would be
         except BaseException:
             writes().end(op)
             file.close()

@@ -295,6 +295,9 @@ class Scheduler:
                 op = open_operation(next(self._op_ids), buffer, target, file_offset,
                                     is_read=is_read, validate=validate, o_direct=self._o_direct,
                                     preallocate_min=self.limits.preallocate_min)
+            if op.error is not None:    # no room for the write: it ends here, its error
+                self.books.book_failure(op, is_async, for_wait)     # where I/O's would be
+                return op
             self._start(op, is_async, for_wait)
         except BaseException:
             if op is not None and not op.started:
