@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import random_bytes
 
@@ -213,3 +214,27 @@ def test_a_failed_write_never_cuts_a_file_that_replaced_its_own(handle_factory, 
         h.wait()
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
     assert path.read_bytes() == replacement
+
+
+# -- the swapper's folders ----------------------------------------------------------------
+@pytest.mark.parametrize("async_op", [True, False], ids=["async", "sync"])
+def test_the_swapper_makes_its_folders_again_when_a_clean_up_removed_them(tmp_path, async_op):
+    import torch
+
+    from nvmeswap.training import TensorSwapper
+    folder = tmp_path / "swap"
+    with TensorSwapper(folder, pack_below=64 * KiB, intra_op_parallelism=1) as swapper:
+        big = torch.from_numpy(np.frombuffer(random_bytes(3 * MiB, seed=7), np.uint8).copy())
+        small = torch.arange(1000, dtype=torch.float32)
+        swapper.swap_out("before", big, async_op=async_op)
+        swapper.synchronize_writes()
+        shutil.rmtree(folder)               # a clean-up job
+        swapper.swap_out("big", big, async_op=async_op)
+        swapper.swap_out("small", small, async_op=async_op)
+        swapper.synchronize_writes()
+        assert torch.equal(swapper.swap_in("big", async_op=False), big)
+        assert torch.equal(swapper.swap_in("small", async_op=False), small)
+        # What the clean-up removed is gone, and reading it says which file.
+        with pytest.raises(FileNotFoundError) as info:
+            swapper.swap_in("before", async_op=False)
+        assert info.value.filename == swapper._entries["before"].path

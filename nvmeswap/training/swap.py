@@ -55,7 +55,9 @@ class TensorSwapper:
     folder : str or os.PathLike
         Where the swap files go; created if missing. The swapper makes a sub-folder of
         its own there (``directory``), so several swappers (or optimizers, or ranks) may
-        share one folder. ``close()`` deletes that sub-folder and everything in it.
+        share one folder. ``close()`` deletes that sub-folder and everything in it. If a
+        clean-up job removes them, the next write makes them again (what was removed is
+        gone: reading it raises ``FileNotFoundError`` naming the file).
     read_handle, write_handle : aio_handle, optional
         The handles to use; by default two of its own (``**handle_args``) that share
         their locked memory, so reads are never queued behind writes and tensors from
@@ -163,16 +165,27 @@ class TensorSwapper:
         try:
             if async_op:
                 entry.state, entry.tensor = SwapState.WRITING, flat
-                self.write_handle.async_pwrite(flat, entry.path)
+                self._in_directory(self.write_handle.async_pwrite, flat, entry.path)
                 self._writing.append(key)
             else:
-                self.write_handle.sync_pwrite(flat, entry.path)
+                self._in_directory(self.write_handle.sync_pwrite, flat, entry.path)
                 entry.state = SwapState.ON_DISK
         except BaseException as error:
             if async_op:
                 self._uncertain_writes += 1
             _fail(entry, f"writing {entry.path} failed: {error}")
             raise
+
+    def _in_directory(self, write, *args):
+        """Start ``write(*args)``; if the swapper's folder is gone (a clean-up job removed
+        it), make it again and start it once more: a refused open started nothing."""
+        try:
+            return write(*args)
+        except FileNotFoundError:
+            if os.path.isdir(self.directory):
+                raise
+        os.makedirs(self.directory, exist_ok=True)
+        return write(*args)
 
     def swap_in(self, key: Hashable, out: Any = None, async_op: bool = True) -> Any:
         """Read ``key`` into ``out`` (or a new tensor of its shape and dtype) and return it;
@@ -236,7 +249,7 @@ class TensorSwapper:
         uncertain, self._uncertain_writes = self._uncertain_writes, 0
         try:
             started = len(keys) - len(self._pack.batched) + \
-                self._pack.write_batches(self.write_handle, self._entries)
+                self._in_directory(self._pack.write_batches, self.write_handle, self._entries)
         except BaseException:
             uncertain += 1
             started = -1

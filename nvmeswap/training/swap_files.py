@@ -63,7 +63,6 @@ class PackFile:
         ``entries[key].tensor``), one per run of adjacent slots; return how many."""
         import torch
         keys = sorted(self.batched, key=lambda k: self._slots[k][0])
-        self.batched = []
         runs = []
         for key in keys:
             offset, capacity = self._slots[key]
@@ -79,4 +78,5 @@ class PackFile:
                 staging[offset - start:offset - start + flat.numel()] = flat
             self.buffers.append(staging)
             handle.async_pwrite(staging, self.path, start)
+        self.batched = []
         return len(runs)
