@@ -10,9 +10,11 @@ from _typeshed import ReadableBuffer
 
 class Mapping:
     """A read-write MAP_SHARED mapping of ``size`` bytes at ``offset`` of a descriptor;
-    a buffer, alive while anything made from it is."""
+    a buffer, alive while anything made from it is. With ``private_after_fork``, a
+    forked child's copy is copy-on-write (Note [locked memory across fork])."""
 
-    def __init__(self, fd: int, size: int, offset: int = 0) -> None: ...
+    def __init__(self, fd: int, size: int, offset: int = 0,
+                 private_after_fork: bool = False) -> None: ...
     @property
     def address(self) -> int: ...
     @property

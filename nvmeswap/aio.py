@@ -342,6 +342,7 @@ class aio_handle:
     def is_pinned(self, buffer: Any) -> bool:
         """True for tensors (and views of them) in the process's locked memory, and, as
         in DeepNVMe, for tensors torch has pinned."""
+        self._scheduler.check_usable()
         return is_locked(self._placement.locked, buffer)
 
     # -- lifetime ------------------------------------------------------------------------

@@ -10,12 +10,15 @@ from cpython.buffer cimport (
 )
 from libc.errno cimport errno, EINVAL, ENOSYS
 from libc.string cimport memcpy, memcmp
+import os
+import weakref
 
 from _check cimport errno_error
 from posix.types cimport off_t
 
 from includes.mman cimport (
-    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE,
+    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED,
+    PROT_READ, PROT_WRITE,
     FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, nvmeswap_mlock_on_fault,
 )
 
@@ -27,26 +30,47 @@ cdef class Mapping:
     The mapping lives until this object is garbage: tensors and arrays made from it
     hold a reference, so freeing a locked tensor never leaves one pointing at nothing.
     Weak-referenceable, so that the owner of the file's range learns when it is gone.
+
+    Note [locked memory across fork]: other memory is copy-on-write across fork(), but a
+    shared mapping stays shared, so a forked child (a DataLoader worker, say) writing
+    into its copy of a locked tensor would change its parent's tensor, and the file the
+    parent writes from it. With ``private_after_fork`` (the caller keeps ``fd`` open as
+    long as the mapping lives), a forked child maps the same range of the file privately
+    at the same address: the child's writes stay in the child, and nothing is copied
+    until it writes. Unlike ordinary fork memory, a page the child has not written still
+    shows what the parent writes there later.
     """
     cdef char *base
     cdef readonly size_t size
     cdef readonly bint locked
+    cdef int fd
+    cdef off_t offset
     cdef object __weakref__
 
-    def __cinit__(self, int fd, size_t size, off_t offset=0):
+    def __cinit__(self, int fd, size_t size, off_t offset=0, bint private_after_fork=False):
         self.base = NULL
         self.size = size
         self.locked = False
+        self.fd = fd
+        self.offset = offset
         cdef void *p
         with nogil:
             p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
         if p == MAP_FAILED:
             raise errno_error(errno, "mmap")
         self.base = <char *>p
+        if private_after_fork:
+            _private_after_fork.add(self)
 
     def __dealloc__(self):
         if self.base != NULL:
             munmap(self.base, self.size)
+
+    cdef void _make_private(self) noexcept nogil:
+        # Same address, same bytes, now copy-on-write; on failure it stays shared.
+        mmap(self.base, self.size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, self.fd,
+             self.offset)
+        self.locked = False     # page locks are not inherited
 
     @property
     def address(self):
@@ -70,6 +94,19 @@ cdef class Mapping:
 
     def __releasebuffer__(self, Py_buffer *view):
         pass
+
+
+_private_after_fork = weakref.WeakSet()
+
+
+def _privatize_in_child():
+    """Note [locked memory across fork]."""
+    cdef Mapping mapping
+    for mapping in list(_private_after_fork):
+        mapping._make_private()
+
+
+os.register_at_fork(after_in_child=_privatize_in_child)
 
 
 def punch_hole(int fd, off_t offset, off_t length):

@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -12,7 +13,10 @@ import numpy as np
 import pytest
 from conftest import random_bytes
 
+import nvmeswap
+
 KiB, MiB = 1 << 10, 1 << 20
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 
 
 def _worker_pids(h):
@@ -238,3 +242,76 @@ def test_the_swapper_makes_its_folders_again_when_a_clean_up_removed_them(tmp_pa
         with pytest.raises(FileNotFoundError) as info:
             swapper.swap_in("before", async_op=False)
         assert info.value.filename == swapper._entries["before"].path
+
+
+# -- fork --------------------------------------------------------------------------------
+_FORK_CHILD = r"""
+import os, sys, threading
+import numpy as np, torch, nvmeswap
+from nvmeswap.io.process_state import shared
+from nvmeswap.io.regions import Arenas
+
+folder = sys.argv[1]
+h = nvmeswap.aio_handle(intra_op_parallelism=2)
+locked = h.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
+locked.numpy()[:] = 7
+# Every lock the handle and the process's shared state have, held by a thread while the
+# process forks: in the child that thread does not exist and they stay held for ever.
+locked_memory = h._placement.locked.memory
+locks = [h._scheduler._cond, locked_memory._lock, locked_memory.table._lock,
+         shared(Arenas)._lock]
+held, release = threading.Event(), threading.Event()
+def hold():
+    for lock in locks:
+        lock.acquire()
+    held.set()
+    release.wait()
+    for lock in reversed(locks):
+        lock.release()
+holder = threading.Thread(target=hold)
+holder.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    for name, call in [("sync_pwrite", lambda: h.sync_pwrite(locked, folder + "/child")),
+                       ("async_pread", lambda: h.async_pread(locked, folder + "/parent")),
+                       ("wait", h.wait), ("is_pinned", lambda: h.is_pinned(locked)),
+                       ("new_cpu_locked_tensor",
+                        lambda: h.new_cpu_locked_tensor(10, torch.empty(0)))]:
+        try:
+            call()
+            print(name, "went through", flush=True)
+        except RuntimeError as error:
+            print(name, "refused:", error, flush=True)
+    locked.numpy()[:] = 9           # the child's copy
+    assert (locked.numpy() == 9).all()
+    h.close()
+    print("child closed", flush=True)
+    sys.exit(0)                     # atexit and finalizers run: they must not hang
+release.set()
+holder.join()
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+assert (locked.numpy() == 7).all(), "the child's writes reached the parent"
+h.sync_pwrite(locked, folder + "/parent")
+h.close()
+with open(folder + "/parent", "rb") as f:
+    print("parent file", set(f.read()), flush=True)
+"""
+
+
+def test_a_forked_child_is_refused_the_handle_and_its_locked_tensors_are_its_own(tmp_path):
+    """fork() while another thread holds every lock of the handle: the child's use of
+    the inherited handle raises naming the parent, its close() and exit return, and its
+    writes into a locked tensor stay in the child (they used to reach the parent's
+    tensor, and the file the parent wrote from it)."""
+    result = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(tmp_path)],
+                            capture_output=True, text=True, timeout=60, check=False,
+                            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    refused = [line for line in lines if "refused: this nvmeswap handle belongs to process" in line]
+    assert len(refused) == 5, lines
+    assert "child closed" in lines and "child exit 0" in lines
+    assert lines[-1] == "parent file {7}"
+    assert not (tmp_path / "child").exists()

@@ -118,7 +118,8 @@ class Arenas:
             self._settle_locked()
             arena, offset = self._carve_locked(size, arena_bytes)
         try:
-            mapping = Mapping(arena.fd, size, offset)
+            # The arena's descriptor stays open while the mapping lives.
+            mapping = Mapping(arena.fd, size, offset, private_after_fork=True)
         except BaseException:
             self._returned.append((arena, offset, size))
             self._settle()

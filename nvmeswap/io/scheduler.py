@@ -199,10 +199,13 @@ class Scheduler:
         interrupted, the workers are killed and unfinished writes undone. Never from a
         forked child.
         """
+        if os.getpid() != self.creator_pid:
+            # A forked child: its copy of the lock may have been held by a thread that
+            # does not exist here; nothing of the handle is the child's to touch.
+            self.closed = True
+            return
         with deferred_interrupts(), self._cond:
             self.closed = True      # no operation starts from now on
-        if os.getpid() != self.creator_pid:
-            return
         try:
             if self.books.ops and self.books.pumping_thread != threading.get_ident():
                 self.books.wait_until(lambda: not self.books.ops)

@@ -7,6 +7,8 @@ cdef extern from "<sys/mman.h>" nogil:
         PROT_READ
         PROT_WRITE
         MAP_SHARED
+        MAP_PRIVATE
+        MAP_FIXED
     void *MAP_FAILED
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)
     int munmap(void *addr, size_t length)
