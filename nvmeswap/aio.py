@@ -266,12 +266,14 @@ class aio_handle:
         ``failed_operations`` attribute (and, on Python 3.11+, its note) says how many.
 
         Threads: a handle may be used from several threads at once. A thread's
-        ``wait()`` waits for the asynchronous operations that thread started and counts
-        them, whatever other threads do; operations of a thread that has ended are
-        counted by the next ``wait()`` of any thread. A thread that started none waits
-        for every operation in flight and returns 0 (so an operation handed to another
-        thread to wait for is complete when its ``wait()`` returns). A ``wait()``
-        interrupted by Ctrl-C counts nothing; the next one counts what it had taken.
+        ``wait()`` returns only once every asynchronous operation that thread started
+        is complete, whatever other threads do, and counts them (and raises their
+        failures); those of a thread that has ended are counted by the next ``wait()`` of
+        any thread. A thread that started none takes everyone's: an operation handed to
+        another thread is counted, and its failure raised, by that thread's ``wait()``
+        (the starting thread's ``wait()`` still waits for it, and counts it no more).
+        A ``wait()`` interrupted by Ctrl-C counts nothing; the next one counts what it
+        had taken.
         """
         self._scheduler.check_usable()
         return self._scheduler.collect()

@@ -68,13 +68,21 @@ class Books:
 
     def take_for_wait(self, thread):
         """The asynchronous operations ``thread``'s ``wait()`` counts: those it started,
-        and those of threads that have ended (nobody else will count them)."""
+        and those of threads that have ended (nobody else will count them); if there are
+        none, everyone's (a thread that waits for operations handed to it)."""
         alive = {other.ident for other in threading.enumerate()}
         taken, left = [], []
         for op in self.async_ops:
             (taken if op.starter == thread or op.starter not in alive else left).append(op)
+        if not taken:
+            taken, left = left, []
         self.async_ops = left
         return taken
+
+    def in_flight_for(self, thread):
+        """Whether an asynchronous operation ``thread`` started is still in flight,
+        whoever's ``wait()`` took it."""
+        return any(op.starter == thread for op in self.ops.values())
 
     def _go(self, op):
         if op.staged is None:

@@ -141,26 +141,24 @@ class Scheduler:
         """Wait for the operations the calling thread started; return how many, or raise
         the first failure.
 
-        Each operation is counted once, by its own thread's ``collect()`` (or by any
-        thread's, once its thread has ended). A thread with none to count waits for
-        everyone's operations in flight and counts none of them: an operation handed to
-        another thread to wait for is complete when that thread's ``wait()`` returns.
-        An interrupted wait gives its operations back, for the next ``collect()`` to count.
+        Each operation is counted once: by its own thread's ``collect()``, or, once its
+        thread has ended, by any thread's. A thread that started none takes everyone's
+        (an operation handed to another thread to wait for: that thread's ``wait()``
+        counts it and raises its failure). A thread's ``collect()`` never returns while an
+        operation it started is in flight, whoever took it. An interrupted wait gives its
+        operations back, for the next ``collect()`` to count.
         """
+        me = threading.get_ident()
         with deferred_interrupts(), self._cond:
-            ops = self.books.take_for_wait(threading.get_ident())
-            if not ops:
-                others = [op for op in self.books.ops.values() if op.starter is not None]
-        if not ops:
-            if others:
-                self.books.wait_until(functools.partial(_all_done, others))
-            return 0
+            ops = self.books.take_for_wait(me)
         try:
-            self.books.wait_until(functools.partial(_all_done, ops))
+            self.books.wait_until(lambda: _all_done(ops) and not self.books.in_flight_for(me))
         except BaseException:
             with deferred_interrupts(), self._cond:
                 self.books.async_ops[:0] = ops
             raise
+        if not ops:
+            return 0
         count = sum(op.count for op in ops)     # a batch counts its requests
         failed = [op for op in ops if op.error is not None]
         if not failed:
