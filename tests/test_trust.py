@@ -39,20 +39,25 @@ def _until(condition, timeout=30.0):
 
 
 # -- threads ---------------------------------------------------------------------------
-def test_a_threads_wait_is_not_emptied_by_another_threads_wait(handle_factory, tmp_path):
-    """Thread A starts a write; the main thread's wait() runs meanwhile; A's own wait()
-    must still wait for A's write and count it (it used to return 0 at once, the write
-    unfinished, because the other wait() had taken it)."""
+def test_a_threads_wait_counts_its_own_whatever_another_threads_wait_does(handle_factory,
+                                                                          tmp_path):
+    """Thread A's write is held up (the workers stopped); the main thread's wait() for
+    its own small write returns with its own only, and A's wait() still waits for A's
+    write and counts it (another thread's wait() used to take it, and A's returned 0
+    at once, the write unfinished)."""
+    import torch
     h = handle_factory(intra_op_parallelism=2)
     data = bytearray(random_bytes(8 * MiB, seed=3))
+    small = h.new_cpu_locked_tensor(4 * KiB, torch.empty(0, dtype=torch.uint8))
+    small.copy_(torch.frombuffer(bytearray(random_bytes(4 * KiB, seed=4)), dtype=torch.uint8))
     path = tmp_path / "a"
-    submitted, others_waiting = threading.Event(), threading.Event()
+    submitted, go = threading.Event(), threading.Event()
     seen = {}
 
     def thread_a():
         h.async_pwrite(data, path)
         submitted.set()
-        others_waiting.wait()
+        go.wait()
         seen["count"] = h.wait()
         seen["content"] = path.read_bytes()
 
@@ -62,19 +67,60 @@ def test_a_threads_wait_is_not_emptied_by_another_threads_wait(handle_factory, t
         a = threading.Thread(target=thread_a)
         a.start()
         assert submitted.wait(30)
-        counted_by_main = []
-        main_wait = threading.Thread(target=lambda: counted_by_main.append(h.wait()))
-        main_wait.start()
-        _until(lambda: h._scheduler.books.pumping_thread is not None)
-        others_waiting.set()
+        h.async_pwrite(small, tmp_path / "main")    # the caller queue's: no worker needed
+        # This thread's wait(): its own write alone, though A's is held up. (Were it to
+        # take A's too, it would block: the timer lets the workers go on after a while.)
+        rescue = threading.Timer(20, _signal_all, args=(pids, signal.SIGCONT))
+        rescue.start()
+        try:
+            assert h.wait() == 1, "a wait() took another thread's operation"
+        finally:
+            rescue.cancel()
+        assert (tmp_path / "main").read_bytes() == small.numpy().tobytes()
+        go.set()
         a.join(0.5)
         assert a.is_alive(), "A's wait() returned while its write was held up"
     finally:
         _signal_all(pids, signal.SIGCONT)
     a.join(60)
-    main_wait.join(60)
     assert seen["count"] == 1 and seen["content"] == data
-    assert counted_by_main == [0]
+
+
+def test_a_thread_that_started_none_waits_for_and_counts_what_others_handed_it(
+        handle_factory, tmp_path):
+    """The handing-over pattern: thread S starts a write, a helper thread that started
+    none waits: the helper counts it; S's own wait() still waits for it (it never
+    returns early) and counts it no more."""
+    h = handle_factory(intra_op_parallelism=2)
+    data = bytearray(random_bytes(8 * MiB, seed=6))
+    path = tmp_path / "handed"
+    submitted, go = threading.Event(), threading.Event()
+    seen, counted = {}, []
+
+    def starter():
+        h.async_pwrite(data, path)
+        submitted.set()
+        go.wait()
+        seen["count"] = h.wait()
+        seen["content"] = path.read_bytes()
+
+    pids = _worker_pids(h)
+    _signal_all(pids, signal.SIGSTOP)
+    try:
+        s = threading.Thread(target=starter)
+        s.start()
+        assert submitted.wait(30)
+        helper = threading.Thread(target=lambda: counted.append(h.wait()))
+        helper.start()
+        _until(lambda: not h._scheduler.books.async_ops)     # the helper took it
+        go.set()
+        s.join(0.5)
+        assert s.is_alive(), "the starter's wait() returned while its write was held up"
+    finally:
+        _signal_all(pids, signal.SIGCONT)
+    s.join(60)
+    helper.join(60)
+    assert seen == {"count": 0, "content": data} and counted == [1]
 
 
 def test_eight_threads_each_wait_for_their_own_reads(handle_factory, tmp_path):
@@ -315,3 +361,107 @@ def test_a_forked_child_is_refused_the_handle_and_its_locked_tensors_are_its_own
     assert "child closed" in lines and "child exit 0" in lines
     assert lines[-1] == "parent file {7}"
     assert not (tmp_path / "child").exists()
+
+
+# -- resource limits ---------------------------------------------------------------------
+_FILE_SIZE_LIMITED = r"""
+import errno, os, resource, sys
+import torch, nvmeswap
+folder, limit = sys.argv[1], int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+h = nvmeswap.aio_handle(intra_op_parallelism=2)
+data = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)
+h.sync_pwrite(data, folder + "/plain")              # staged: the staging space fits
+back = torch.zeros_like(data)
+h.sync_pread(back, folder + "/plain")
+print("plain", torch.equal(back, data))
+locked = h.new_cpu_locked_tensor(4 << 20, torch.empty(0, dtype=torch.uint8))
+locked[:3 << 20] = data
+h.async_pwrite(locked, folder + "/locked")          # an arena that fits the limit
+print("locked", h.wait(), open(folder + "/locked", "rb").read()[:3 << 20] == data.numpy().tobytes())
+
+def attempt(label, call, name=None):
+    try:
+        call()
+        print(label, "went through")
+    except OSError as error:
+        print(label, errno.errorcode[error.errno], error.filename == name, "limit" in str(error))
+
+with open(folder + "/big", "wb") as f:
+    f.write(b"x" * 4096)
+big = torch.ones(limit + (8 << 20), dtype=torch.uint8)
+attempt("sync big", lambda: h.sync_pwrite(big, folder + "/big"), folder + "/big")
+h.async_pwrite(big, folder + "/big")
+print("async call returned")
+attempt("async big", h.wait, folder + "/big")
+print("big size", os.path.getsize(folder + "/big"))
+with open(folder + "/edge", "wb") as f:
+    f.write(b"y" * (limit - (100 << 10)))
+attempt("edge", lambda: h.sync_pwrite(data[:512 << 10], folder + "/edge", limit - (100 << 10)),
+        folder + "/edge")
+print("edge size", os.path.getsize(folder + "/edge") - limit)
+try:
+    h.new_cpu_locked_tensor(2 * limit, torch.empty(0, dtype=torch.uint8))
+except OSError as error:
+    print("huge locked", errno.errorcode[error.errno], "RLIMIT_FSIZE" in str(error))
+h.close()
+"""
+
+
+def test_a_file_size_limit_leaves_transfers_below_it_working(tmp_path):
+    """Under `ulimit -f` (16 MiB here) the handle's own shared memory fits the limit
+    (it used to be sized past it: every transfer failed with a bare EFBIG); a write that
+    crosses the limit fails with EFBIG naming the file (at wait() if async), and the
+    file keeps its length; a locked tensor larger than the limit says which limit."""
+    limit = 16 * MiB
+    result = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, str(tmp_path), str(limit)],
+                            capture_output=True, text=True, timeout=120, check=False,
+                            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "plain True", "locked 1 True",
+        "sync big EFBIG True True", "async call returned", "async big EFBIG True True",
+        "big size 4096",
+        "edge EFBIG True True", f"edge size {-(100 << 10)}",
+        "huge locked EFBIG True"]
+
+
+def _unprivileged_python():
+    """A command that runs this Python as an unprivileged user, or None. (The process
+    limit does not bind root: the kernel exempts it.)"""
+    if os.geteuid() != 0:
+        return [sys.executable]
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    for python in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
+        command = [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python]
+        probe = subprocess.run([*command, "-c", "import nvmeswap"], capture_output=True,
+                               check=False, cwd="/", env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+        if probe.returncode == 0:
+            return command
+    return None
+
+
+_PROCESS_LIMITED = r"""
+import errno, os, resource
+resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
+import nvmeswap
+try:
+    nvmeswap.aio_handle(intra_op_parallelism=2)
+except OSError as error:
+    print(errno.errorcode[error.errno], error)
+"""
+
+
+def test_too_few_processes_allowed_says_so_and_what_to_change():
+    command = _unprivileged_python()
+    if command is None:
+        pytest.skip("no unprivileged user can run this Python and import nvmeswap")
+    result = subprocess.run([*command, "-c", _PROCESS_LIMITED], capture_output=True, text=True,
+                            timeout=60, check=False, cwd="/",
+                            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("EAGAIN "), result.stdout
+    assert "cannot start nvmeswap's I/O worker processes" in result.stdout
+    assert "RLIMIT_NPROC: 1" in result.stdout and "ulimit -u" in result.stdout

@@ -110,9 +110,9 @@ class TargetFile:
 #: The errnos that say a write cannot have its space, and what to change.
 NO_ROOM = {
     errno.ENOSPC: "",
-    errno.EDQUOT: " (the disk quota is used up)",
-    errno.EFBIG: " (beyond the file-size limit: `ulimit -f`, RLIMIT_FSIZE, or the "
-                 "filesystem's largest file)",
+    errno.EDQUOT: "; the disk quota is used up",
+    errno.EFBIG: "; beyond the file-size limit (`ulimit -f`, RLIMIT_FSIZE) or the "
+                 "filesystem's largest file",
 }
 
 

@@ -87,6 +87,10 @@ class Operation:
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
             where += (f"; descriptors in flight to the workers ran out under RLIMIT_NOFILE "
                       f"{soft}: raise it with `ulimit -n`")
+        if not err and not self.is_read and _past_file_size_limit(at_offset + requested):
+            err = errno.EFBIG   # the kernel writes up to the limit, then refuses
+        if err in NO_ROOM:
+            where += NO_ROOM[err]
         if err:
             return error_from_code(err, self.file.name,
                                    f"{'read' if self.is_read else 'write'} of {where}")
@@ -102,6 +106,11 @@ class Operation:
         """
         return RuntimeError(f"copying the {self.describe()} through host memory failed: "
                             f"{type(error).__name__}: {error}")
+
+
+def _past_file_size_limit(end):
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return soft != resource.RLIM_INFINITY and end > soft
 
 
 class ConcurrentWrites:

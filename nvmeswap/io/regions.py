@@ -77,10 +77,23 @@ class Arena:
         self.fd = _memfd_create()
         try:
             os.ftruncate(self.fd, nbytes)
-        except BaseException:
+        except BaseException as error:
             os.close(self.fd)
+            if isinstance(error, OSError) and error.errno == errno.EFBIG:
+                raise OSError(errno.EFBIG, f"cannot make {nbytes} bytes of shared memory: "
+                              "it is a memfd file, and the file-size limit (`ulimit -f`, "
+                              f"RLIMIT_FSIZE) is {file_size_limit()} bytes; raise the limit "
+                              "or use smaller locked tensors") from None
             raise
         self.extents = Extents(nbytes, PAGE)
+
+
+def file_size_limit():
+    """The file-size limit in bytes (None: no limit). A memfd is a file too: batch
+    schedulers' ``ulimit -f`` limits the shared memory an arena or staging space can be,
+    so both are made no larger than it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _memfd_create():
@@ -141,6 +154,9 @@ class Arenas:
             offset = arena.extents.take(size)
             if offset is not None:
                 return arena, offset
+        limit = file_size_limit()
+        if limit is not None:
+            arena_bytes = min(arena_bytes, limit // PAGE * PAGE)
         arena = Arena(max(size, arena_bytes))
         self._arenas.append(arena)
         return arena, arena.extents.take(size)

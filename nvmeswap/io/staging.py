@@ -4,7 +4,7 @@ lent out piece by piece, and the host copier that fills and empties it.
 from .._memory import copy_memory
 from ..units import round_up
 from .chunks import chunk_bounds
-from .regions import Extents, SharedRegion
+from .regions import Extents, SharedRegion, file_size_limit
 
 
 class StagingSpace:
@@ -24,7 +24,11 @@ class StagingSpace:
 
     def __init__(self, limits, parallelism, alignment):
         self.limits = limits
-        self.nbytes = round_up(max(limits.staging_bytes, 8 * alignment), alignment)
+        nbytes = limits.staging_bytes
+        file_limit = file_size_limit()
+        if file_limit is not None:      # the space is a memfd file: it must fit the limit
+            nbytes = min(nbytes, file_limit // alignment * alignment)
+        self.nbytes = round_up(max(nbytes, 8 * alignment), alignment)
         # Enough pieces in flight for every worker and one being copied, at least four.
         self.piece = max(alignment, (self.nbytes // max(4, 2 * parallelism)) // alignment
                          * alignment - 2 * alignment)

@@ -1,5 +1,7 @@
 """The worker processes of one handle: start, talk to, watch, and stop them."""
+import errno
 import os
+import resource
 import select
 import signal
 import socket
@@ -24,7 +26,10 @@ class Worker:
     """
 
     def __init__(self, engine_settings):
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as error:
+            raise start_error(error) from None
         # Ctrl-C goes to the whole process group: the worker starts with SIGINT blocked
         # and ignores it before unblocking, so a Ctrl-C at start-up cannot kill it; ours
         # waits until Popen has returned (Note [deferred interrupts]).
@@ -35,8 +40,10 @@ class Worker:
                        str(os.getpid()), *engine_settings.to_argv()]
             self.process = subprocess.Popen(command, pass_fds=[child_end.fileno()],
                                             stdin=subprocess.DEVNULL)
-        except BaseException:
+        except BaseException as error:
             parent_end.close()
+            if isinstance(error, OSError):
+                raise start_error(error) from None
             raise
         finally:
             child_end.close()
@@ -44,10 +51,12 @@ class Worker:
         self.sock = parent_end
         try:
             self.pidfd = os.pidfd_open(self.process.pid)
-        except BaseException:
+        except BaseException as error:
             self.process.kill()
             self.process.wait()
             parent_end.close()
+            if isinstance(error, OSError):
+                raise start_error(error) from None
             raise
         self.mapped = set()
 
@@ -62,6 +71,28 @@ class Worker:
         self.sock.close()
         os.close(self.pidfd)
         self.process.wait()
+
+
+def start_error(error):
+    """``error`` (from starting a worker) as an OSError that says which resource ran out
+    and what to change."""
+    err = error.errno
+    if err == errno.EAGAIN:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else soft
+        detail = (f"the process limit is reached (`ulimit -u`, RLIMIT_NPROC: {limit}; or a "
+                  "cgroup's pids.max, or kernel.threads-max); raise it, or give the handle a "
+                  "smaller intra_op_parallelism")
+    elif err == errno.ENOMEM:
+        detail = ("not enough memory to start a process (a cgroup's memory.max, or "
+                  "vm.overcommit_memory); free memory or raise the limit")
+    elif err in (errno.EMFILE, errno.ENFILE):
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        detail = (f"too many open files (RLIMIT_NOFILE: {soft}); raise the limit with "
+                  "`ulimit -n` or close some files")
+    else:
+        detail = str(error.strerror)
+    return os_error(err, error.filename, f"cannot start nvmeswap's I/O worker processes: {detail}")
 
 
 class WorkerPool:
@@ -99,7 +130,10 @@ class WorkerPool:
                                  f"(exit status {worker.process.poll()})")
             err = protocol.unpack_response(data).err
             if err and self._engine == "uring":
-                raise os_error(err, None, "io_uring_setup failed in a worker process")
+                raise os_error(err, None, "io_uring_setup failed in a worker process: "
+                               "io_uring is refused here (kernel.io_uring_disabled, a seccomp "
+                               "profile) or out of locked memory (`ulimit -l`); use "
+                               "engine='aio' or 'auto'")
             if err:
                 raise os_error(err, "/proc/sys/fs/aio-max-nr",
                                "io_setup failed: too many kernel AIO contexts are in use; raise "
