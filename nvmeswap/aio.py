@@ -273,7 +273,9 @@ class aio_handle:
         another thread is counted, and its failure raised, by that thread's ``wait()``
         (the starting thread's ``wait()`` still waits for it, and counts it no more).
         A ``wait()`` interrupted by Ctrl-C counts nothing; the next one counts what it
-        had taken.
+        had taken. A synchronous call interrupted by Ctrl-C leaves its operation running:
+        the thread's next ``wait()`` waits for it too (without counting it), after which
+        its buffer is the caller's again.
         """
         self._scheduler.check_usable()
         return self._scheduler.collect()

@@ -242,6 +242,32 @@ def test_a_write_the_full_disk_refuses_leaves_the_file_and_the_free_space_as_the
     assert path.read_bytes() == head + data[:64 * KiB]
 
 
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_refused_write_lets_its_buffer_go_without_the_garbage_collector(
+        handle_factory, ext4, is_async):
+    """The refusal's error must not tie the operation (and the caller's buffer, locked
+    memory perhaps) into a reference cycle: it held the buffer until a collection."""
+    import gc
+    import weakref
+    h = handle_factory()
+    _fill(ext4, 200 * KiB)
+    data = np.frombuffer(random_bytes(8 * MiB, seed=9), np.uint8).copy()
+    alive = weakref.ref(data)
+    gc.disable()
+    try:
+        with pytest.raises(OSError) as info:
+            if is_async:
+                h.async_pwrite(data, ext4 / "target")
+                h.wait()
+            else:
+                h.sync_pwrite(data, ext4 / "target")
+        assert info.value.errno == errno.ENOSPC
+        del info, data
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 def test_a_failed_write_never_cuts_a_file_that_replaced_its_own(handle_factory, ext4):
     """The file is renamed over while a write to it is in flight and failing: the
     failure cleans up the file it wrote (gone with the rename), never the new one at its
@@ -465,3 +491,35 @@ def test_too_few_processes_allowed_says_so_and_what_to_change():
     assert result.stdout.startswith("EAGAIN "), result.stdout
     assert "cannot start nvmeswap's I/O worker processes" in result.stdout
     assert "RLIMIT_NPROC: 1" in result.stdout and "ulimit -u" in result.stdout
+
+
+# -- Ctrl-C --------------------------------------------------------------------------------
+def test_wait_waits_for_a_synchronous_read_that_ctrl_c_interrupted(handle_factory, tmp_path):
+    """An interrupted sync_pread goes on in the background; the thread's next wait()
+    returns only once it has ended (counting it not), so the buffer is the caller's
+    again, with the file's bytes in it."""
+    import torch
+    h = handle_factory(intra_op_parallelism=2)
+    data = random_bytes(16 * MiB, seed=11)
+    (tmp_path / "src").write_bytes(data)
+    target = h.new_cpu_locked_tensor(16 * MiB, torch.empty(0, dtype=torch.uint8))
+    pids = _worker_pids(h)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited SIG_IGN
+    resumed = threading.Event()
+
+    def resume():
+        resumed.set()
+        _signal_all(pids, signal.SIGCONT)
+
+    try:
+        _signal_all(pids, signal.SIGSTOP)
+        threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            h.sync_pread(target, tmp_path / "src")
+        threading.Timer(0.3, resume).start()
+        assert h.wait() == 0
+        assert resumed.is_set(), "wait() returned while the read was held up"
+        assert target.numpy().tobytes() == data
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _signal_all(pids, signal.SIGCONT)

@@ -45,9 +45,10 @@ class Books:
         An asynchronous one is for ``wait()`` to collect unless a future holds it."""
         op.started = True
         op.is_async = is_async
-        if is_async and for_wait:
+        if for_wait:    # a synchronous one too: interrupted, it is waited for, not counted
             op.starter = threading.get_ident()
-            self.async_ops.append(op)
+            if is_async:
+                self.async_ops.append(op)
         if op.road is Road.CALLER_QUEUE and op.staged is None:
             op.chunks = [(0, op.buffer.nbytes)]     # one request: nothing to fan out
         op.remaining = len(op.chunks)
@@ -80,8 +81,9 @@ class Books:
         return taken
 
     def in_flight_for(self, thread):
-        """Whether an asynchronous operation ``thread`` started is still in flight,
-        whoever's ``wait()`` took it."""
+        """Whether an operation ``thread`` started is still in flight: an asynchronous
+        one, whoever's ``wait()`` took it, or a synchronous one whose call Ctrl-C
+        interrupted."""
         return any(op.starter == thread for op in self.ops.values())
 
     def _go(self, op):

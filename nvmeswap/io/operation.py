@@ -213,7 +213,10 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
                 writes().end(op)
                 file.close()
                 raise
-            op.error = error    # the write's failure, reported where its I/O would be
+            # The write's failure, reported where its I/O would be; without the traceback,
+            # whose frames hold the operation (Note [no reference cycle]).
+            error.__context__ = None
+            op.error = error.with_traceback(None)
         except BaseException:
             writes().end(op)
             file.close()

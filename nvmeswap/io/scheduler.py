@@ -152,7 +152,7 @@ class Scheduler:
         with deferred_interrupts(), self._cond:
             ops = self.books.take_for_wait(me)
         try:
-            self.books.wait_until(lambda: _all_done(ops) and not self.books.in_flight_for(me))
+            self.books.wait_until(functools.partial(self._collected, ops, me))
         except BaseException:
             with deferred_interrupts(), self._cond:
                 self.books.async_ops[:0] = ops
@@ -176,6 +176,9 @@ class Scheduler:
             raise first
         finally:
             del first
+
+    def _collected(self, ops, thread):
+        return _all_done(ops) and not self.books.in_flight_for(thread)
 
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""
