@@ -69,6 +69,9 @@ def main():
     counts = {"operations": 0, "faults injected": 0, "operations failed by a fault": 0,
               "Ctrl-Cs injected": 0, "operations interrupted": 0, "full-disk refusals": 0,
               "bytes verified": 0}
+    # Started in the background by a shell, SIGINT arrives ignored: the injected
+    # Ctrl-Cs must raise KeyboardInterrupt as a terminal's would.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupts = Interrupter(arguments.interrupt_every, rng)
     started = last_kill = last_report = time.monotonic()
     deadline = started + arguments.minutes * 60
