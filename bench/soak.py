@@ -87,8 +87,7 @@ def main():
                 model = models[i]
             if len(model) >= size and rng.random() < 0.5:
                 offset = int(rng.integers(0, len(model) - size + 1))
-                with interrupts.armed(counts):
-                    done = _attempt(counts, h, h.sync_pread, buffer, paths[i], offset)
+                done = _attempt(counts, h, interrupts, h.sync_pread, buffer, paths[i], offset)
                 if done:
                     assert buffer.numpy().tobytes() == model[offset:offset + size], "corrupt read"
                     counts["bytes verified"] += size
@@ -99,11 +98,9 @@ def main():
                 use_async = rng.random() < 0.5
                 free = _free(paths[i])
                 try:
-                    while True:
-                        with interrupts.armed(counts):
-                            if _attempt(counts, h, _write, h, buffer, paths[i], offset, use_async):
-                                break
-                        # failed with its worker, or interrupted: written again
+                    while not _attempt(counts, h, interrupts, _write, h, buffer, paths[i], offset,
+                                       use_async):
+                        pass    # failed with its worker, or interrupted: written again
                 except OSError as error:
                     if error.errno != errno.ENOSPC or i < len(paths) - len(small_paths):
                         raise
@@ -152,10 +149,11 @@ def _write(h, buffer, path, offset, use_async):
         h.sync_pwrite(buffer, path, offset)
 
 
-def _attempt(counts, h, operation, *args):
+def _attempt(counts, h, interrupts, operation, *args):
     """True if ``operation`` completed; False if a fault stopped it (it is done again)."""
     try:
-        operation(*args)
+        with interrupts.armed(counts):
+            operation(*args)
         return True
     except nvmeswap.WorkerDied:
         counts["operations failed by a fault"] += 1
@@ -205,11 +203,10 @@ class Interrupter:
 
             def __exit__(self, *exc_info):
                 if self.timer is not None:
-                    try:    # a SIGINT sent after the operation ended lands here
-                        self.timer.join()
-                        time.sleep(0.01)
-                    except KeyboardInterrupt:
-                        pass
+                    # A SIGINT sent after the operation ended lands here, inside the
+                    # caller's try: the operation counts as interrupted and is redone.
+                    self.timer.join()
+                    time.sleep(0.01)
                 return False
         return Armed()
 
