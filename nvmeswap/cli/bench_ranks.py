@@ -94,10 +94,10 @@ def _rank_job(rank, plan, barrier, stop):
                                   "intra_op_parallelism": handle.get_intra_op_parallelism(),
                                   "engine": handle.get_engine()}
             buffer = _make_buffer(handle, plan["buffer"], buffer_bytes(plan), rank)
-            _fill(buffer)
+            fill(buffer)
             try:
                 if plan["pattern"] == "rand":
-                    _make_file(handle, buffer, path, plan["file_size"])
+                    make_file(handle, buffer, path, plan["file_size"])
                 elif "write" not in plan["jobs"]:
                     handle.sync_pwrite(buffer, path)         # something to read
                 for job in plan["jobs"]:
@@ -123,7 +123,7 @@ def buffer_bytes(plan):
     return plan["io_size"]
 
 
-def _make_file(handle, buffer, path, size):
+def make_file(handle, buffer, path, size):
     """A file of ``size`` bytes for random requests to fall in, written with ``buffer``."""
     view = buffer.view(-1) if hasattr(buffer, "view") else buffer
     for start in range(0, size, view.numel() if hasattr(view, "numel") else view.size):
@@ -131,7 +131,7 @@ def _make_file(handle, buffer, path, size):
         handle.sync_pwrite(piece, path, start)
 
 
-def _random_loop(handle, job, buffer, path, plan, rng):
+def random_loop(handle, job, buffer, path, plan, rng):
     """One timed loop of --pattern rand: ``ops`` requests at random aligned offsets."""
     io_size, batch = plan["io_size"], plan["batch"]
     offsets = (rng.integers(0, plan["file_size"] // io_size, plan["ops"]) * io_size).tolist()
@@ -160,7 +160,7 @@ def _timed_loops(handle, job, buffer, path, plan, barrier, stop):
     def call():
         try:
             if plan["pattern"] == "rand":
-                _random_loop(handle, job, buffer, path, plan, rng)
+                random_loop(handle, job, buffer, path, plan, rng)
             else:
                 operation(buffer, path, plan["validate"], False, 0)
         except (OSError, RuntimeError):
@@ -240,7 +240,7 @@ def _make_buffer(handle, kind, nbytes, rank):
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def _fill(buffer):
+def fill(buffer):
     """Random bytes (a repeated 1 MiB pattern), so that nothing compresses or dedupes."""
     import numpy
     if not isinstance(buffer, numpy.ndarray) and buffer.is_cuda:

@@ -20,6 +20,7 @@ import warnings
 
 from ..io.engines import ENGINES, check_usable, resolve, uring_refusal
 from ..units import GB, SIZE_HELP, format_size, size_argument
+from . import tune_random
 from .options import (
     StopOnInterrupt,
     UsageError,
@@ -40,8 +41,17 @@ JOBS = ("read", "write", "combined")
 def add_arguments(parser):
     parser.add_argument("--folder", action="append", dest="folders", metavar="DIR",
                         required=True, help="folder on the device to tune for (once)")
-    parser.add_argument("--io-size", "--io_size", type=size_argument, default="256M",
-                        metavar="SIZE", help=f"bytes per measured operation ({SIZE_HELP})")
+    parser.add_argument("--io-size", "--io_size", type=size_argument, default=None,
+                        metavar="SIZE", help="bytes per measured operation (default: 256M; "
+                                             f"with --pattern rand, 4K; {SIZE_HELP})")
+    parser.add_argument("--pattern", choices=("seq", "rand"), default="seq",
+                        help="seq: the handle settings for large transfers; rand: the engine "
+                             "and batch size for small random reads (--ops requests of "
+                             "--io-size in a --file-size file)")
+    parser.add_argument("--file-size", type=size_argument, default=None, metavar="SIZE",
+                        help="with --pattern rand: the file the reads fall in (default: 1G)")
+    parser.add_argument("--ops", type=positive_int, default=8192, metavar="N",
+                        help="with --pattern rand: reads per timed loop")
     parser.add_argument("--loops", type=positive_int, default=2, metavar="N",
                         help="timed loops per configuration")
     parser.add_argument("--exhaustive", action="store_true", help="measure the whole grid")
@@ -79,6 +89,12 @@ def run(args):
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
     engines = _engines(args.engine)
+    if args.pattern == "rand":
+        return _run_random(args, folder, engines)
+    if args.file_size is not None:
+        raise UsageError("--file-size goes with --pattern rand")
+    if args.io_size is None:
+        args.io_size = 256 * M
     started = time.monotonic()
     tuner = Tuner(folder, args.io_size, args.loops, engines)
     planned = len(full_grid(engines)) if args.exhaustive else tuner.planned_search()
@@ -131,6 +147,37 @@ def run(args):
               "is kept", file=sys.stderr)
         return 130
     return 0
+
+
+def _run_random(args, folder, engines):
+    """``--pattern rand`` (cli/tune_random.py): engine x batch size for small reads."""
+    if args.exhaustive or args.plot:
+        raise UsageError("--exhaustive and --plot go with --pattern seq")
+    io_size = args.io_size if args.io_size is not None else 4 * K
+    file_size = args.file_size if args.file_size is not None else GB
+    if io_size % 4096 or file_size < io_size:
+        raise UsageError(f"--pattern rand needs an --io-size that is a multiple of 4096 "
+                         f"and a --file-size of at least it (got {io_size} and {file_size})")
+    started = time.monotonic()
+    stop = threading.Event()
+    with StopOnInterrupt(stop):
+        rates = tune_random.measure(folder, io_size, file_size, args.ops, args.loops,
+                                    engines, stop)
+    result = tune_random.result(rates, io_size, file_size, args.ops, engines,
+                                time.monotonic() - started, stop.is_set())
+    if result["best"] is None:
+        print("nvmeswap tune: interrupted before any configuration was measured",
+              file=sys.stderr)
+        return 130
+    write_json(args.json, result)
+    best = result["best"]
+    for m in result["measurements"]:
+        print(f"{m['engine']:<6} batch {m['batch']:>4}: {m['reads_per_s']:10.0f} reads/s",
+              file=sys.stderr)
+    print(f"best: engine={best['engine']}, batch {best['batch']} "
+          f"({best['reads_per_s']:.0f} reads of {format_size(io_size)} per second)",
+          file=sys.stderr)
+    return 130 if result["interrupted"] else 0
 
 
 def _progress_bar(total):
