@@ -200,12 +200,15 @@ def _cuda():
                                          "through locked host memory"))
     else:
         checks.append(_check("CUDA", OK, "no GPU: host tensors only (nothing needed)"))
-    from ..gpu.discovery import gds_available, gds_unavailable_reason, nvidia_fs_loaded
+    from ..gpu.discovery import gds_available, gds_unavailable_reason, hidden_by, nvidia_fs_loaded
     cufile = gds_available()
     if cufile:
         mode = "GDS proper (nvidia-fs loaded)" if nvidia_fs_loaded() else \
             "compat mode (no nvidia-fs)"
         checks.append(_check("cuFile", OK, f"cuFile loads; GDS would run in {mode}"))
+    elif hidden_by() is not None:
+        checks.append(_check("cuFile", OK, f"hidden: {gds_unavailable_reason()}",
+                             f"unset {hidden_by().split('=')[0]} to let gds_handle use it"))
     else:
         checks.append(_check("cuFile", OK, f"no GPUDirect Storage: {gds_unavailable_reason()}",
                              "pip install nvidia-cufile-cu12 (or the CUDA toolkit's GDS) to "

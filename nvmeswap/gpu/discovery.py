@@ -1,9 +1,11 @@
 """Finding cuFile and the CUDA driver at run time (never at build): is GPUDirect Storage usable?
 
-Where cuFile is looked for, in order: ``$NVMESWAP_CUFILE_LIBRARY``, the dynamic loader's
-``libcufile.so.0``, and the ``nvidia-cufile`` wheel's ``nvidia/cufile/lib``. The CUDA
-driver (for CUDA IPC between a handle and its workers): ``$NVMESWAP_CUDA_LIBRARY``, then
-``libcuda.so.1``.
+Where cuFile is looked for: ``$NVMESWAP_CUFILE_LIBRARY`` alone when it is set (a path
+that cannot be loaded is not replaced by another); else the dynamic loader's
+``libcufile.so.0``, and the ``nvidia-cufile`` wheel's ``nvidia/cufile/lib``.
+``NVMESWAP_GDS=0`` or ``NVMESWAP_CUFILE_LIBRARY=none`` hides cuFile: gds_handle then moves
+CUDA tensors as aio_handle does. The CUDA driver (for CUDA IPC between a handle and its
+workers): ``$NVMESWAP_CUDA_LIBRARY``, then ``libcuda.so.1``.
 """
 import os
 import sys
@@ -15,10 +17,19 @@ NVIDIA_FS = ("/proc/driver/nvidia-fs", "/sys/module/nvidia_fs")
 _state = {}
 
 
+def hidden_by():
+    """The setting that hides cuFile, or None."""
+    if os.environ.get("NVMESWAP_GDS", "").strip().lower() in ("0", "false", "no", "off"):
+        return f"NVMESWAP_GDS={os.environ['NVMESWAP_GDS']}"
+    if os.environ.get("NVMESWAP_CUFILE_LIBRARY", "").strip().lower() in ("none", "0", "off"):
+        return f"NVMESWAP_CUFILE_LIBRARY={os.environ['NVMESWAP_CUFILE_LIBRARY']}"
+    return None
+
+
 def candidates():
-    paths = [os.environ["NVMESWAP_CUFILE_LIBRARY"]] if os.environ.get("NVMESWAP_CUFILE_LIBRARY") \
-        else []
-    paths.append("libcufile.so.0")
+    if os.environ.get("NVMESWAP_CUFILE_LIBRARY"):
+        return [os.environ["NVMESWAP_CUFILE_LIBRARY"]]  # the one asked for, or none
+    paths = ["libcufile.so.0"]
     for entry in sys.path:
         wheel_copy = os.path.join(entry, "nvidia", "cufile", "lib", "libcufile.so.0")
         if os.path.exists(wheel_copy):
@@ -43,6 +54,9 @@ def _first_loadable(library, paths, what):
 
 
 def _load():
+    if not _state and hidden_by() is not None:
+        _state.update(available=False, reason=f"{hidden_by()} hides cuFile", cufile=None,
+                      cuda=None)
     if not _state:
         cufile, reason = _first_loadable(_cufile, candidates(), "cuFile")
         cuda = None

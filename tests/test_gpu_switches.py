@@ -1,0 +1,52 @@
+"""Switches that hide cuFile (issue: no way to turn it off), against stand-in libraries
+built by the test: no GPU is needed."""
+import os
+import subprocess
+import sys
+
+from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
+
+import nvmeswap
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
+ASK = "import nvmeswap; print(nvmeswap.gds_available(), nvmeswap.gds_unavailable_reason())"
+
+
+def _answer(library_folder, **environment):
+    """What a fresh process says of cuFile, with a loadable stand-in cuFile and driver
+    where the dynamic loader looks by default."""
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, "LD_LIBRARY_PATH": str(library_folder),
+           **environment}
+    for name in ("NVMESWAP_GDS", "NVMESWAP_CUFILE_LIBRARY", "NVMESWAP_CUDA_LIBRARY"):
+        if name not in environment:
+            env.pop(name, None)
+    result = subprocess.run([sys.executable, "-c", ASK], capture_output=True, text=True,
+                            env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_cufile_can_be_switched_off(tmp_path):
+    build(tmp_path, "libcufile.so.0", FAKE_CUFILE)
+    build(tmp_path, "libcuda.so.1", FAKE_CUDA)
+    assert _answer(tmp_path) == "True"      # found where the loader looks
+    assert _answer(tmp_path, NVMESWAP_GDS="0") == "False NVMESWAP_GDS=0 hides cuFile"
+    assert _answer(tmp_path, NVMESWAP_CUFILE_LIBRARY="none") == \
+        "False NVMESWAP_CUFILE_LIBRARY=none hides cuFile"
+
+
+def test_a_cufile_path_that_cannot_be_loaded_is_not_replaced_by_another(tmp_path):
+    """It used to go on to the loader's libcufile.so.0: a wrong path then silently
+    used whatever cuFile the machine had."""
+    build(tmp_path, "libcufile.so.0", FAKE_CUFILE)
+    build(tmp_path, "libcuda.so.1", FAKE_CUDA)
+    missing = tmp_path / "elsewhere" / "libcufile.so.0"
+    said = _answer(tmp_path, NVMESWAP_CUFILE_LIBRARY=str(missing))
+    assert said.startswith("False cuFile could not be loaded") and str(missing) in said
+
+
+def test_report_says_cufile_is_hidden_and_by_what():
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, "NVMESWAP_GDS": "0"}
+    result = subprocess.run([sys.executable, "-m", "nvmeswap", "report"], capture_output=True,
+                            text=True, env=env, timeout=120, check=False)
+    assert "cuFile: hidden: NVMESWAP_GDS=0 hides cuFile" in result.stdout + result.stderr
