@@ -14,8 +14,10 @@ Note [routing DeepSpeed]: DeepSpeed binds the builders at import time in many mo
 writer, ds_io engines ...), and looks some up by name later (``PinMemoryBuilder`` in
 deepspeed/utils/pin_memory.py, the accelerator's ``get_op_builder``). So routing
 replaces the binding in every loaded ``deepspeed.*`` module that imported a builder
-(never in the module that defines it), and a finder on ``sys.meta_path`` does the same
-for each ``deepspeed.*`` module loaded afterwards. ``uninstall()`` puts DeepSpeed's
+(never in the module that defines it), routes each accelerator class's
+``get_op_builder``/``create_op_builder`` (the CUDA accelerator's table holds the
+defining modules' classes), and a finder on ``sys.meta_path`` does the same for each
+``deepspeed.*`` module loaded afterwards. ``uninstall()`` puts DeepSpeed's
 classes back everywhere.
 """
 from __future__ import annotations
@@ -199,6 +201,37 @@ def _route_module(module: types.ModuleType) -> None:
             setattr(module, name, ours)
     if module.__name__ == "deepspeed.ops":
         _route_compatible_ops(module)
+    if module.__name__.startswith("deepspeed.accelerator."):
+        for value in list(namespace.values()):
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                _route_accelerator(value)
+
+
+def _route_accelerator(accelerator: type) -> None:
+    """An accelerator finds builders in a table of the classes that DeepSpeed's op
+    modules define (CUDA's), or by importing them (the CPU's): its ``get_op_builder``
+    and ``create_op_builder`` answer with ours for the builders nvmeswap provides."""
+    for method in ("get_op_builder", "create_op_builder"):
+        original = accelerator.__dict__.get(method)
+        if original is None or getattr(original, "_nvmeswap", False):
+            continue
+
+        def routed(self, class_name, _original=original, _make=method == "create_op_builder"):
+            ours = _BUILDERS.get(class_name)
+            if ours is None:
+                return _original(self, class_name)
+            return ours() if _make else ours
+
+        routed._nvmeswap = True
+        routed._original = original
+        setattr(accelerator, method, routed)
+
+
+def _unroute_accelerator(accelerator: type) -> None:
+    for method in ("get_op_builder", "create_op_builder"):
+        routed = accelerator.__dict__.get(method)
+        if getattr(routed, "_nvmeswap", False):
+            setattr(accelerator, method, routed._original)
 
 
 def _route_compatible_ops(ops: types.ModuleType) -> None:
@@ -238,6 +271,10 @@ def _unroute_module(module: types.ModuleType) -> None:
     for name, ours in _BUILDERS.items():
         if namespace.get(name) is ours and name in _originals:
             setattr(module, name, _originals[name])
+    if module.__name__.startswith("deepspeed.accelerator."):
+        for value in list(namespace.values()):
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                _unroute_accelerator(value)
     if module.__name__ == "deepspeed.ops":
         probe = namespace.get("__getattr__")
         if getattr(probe, "_nvmeswap", False):
