@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to NVMe through nvmeswap.
 
-CPU accelerator, gloo, world size 1; nothing of DeepSpeed is compiled for the I/O. The
+World size 1, on whichever accelerator DeepSpeed picks (the CPU with gloo, a GPU with
+its own backend); nothing of DeepSpeed is compiled for the I/O. The
 same training runs twice, in fresh processes: offloading to NVMe (through nvmeswap) and
 offloading to CPU memory; the losses and final weights must agree bit for bit.
 
@@ -68,7 +69,9 @@ def train(offload: str, folder: str, engine: str = "nvmeswap") -> dict:
     # One rank: DeepSpeed's shared-memory all-reduce has nothing to do, so do not let it
     # JIT-compile that op (a minute or two on a fresh machine).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from deepspeed.accelerator import get_accelerator
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               verbose=False)
     cfg = config(offload, folder)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         layers = []
@@ -76,21 +79,22 @@ def train(offload: str, folder: str, engine: str = "nvmeswap") -> dict:
             layers += [torch.nn.Linear(n_in, n_out), torch.nn.Tanh()]
         model = torch.nn.Sequential(*layers[:-1])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    model_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     data = torch.Generator().manual_seed(1)
-    inputs = torch.randn(STEPS, 8, SIZES[0], generator=data)
-    targets = torch.randn(STEPS, 8, SIZES[-1], generator=data)
+    # Made on the CPU (the same numbers on every accelerator), moved where the model is.
+    inputs = torch.randn(STEPS, 8, SIZES[0], generator=data).to(model_engine.device)
+    targets = torch.randn(STEPS, 8, SIZES[-1], generator=data).to(model_engine.device)
     losses = []
     for step in range(STEPS):
-        loss = torch.nn.functional.mse_loss(engine(inputs[step]), targets[step])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().clone())
+        loss = torch.nn.functional.mse_loss(model_engine(inputs[step]), targets[step])
+        model_engine.backward(loss)
+        model_engine.step()
+        losses.append(loss.detach().cpu().clone())
     swap_files = 0
     if offload == "nvme":
         # Both ZeRO-Infinity swappers run on nvmeswap handles, and wrote swap files.
-        param_swapper = next(iter(engine.module.parameters())).nvme_swapper
-        handles = (engine.optimizer.optimizer_swapper.aio_handle,
+        param_swapper = next(iter(model_engine.module.parameters())).nvme_swapper
+        handles = (model_engine.optimizer.optimizer_swapper.aio_handle,
                    param_swapper.aio_read_handle, param_swapper.aio_write_handle)
         if engine == "nvmeswap":
             assert all(isinstance(h, nvmeswap.aio_handle) for h in handles), handles
@@ -99,10 +103,10 @@ def train(offload: str, folder: str, engine: str = "nvmeswap") -> dict:
         print(f"ZeRO-Infinity swappers on {type(handles[0]).__module__}.aio_handle; "
               f"{swap_files} swap files")
     weights = {}
-    for name, param in engine.module.named_parameters():
+    for name, param in model_engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
-            weights[name] = param.detach().clone()
-    engine.destroy()
+            weights[name] = param.detach().cpu().clone()
+    model_engine.destroy()
     return {"losses": torch.stack(losses), "weights": weights, "swap_files": swap_files}
 
 

@@ -1,6 +1,6 @@
 """A ZeRO-3 training run with parameters and optimizer state on NVMe through nvmeswap is
 bit-identical to the same run offloading to CPU memory (examples/deepspeed_zero3_nvme.py,
-each run in a fresh process: CPU accelerator, gloo, world size 1)."""
+each run in a fresh process, world size 1, on whichever accelerator DeepSpeed picks)."""
 import importlib.util
 import pathlib
 
