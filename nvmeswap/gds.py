@@ -34,9 +34,12 @@ o_direct, share_locked_memory_with
     CUDA tensors are read and written with cuFile, split over ``intra_op_parallelism``
     workers; ``pin_device_tensor`` registers a tensor with cuFile for the fastest
     transfers, and slices of a pinned tensor use its registration. CPU tensors take the
-    aio road. Where cuFile cannot be used (not installed, no CUDA driver) the handle
-    still works, moving CUDA tensors as aio_handle does, after one
-    ``GdsFallbackWarning``; it never exits the process.
+    aio road. Where cuFile cannot be used (not installed, no CUDA driver, hidden by
+    ``NVMESWAP_GDS=0``) the handle still works, moving CUDA tensors as aio_handle does,
+    after one ``GdsFallbackWarning``; it never exits the process. A file that cuFile
+    refuses (a cloud VM without nvidia-fs refuses every file) takes that road too, after
+    one warning naming cuFile's status and the filesystem (Note [cuFile refusing a
+    file]).
     """
 
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128,

@@ -135,6 +135,16 @@ FAKE_CUFILE = textwrap.dedent("""
     }
     status cuFileDriverClose(void) { return make(0); }
     status cuFileHandleRegister(void **handle, descr *d) {
+        /* A cloud VM without nvidia-fs refuses every file: HANDLE_NOT_REGISTERED (5027);
+           FAKE_CUFILE_REFUSE_MATCHING limits it to paths that contain a string. */
+        const char *refuse = getenv("FAKE_CUFILE_REFUSE_FILES");
+        const char *matching = getenv("FAKE_CUFILE_REFUSE_MATCHING");
+        char link[64], path[4096];
+        ssize_t length;
+        snprintf(link, sizeof link, "/proc/self/fd/%d", d->handle.fd);
+        length = readlink(link, path, sizeof path - 1);
+        path[length > 0 ? length : 0] = 0;
+        if (refuse && (!matching || strstr(path, matching))) return make(atoi(refuse));
         *handle = (void *)(intptr_t)(d->handle.fd + 1);
         return make(0);
     }

@@ -117,7 +117,9 @@ class Books:
         for index in range(len(op.chunks)):
             if not self._sent(op, index):
                 break
-        if op.road in WORKER_ROADS:     # the workers hold their own copies of the descriptors
+        # The workers hold their own copies of the descriptors; a cuFile operation keeps
+        # ours, to be done again on the staging road (Note [cuFile refusing a file]).
+        if op.road is Road.WORKERS:
             op.file.close(keep_for_undo=not op.is_read)
 
     def _sent(self, op, index):
@@ -301,6 +303,9 @@ class Books:
             self.feed_staged()
 
     def _finish(self, op):
+        if op.road is Road.CUFILE and op.error is not None and self.placement.refuse(op):
+            self._redo_staged(op)
+            return
         if self.ops.pop(op.op_id, None) is not None:
             self.ordering.remove(op)
             if op in self.held:
@@ -330,6 +335,19 @@ class Books:
                 op.starter = threading.get_ident()
                 self.async_ops.append(op)
         self.abandon(op)
+
+    def _redo_staged(self, op):
+        """Start ``op`` again on the staging road: cuFile refused its file (Note [cuFile
+        refusing a file] in io/cufile_placement.py). It keeps its place in the books."""
+        for region in self.placement.give_back(op):
+            self.unshare(region)
+        op.region = op.copier = op.staged = None
+        op.owns_region = False
+        op.error, op.failures = None, 0
+        self.placement.place(op)
+        op.road = Road.WORKERS
+        op.remaining = len(op.chunks)
+        self._go(op)
 
     def abandon(self, op):
         """Give back what an operation that never started holds."""

@@ -5,12 +5,27 @@ See Note [device regions] in gpu/ipc.py.
 """
 import os
 
-from ..errors import CudaError, GdsFallbackWarning, warn_once
+from ..errors import CudaError, CuFileError, GdsFallbackWarning, warn_once
 from ..gpu.copies import wait_for_queued_work
 from ..gpu.ipc import DeviceRegion
 from .chunks import plan_chunks
 from .process_state import region_ids
 from .regions import RegionTable
+
+# cuFile statuses that say a file cannot go through cuFile, whatever the memory.
+FILE_REFUSALS = frozenset({
+    5007,   # PLATFORM_NOT_SUPPORTED
+    5008,   # IO_NOT_SUPPORTED
+    5009,   # DEVICE_NOT_SUPPORTED
+    5010,   # NVFS_DRIVER_ERROR
+    5018,   # INVALID_FILE_TYPE
+    5019,   # INVALID_FILE_OPEN_FLAG
+    5020,   # DIO_NOT_SET
+    5027,   # HANDLE_NOT_REGISTERED: cloud VMs without nvidia-fs refuse every file so
+    5029,   # DEVICE_NOT_FOUND
+    5033,   # NVFS_SETUP_ERROR
+    5034,   # IO_DISABLED
+})
 
 
 class CufilePlacement:
@@ -30,6 +45,7 @@ class CufilePlacement:
         self.pinned = RegionTable()
         self.libraries = libraries
         self.config_fd = config_fd
+        self.refused = set()    # identities of the files cuFile refused
 
     @property
     def cufile(self):
@@ -40,13 +56,13 @@ class CufilePlacement:
         return self.host.host_inline_limit
 
     def inline_limit(self, op):
-        if op.buffer.device is not None and self.libraries is not None:
+        if self._for_cufile(op):
             return 0        # cuFile runs in the workers, never in the calling thread
         return self.host_inline_limit
 
     def place(self, op):
         buf = op.buffer
-        region = self._cufile_region(buf) if buf.device is not None else None
+        region = self._cufile_region(buf) if self._for_cufile(op) else None
         if region is None:
             self.host.place(op)
             return
@@ -55,6 +71,34 @@ class CufilePlacement:
         op.owns_region = region.region_id not in self.pinned
         op.chunks = plan_chunks(op.file_offset, buf.nbytes, self.host.parallelism,
                                 op.file.alignment, self.limits.min_chunk)
+
+    def refuse(self, op):
+        """Note [cuFile refusing a file]: True if ``op`` failed because cuFile refused its
+        file; the file takes the staging road from now on, ``op`` is to be done again
+        there.
+
+        cuFile can load and open its driver and still refuse every file (a cloud VM
+        without nvidia-fs answers cuFileHandleRegister with HANDLE_NOT_REGISTERED), or
+        the files of one filesystem. Such a file's operations move through locked host
+        memory, as aio_handle moves CUDA tensors; other files still try cuFile. An
+        operation that met the refusal is done again whole on the staging road (its
+        descriptors kept for it, its place in the order of the file's operations kept):
+        what cuFile wrote of it is written again, a read fills the tensor anew. Real I/O
+        errors stay errors.
+        """
+        error = op.error
+        if not isinstance(error, CuFileError) or error.code not in FILE_REFUSALS:
+            return False
+        self.refused.add(op.file.identity)
+        warn_gds(("refused", error.code, op.file.identity[0]),
+                 f"cuFile refuses {op.file.name} ({error.name}; a file on "
+                 f"{filesystem_of(op.file.identity[0])}): CUDA tensors move through locked "
+                 "host memory for it, as aio_handle moves them")
+        return True
+
+    def _for_cufile(self, op):
+        return (op.buffer.device is not None and self.libraries is not None
+                and op.file.identity not in self.refused)
 
     def pin(self, buf):
         """Keep ``buf``'s CUDA memory as a region every worker maps once; False if it cannot
@@ -100,3 +144,18 @@ class CufilePlacement:
 
 def warn_gds(key, message):
     warn_once(("gds", key), message, GdsFallbackWarning)
+
+
+def filesystem_of(device):
+    """``"ext4 at /mnt/nvme"``: the type and mount point of the filesystem on ``device``
+    (an ``st_dev``), from /proc/self/mountinfo; or the device's numbers."""
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if fields[2] == wanted and "-" in fields:
+                    return f"{fields[fields.index('-') + 1]} at {fields[4]}"
+    except OSError:
+        pass
+    return f"device {wanted}"

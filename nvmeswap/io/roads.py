@@ -30,8 +30,9 @@ operation is opened and placed. "Small" is at most the placement's inline limit
 (Scripts under bench/.) Batches: Note [batches]. QUICK_READ, CALLER_QUEUE and BATCH go
 to the handle's own kernel AIO context (Note [caller queue]); WORKERS and CUFILE to the
 worker processes. A quick road may still decline (its file does not qualify, or it must
-follow an operation in flight): the operation is then opened the ordinary way. Any
-other road decided is final: the caller queue's room counts every booked operation that
+follow an operation in flight): the operation is then opened the ordinary way; a
+CUFILE operation whose file cuFile refuses is done again on WORKERS (Note [cuFile
+refusing a file]). Any other road decided is final: the caller queue's room counts every booked operation that
 may still post to it, so a post never finds it full. Memory is the placement's to
 choose: on INLINE, CALLER_QUEUE and WORKERS a buffer outside locked memory goes through
 a staging piece (Note [staging ring]).
