@@ -6,6 +6,7 @@ io/regions.py), so a tensor made by either is pinned, and zero-copy, for all.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .gpu.copies import register_for_device_copies
@@ -31,12 +32,23 @@ def new_locked_tensor(locked: Any, num_elem: int, example: Any, *,
     if reserve is not None:
         reserve(round_up(max(num_elem * itemsize, 1), PAGE))
     region = SharedRegion(num_elem * itemsize, arena_bytes=arena_bytes)
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and register_with_cuda():
         # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
         register_for_device_copies(region)
     locked.add(region)
     tensor = torch.frombuffer(region.mapping, dtype=torch.uint8)
     return tensor[: num_elem * itemsize].view(example.dtype), region
+
+
+def register_with_cuda() -> bool:
+    """Whether locked tensors are registered with CUDA (where CUDA is in use already:
+    never initialised for it). ``NVMESWAP_REGISTER_LOCKED=0``, or DeepSpeed's
+    ``DS_PIN_MEMORY_REGISTER_DEVICE=0``, turns it off: registration costs milliseconds
+    per GiB at allocation, and a process that never copies to a GPU gains nothing."""
+    for name in ("NVMESWAP_REGISTER_LOCKED", "DS_PIN_MEMORY_REGISTER_DEVICE"):
+        if os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off"):
+            return False
+    return True
 
 
 def free_locked_tensor(locked: Any, tensor: Any, *, address: int | None = None) -> bool:

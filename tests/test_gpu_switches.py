@@ -50,3 +50,30 @@ def test_report_says_cufile_is_hidden_and_by_what():
     result = subprocess.run([sys.executable, "-m", "nvmeswap", "report"], capture_output=True,
                             text=True, env=env, timeout=120, check=False)
     assert "cuFile: hidden: NVMESWAP_GDS=0 hides cuFile" in result.stdout + result.stderr
+
+
+def test_locked_tensors_are_registered_with_cuda_only_where_it_is_in_use(monkeypatch):
+    """Where CUDA is in use, a locked tensor is cudaHostRegister'ed (pinned-speed copies);
+    never where it is not (no CUDA initialised for it); NVMESWAP_REGISTER_LOCKED=0 and
+    DeepSpeed's DS_PIN_MEMORY_REGISTER_DEVICE=0 turn it off. (Real registration, and the
+    copy speed it buys, are tested in test_gpu.py on a GPU.)"""
+    import torch
+
+    from nvmeswap import locked_tensors
+    registered = []
+    monkeypatch.setattr(locked_tensors, "register_for_device_copies", registered.append)
+    with nvmeswap.aio_handle() as h:
+        def made():
+            count = len(registered)
+            tensor = h.new_cpu_locked_tensor(1000, torch.empty(0))
+            assert h.free_cpu_locked_tensor(tensor)
+            return len(registered) - count
+
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        assert made() == 0
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert made() == 1
+        for name in ("NVMESWAP_REGISTER_LOCKED", "DS_PIN_MEMORY_REGISTER_DEVICE"):
+            monkeypatch.setenv(name, "0")
+            assert made() == 0
+            monkeypatch.delenv(name)
