@@ -39,6 +39,24 @@ def _until(condition, timeout=30.0):
 
 
 # -- threads ---------------------------------------------------------------------------
+class _WriterThread(threading.Thread):
+    """Starts an async write of ``data`` to ``path`` (``submitted`` then set); once ``go``
+    is set, waits, and keeps what its wait() counted and the file's bytes at that moment."""
+
+    def __init__(self, h, data, path):
+        super().__init__()
+        self.h, self.data, self.path = h, data, path
+        self.submitted, self.go = threading.Event(), threading.Event()
+        self.count = self.content = None
+
+    def run(self):
+        self.h.async_pwrite(self.data, self.path)
+        self.submitted.set()
+        self.go.wait()
+        self.count = self.h.wait()
+        self.content = self.path.read_bytes()
+
+
 def test_a_threads_wait_counts_its_own_whatever_another_threads_wait_does(handle_factory,
                                                                           tmp_path):
     """Thread A's write is held up (the workers stopped); the main thread's wait() for
@@ -50,23 +68,12 @@ def test_a_threads_wait_counts_its_own_whatever_another_threads_wait_does(handle
     data = bytearray(random_bytes(8 * MiB, seed=3))
     small = h.new_cpu_locked_tensor(4 * KiB, torch.empty(0, dtype=torch.uint8))
     small.copy_(torch.frombuffer(bytearray(random_bytes(4 * KiB, seed=4)), dtype=torch.uint8))
-    path = tmp_path / "a"
-    submitted, go = threading.Event(), threading.Event()
-    seen = {}
-
-    def thread_a():
-        h.async_pwrite(data, path)
-        submitted.set()
-        go.wait()
-        seen["count"] = h.wait()
-        seen["content"] = path.read_bytes()
-
+    a = _WriterThread(h, data, tmp_path / "a")
     pids = _worker_pids(h)
     _signal_all(pids, signal.SIGSTOP)
     try:
-        a = threading.Thread(target=thread_a)
         a.start()
-        assert submitted.wait(30)
+        assert a.submitted.wait(30)
         h.async_pwrite(small, tmp_path / "main")    # the caller queue's: no worker needed
         # This thread's wait(): its own write alone, though A's is held up. (Were it to
         # take A's too, it would block: the timer lets the workers go on after a while.)
@@ -77,13 +84,13 @@ def test_a_threads_wait_counts_its_own_whatever_another_threads_wait_does(handle
         finally:
             rescue.cancel()
         assert (tmp_path / "main").read_bytes() == small.numpy().tobytes()
-        go.set()
+        a.go.set()
         a.join(0.5)
         assert a.is_alive(), "A's wait() returned while its write was held up"
     finally:
         _signal_all(pids, signal.SIGCONT)
     a.join(60)
-    assert seen["count"] == 1 and seen["content"] == data
+    assert a.count == 1 and a.content == data
 
 
 def test_a_thread_that_started_none_waits_for_and_counts_what_others_handed_it(
@@ -93,34 +100,24 @@ def test_a_thread_that_started_none_waits_for_and_counts_what_others_handed_it(
     returns early) and counts it no more."""
     h = handle_factory(intra_op_parallelism=2)
     data = bytearray(random_bytes(8 * MiB, seed=6))
-    path = tmp_path / "handed"
-    submitted, go = threading.Event(), threading.Event()
-    seen, counted = {}, []
-
-    def starter():
-        h.async_pwrite(data, path)
-        submitted.set()
-        go.wait()
-        seen["count"] = h.wait()
-        seen["content"] = path.read_bytes()
-
+    s = _WriterThread(h, data, tmp_path / "handed")
+    counted = []
     pids = _worker_pids(h)
     _signal_all(pids, signal.SIGSTOP)
     try:
-        s = threading.Thread(target=starter)
         s.start()
-        assert submitted.wait(30)
+        assert s.submitted.wait(30)
         helper = threading.Thread(target=lambda: counted.append(h.wait()))
         helper.start()
         _until(lambda: not h._scheduler.books.async_ops)     # the helper took it
-        go.set()
+        s.go.set()
         s.join(0.5)
         assert s.is_alive(), "the starter's wait() returned while its write was held up"
     finally:
         _signal_all(pids, signal.SIGCONT)
     s.join(60)
     helper.join(60)
-    assert seen == {"count": 0, "content": data} and counted == [1]
+    assert s.count == 0 and s.content == data and counted == [1]
 
 
 def test_eight_threads_each_wait_for_their_own_reads(handle_factory, tmp_path):
