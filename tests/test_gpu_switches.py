@@ -77,3 +77,26 @@ def test_locked_tensors_are_registered_with_cuda_only_where_it_is_in_use(monkeyp
             monkeypatch.setenv(name, "0")
             assert made() == 0
             monkeypatch.delenv(name)
+
+
+def test_report_says_whether_cufile_takes_files_in_the_folder(tmp_path):
+    libraries = tmp_path / "libraries"
+    libraries.mkdir()
+    cufile = build(libraries, "libcufile.so.0", FAKE_CUFILE)
+    driver = build(libraries, "libcuda.so.1", FAKE_CUDA)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, "NVMESWAP_CUFILE_LIBRARY": str(cufile),
+           "NVMESWAP_CUDA_LIBRARY": str(driver)}
+    env.pop("NVMESWAP_GDS", None)
+
+    def report(**extra):
+        result = subprocess.run([sys.executable, "-m", "nvmeswap", "report", "--folder",
+                                 str(folder)], capture_output=True, text=True,
+                                env={**env, **extra}, timeout=120, check=False)
+        return result.stdout + result.stderr
+
+    assert f"cuFile in {folder}: registers files here" in report()
+    assert f"cuFile in {folder}: refuses files here (CU_FILE_HANDLE_NOT_REGISTERED)" in \
+        report(FAKE_CUFILE_REFUSE_FILES="5027")
+    assert os.listdir(folder) == []     # its probe file is gone

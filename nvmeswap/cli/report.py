@@ -196,8 +196,13 @@ def _cuda():
     except Exception:
         gpus = 0
     if gpus:
+        from ..locked_tensors import register_with_cuda
         checks.append(_check("CUDA", OK, f"{gpus} GPU(s); aio_handle stages CUDA tensors "
                                          "through locked host memory"))
+        checks.append(_check("locked tensors", OK, "cudaHostRegister'ed where CUDA is in use "
+                             "(pinned-speed copies)" if register_with_cuda() else
+                             "not registered with CUDA (NVMESWAP_REGISTER_LOCKED=0 or "
+                             "DS_PIN_MEMORY_REGISTER_DEVICE=0)"))
     else:
         checks.append(_check("CUDA", OK, "no GPU: host tensors only (nothing needed)"))
     from ..gpu.discovery import gds_available, gds_unavailable_reason, hidden_by, nvidia_fs_loaded
@@ -226,7 +231,39 @@ def folder_checks(folder):
     free = shutil.disk_usage(folder).free
     checks = [_check(name, OK, f"{fs_type} on {device}, {human_size(free)} free")]
     checks.append(_o_direct(folder))
+    from ..gpu.discovery import gds_available
+    if gds_available():
+        checks.append(_cufile_takes_files(folder))
     return checks
+
+
+def _cufile_takes_files(folder):
+    """Whether cuFile registers a file here (Note [cuFile refusing a file]): a cloud VM
+    without nvidia-fs loads cuFile and opens its driver, then refuses every file."""
+    from .. import _cufile
+    from ..errors import CuFileError
+    from ..io.cufile_placement import FILE_REFUSALS
+    name = f"cuFile in {folder}"
+    path = os.path.join(folder, f".nvmeswap-report-cufile-{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as error:
+        return _check(name, WARN, f"cannot open a file with O_DIRECT: {os.strerror(error.errno)}")
+    try:
+        _cufile.driver_open()
+        try:
+            _cufile.handle_deregister(_cufile.handle_register(fd))
+        finally:
+            _cufile.driver_close()
+    except CuFileError as error:
+        if error.code in FILE_REFUSALS:
+            return _check(name, WARN, f"refuses files here ({error.name}): gds_handle moves "
+                                      "CUDA tensors through locked host memory for them")
+        return _check(name, WARN, f"cannot be used ({error.name})")
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return _check(name, OK, "registers files here: gds_handle moves CUDA tensors with cuFile")
 
 
 def _o_direct(folder):
