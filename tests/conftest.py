@@ -1,11 +1,23 @@
 import gc
 import os
+import shutil
 import subprocess
 
 import psutil
 import pytest
 
 import nvmeswap
+
+
+def without_file_privileges():
+    """A command prefix under which permission bits apply, even to root (whose
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH otherwise pass every check)."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root and setpriv is not installed")
+    return ("setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+            "--inh-caps", "-dac_override,-dac_read_search")
 
 
 def _resources():

@@ -15,6 +15,7 @@ import termios
 import time
 
 import pytest
+from conftest import without_file_privileges
 
 DS_IO_LINE = re.compile(r"^(Task|E2E) (Read|Write) (Latency|Speed) = ([0-9.e+-]+) (sec|GB/sec)$",
                         re.MULTILINE)
@@ -213,15 +214,8 @@ def test_available_memory_is_real():
 def test_default_folder_in_an_unwritable_directory(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
-    os.chown(locked, 65534, 65534)
     locked.chmod(0o555)
-    prefix = ()
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root and setpriv is not installed")
-        prefix = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search",
-                  "--inh-caps", "-dac_override,-dac_read_search")
-    result = run_cli("bench", "--io-size", "1M", cwd=locked, prefix=prefix)
+    result = run_cli("bench", "--io-size", "1M", cwd=locked, prefix=without_file_privileges())
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "not writable" in result.stderr and "--folder" in result.stderr
 
