@@ -2,6 +2,7 @@ import gc
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import psutil
 import pytest
@@ -108,14 +109,26 @@ def device_round_trips(h, tmp_path, sizes, offsets, make_tensor, tensor_bytes, p
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 4 MiB tmpfs of the test's own (needs root and mount(2))."""
+    """A 4 MiB tmpfs of the test's own, for anyone: mounted in a user and mount namespace
+    of its own (``unshare -Urm``, no privilege needed), by a process that holds it while
+    the test runs; the test reaches it through that process's root
+    (``/proc/<pid>/root``), and the tmpfs goes with the process."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                            capture_output=True, check=False)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed: no private tmpfs")
+    holder = subprocess.Popen(
+        ["unshare", "-Urm", "sh", "-c",
+         'mount -t tmpfs -o size=4m tmpfs "$0" && echo mounted && exec cat', str(mount_point)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        yield mount_point
+        if holder.stdout.readline().strip() != "mounted":
+            holder.stdin.close()
+            pytest.skip(f"cannot mount a private tmpfs here: {holder.stderr.read().strip()}")
+        yield Path(f"/proc/{holder.pid}/root{mount_point}")
     finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+        if holder.stdin and not holder.stdin.closed:
+            holder.stdin.close()        # cat ends, and the namespace with it
+        holder.wait(30)
+        holder.stdout.close()
+        holder.stderr.close()
