@@ -1,6 +1,7 @@
 import gc
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -8,6 +9,15 @@ import psutil
 import pytest
 
 import nvmeswap
+
+
+def pytest_configure(config):
+    """Ctrl-C behaves as on a terminal, whoever started the suite: a shell that runs it in
+    the background (``nohup pytest &``, ``setsid``) starts it with SIGINT ignored, and an
+    ignored signal stays ignored across exec, so the test's child interpreters would
+    never see a KeyboardInterrupt. A handled signal is reset to its default at exec."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def without_file_privileges():
