@@ -3,6 +3,8 @@ import os
 import shutil
 import signal
 import subprocess
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -85,6 +87,42 @@ def gds_factory():
 @pytest.fixture
 def handle(handle_factory):
     return handle_factory()
+
+
+def wait_until(condition, what, within=60.0):
+    """Wait for ``condition()`` to hold (an event, not a duration); fail the test after
+    ``within`` seconds, a bound only for a hang."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {within} s")
+        time.sleep(0.005)
+
+
+def worker_processes(h):
+    """The worker processes (subprocess.Popen) of handle ``h``'s pool."""
+    return [w.process for w in h._scheduler.workers.pool.workers]
+
+
+@contextmanager
+def stopped_workers(h):
+    """Every worker of ``h`` SIGSTOPped inside the block, SIGCONTed after: requests sent to
+    them meanwhile stay in flight however fast the storage is (the slow device a test
+    needs, by construction). Yields the processes."""
+    workers = worker_processes(h)
+    for worker in workers:
+        worker.send_signal(signal.SIGSTOP)
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGCONT)
+
+
+def in_flight(h):
+    """Whether requests of ``h`` are with its workers or its caller queue now."""
+    return h._scheduler.workers.chunks_in_flight > 0
 
 
 def random_bytes(n, seed=0):
