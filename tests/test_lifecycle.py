@@ -442,10 +442,14 @@ CLOSE_DURING_INLINE = """
     real = scheduler.transfer_in_caller
     started, go_on = threading.Event(), threading.Event()
 
+    events = []
+
     def slow(*args):
         started.set()       # a device that holds the request until told
         go_on.wait()
-        return real(*args)
+        done = real(*args)
+        events.append("read")
+        return done
 
     scheduler.transfer_in_caller = slow
     h = nvmeswap.aio_handle()
@@ -453,7 +457,7 @@ CLOSE_DURING_INLINE = """
     reader = threading.Thread(target=h.sync_pread, args=(back, path, 5))
     reader.start()
     started.wait()
-    closer = threading.Thread(target=h.close)
+    closer = threading.Thread(target=lambda: (h.close(), events.append("closed")))
     closer.start()          # close() comes while the request is out
 
     def in_close(thread=closer):
@@ -463,17 +467,17 @@ CLOSE_DURING_INLINE = """
             frame = frame.f_back
         return frame is not None
 
-    while not in_close():
+    while closer.is_alive() and not in_close():
         time.sleep(0.001)
     go_on.set()
     closer.join()
     reader.join()
-    print("read", bytes(back) == data[5:5 + len(back)])
+    print(*events, bytes(back) == data[5:5 + len(back)])
 """
 
 
 def test_close_from_another_thread_waits_for_a_small_synchronous_operation(tmp_path):
-    assert run_child(CLOSE_DURING_INLINE, tmp_path / "f")[0] == "read True"
+    assert run_child(CLOSE_DURING_INLINE, tmp_path / "f")[0] == "read closed True"
 
 
 REFUSED_SENDS = """
