@@ -8,6 +8,7 @@ corrupt or kill a worker at a given copy.
 import ctypes
 import mmap
 import os
+import weakref
 from typing import ClassVar
 
 import torch
@@ -84,8 +85,9 @@ def use_stand_in_device(monkeypatch):
 def device_tensor(h, data, *, shared=False, **marks):
     """A stand-in device tensor holding ``data`` (bytes) or ``data`` zero bytes.
 
-    ``shared``: in a memfd mapping of its own, which other processes can map (the fake
-    CUDA driver's IPC needs that).
+    ``shared``: in a memfd mapping of its own, which other processes can map: its
+    descriptor stays open while the mapping lives, for the fake CUDA driver's IPC to
+    name (fake_gpu.py).
     """
     size = len(data) if isinstance(data, bytes) else data
     if shared:
@@ -93,8 +95,10 @@ def device_tensor(h, data, *, shared=False, **marks):
         try:
             os.ftruncate(fd, max(size, 1))
             memory = mmap.mmap(fd, max(size, 1))
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        weakref.finalize(memory, os.close, fd)
         tensor = torch.frombuffer(memory, dtype=torch.uint8)[:size]
         if isinstance(data, bytes):
             tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
