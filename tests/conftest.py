@@ -1,5 +1,6 @@
 import gc
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -87,6 +88,18 @@ def gds_factory():
 @pytest.fixture
 def handle(handle_factory):
     return handle_factory()
+
+
+def may_lock(nbytes):
+    """Whether this process may page-lock ``nbytes`` (or have io_uring pin them): it has
+    CAP_IPC_LOCK, or RLIMIT_MEMLOCK is that large (64 KiB or 8 MiB by default)."""
+    with open("/proc/self/status") as status:
+        effective = int(next(line for line in status if line.startswith("CapEff:")).split()[1],
+                        16)
+    if effective & (1 << 14):       # CAP_IPC_LOCK
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return soft == resource.RLIM_INFINITY or soft >= nbytes
 
 
 def wait_until(condition, what, within=60.0):
