@@ -533,9 +533,10 @@ def test_swapper_close_frees_its_locked_tensors_and_files(tmp_path):
 
 
 def test_offload_adam_example_trains_the_same_with_less_memory(tmp_path):
-    """The example's model is large enough (72 MiB of Adam state, each layer's 4.5 MiB)
-    for the saving to stand out of the noise of two processes' peak RSS: offloading must
-    save at least half the state (less three layers' swap buffers, it saves about 80%)."""
+    """The example's model holds 72 MiB of Adam state, 4.5 MiB a layer; offloaded, the
+    memory held after the last step (anonymous and shared, after malloc_trim) is lower
+    by the state less three layers' swap buffers: 58.5 MiB (measured: 59, run after
+    run). Peak RSS is not asserted: it varies by tens of MiB between identical runs."""
     import re
     import subprocess
     import sys
@@ -549,7 +550,7 @@ def test_offload_adam_example_trains_the_same_with_less_memory(tmp_path):
     plain, offload = (line.split("losses ")[1] for line in lines if ": losses " in line)
     assert plain == offload and len(plain.split()) == 2
     state = int(re.search(r"(\d+) MiB of Adam state", lines[0])[1])
-    saved = int(re.fullmatch(r"losses the same; offloading saved (-?\d+) MiB of peak RSS",
-                             lines[-1])[1])
-    assert state == 72 and saved >= state / 2, result.stdout
+    held = int(re.fullmatch(r"losses the same; offloading saved -?\d+ MiB of peak RSS, "
+                            r"(-?\d+) MiB held between steps", lines[-1])[1])
+    assert state == 72 and held >= 0.75 * (state - 3 * state / 16), result.stdout
     assert os.listdir(tmp_path) == []
