@@ -13,12 +13,27 @@ import pytest
 
 import nvmeswap
 
+#: The slow tier (the bench scripts' smoke runs, whole trainings in fresh processes):
+#: run where NVMESWAP_TEST_SLOW=1, as .ci/run does; skipped, saying so, elsewhere.
+SLOW_TIER = os.environ.get("NVMESWAP_TEST_SLOW") == "1"
+SLOW_TIER_REASON = "the slow tier: set NVMESWAP_TEST_SLOW=1 to run it (CI does)"
+
+
+def pytest_collection_modifyitems(config, items):
+    if SLOW_TIER:
+        return
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=SLOW_TIER_REASON))
+
 
 def pytest_configure(config):
-    """Ctrl-C behaves as on a terminal, whoever started the suite: a shell that runs it in
-    the background (``nohup pytest &``, ``setsid``) starts it with SIGINT ignored, and an
-    ignored signal stays ignored across exec, so the test's child interpreters would
-    never see a KeyboardInterrupt. A handled signal is reset to its default at exec."""
+    """The slow marker; and Ctrl-C behaves as on a terminal, whoever started the suite: a
+    shell that runs it in the background (``nohup pytest &``, ``setsid``) starts it with
+    SIGINT ignored, and an ignored signal stays ignored across exec, so the test's child
+    interpreters would never see a KeyboardInterrupt. A handled signal is reset to its
+    default at exec."""
+    config.addinivalue_line("markers", f"slow: {SLOW_TIER_REASON}")
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SLOW_TIER, SLOW_TIER_REASON
 
 from nvmeswap._uring import probe
 
@@ -165,7 +166,9 @@ def runs(request, tmp_path_factory):
         return {name: future.result() for name, future in futures.items()}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# The slow tier (conftest.SLOW_TIER): about a minute of two cores; elsewhere one skip.
+@pytest.mark.parametrize("name", list(CASES) if SLOW_TIER else [pytest.param(
+    "every script", marks=pytest.mark.skip(reason=SLOW_TIER_REASON))])
 def test_bench_script_runs_and_prints_its_figures(name, runs):
     case = CASES[name]
     if case.skip:
