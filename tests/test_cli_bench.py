@@ -147,27 +147,46 @@ def test_progress_bar_on_a_terminal_quiet_when_piped(tmp_path):
 
 
 def test_ctrl_c_stops_cleanly_and_keeps_the_loops(tmp_path):
+    """Ctrl-C once the progress bar (on a terminal) shows two timed loops done: the loops
+    measured are kept and printed, the file is removed, the exit status is 130."""
     folder = tmp_path / "data"
     folder.mkdir()
     out = tmp_path / "b.json"
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     process = subprocess.Popen([sys.executable, "-m", "nvmeswap", "bench", "--folder",
                                 str(folder), "--io-size", "1M", "--loops", "10000000",
                                 "--write", "--buffer", "numpy", "--json", str(out)],
-                               stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not os.listdir(folder) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)                          # some timed loops (each is about a millisecond)
+                               stdout=subprocess.PIPE, stderr=secondary, text=True,
+                               start_new_session=True)
+    seen = b""
+
+    def read_terminal():
+        nonlocal seen
+        ready, _, _ = select.select([primary], [], [], 0.1)
+        if ready:
+            seen += os.read(primary, 65536)
+
+    deadline = time.monotonic() + 120       # for a hang only
+    while not re.search(rb"write 1M.*?\b([2-9]|\d\d+)/10000000", seen):
+        assert process.poll() is None and time.monotonic() < deadline, seen
+        read_terminal()
     os.killpg(process.pid, signal.SIGINT)    # as a terminal's Ctrl-C: the whole group
-    stdout, stderr = process.communicate(timeout=60)
+    while process.poll() is None:
+        read_terminal()
+    read_terminal()
+    os.close(secondary)
+    os.close(primary)
+    stdout = process.stdout.read()
+    process.stdout.close()
+    stderr = seen.decode(errors="replace")
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert os.listdir(folder) == []          # its file is removed
     summary = json.loads(out.read_text())
     assert summary["interrupted"] is True
     loops = summary["jobs"]["write"]["loops"]
-    assert 0 < loops < 10000000
+    assert 2 <= loops < 10000000
     assert len(summary["ranks"][0]["jobs"]["write"]["task_seconds"]) == loops
     assert ds_io_lines(stdout)[("Task", "write", "Latency")] == \
         sum(summary["ranks"][0]["jobs"]["write"]["task_seconds"])
