@@ -343,7 +343,14 @@ def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engin
     for k in range(64):
         offset = (63 - k) * 4 * KiB
         assert bytes(small[k * 4 * KiB:(k + 1) * 4 * KiB].numpy()) == written[offset:offset + 4 * KiB]
-    assert type(h._scheduler.workers.queue) is (UringQueue if ring else CallerQueue)
+    queue, expected = h._scheduler.workers.queue, (UringQueue if ring else CallerQueue)
+    if ring and not may_lock(8 * MiB):
+        # The kernel charges a ring's memory to its user's RLIMIT_MEMLOCK: under a 64 KiB
+        # limit a user has room for two rings of 256 entries, across all its processes,
+        # and a handle that finds none goes without a caller queue.
+        assert queue is None or type(queue) is expected
+    else:
+        assert type(queue) is expected
     pids = [worker.process.pid for worker in h._scheduler.workers.pool.workers]
     assert [_rings_of(pid) for pid in pids] == [1 if ring else 0] * 2
     # Each region a worker maps is registered with its ring (UringEngine.register_buffers),
