@@ -141,7 +141,7 @@ def test_report_missing_folder_fails_with_a_fix(tmp_path):
 def test_tune_plot(tmp_path):
     png = tmp_path / "landscape.png"
     result = nvmeswap_command("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
-                              "--budget-seconds", 2, "--plot", png)
+                              "--budget-seconds", 1, "--plot", png)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -468,7 +468,7 @@ def test_bench_runs_on_the_engine_asked_for_and_says_so(tmp_path):
 def test_tune_tries_both_engines_and_report_says_what_auto_chooses(tmp_path):
     out = tmp_path / "tune.json"
     result = _nvmeswap("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
-                       "--budget-seconds", 2, "--json", out)
+                       "--budget-seconds", 1, "--json", out)
     assert result.returncode == 0, result.stderr
     tuned = json.loads(out.read_text())
     assert tuned["engines"] == ["aio", "uring"]
