@@ -34,6 +34,12 @@ def pytest_configure(config):
     interpreters would never see a KeyboardInterrupt. A handled signal is reset to its
     default at exec."""
     config.addinivalue_line("markers", f"slow: {SLOW_TIER_REASON}")
+    if os.environ.get("NVMESWAP_ENGINE") == "uring" and not may_lock(8 << 20):
+        # The kernel charges each io_uring ring's memory to its user's RLIMIT_MEMLOCK.
+        raise pytest.UsageError(
+            "NVMESWAP_ENGINE=uring needs ulimit -l of 8 MiB or more (or CAP_IPC_LOCK): the "
+            "kernel charges every io_uring ring to it, and under 64 KiB a user holds two "
+            "rings, while the tests make dozens of handles, each with a ring per worker")
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
