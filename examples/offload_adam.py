@@ -7,10 +7,11 @@ print the memory that saves.
 The same training runs twice, each in a fresh process: with the Adam state in memory,
 and with it in files under ``--folder`` (an ``OffloadedOptimizer``: during ``step()``
 each layer's state is read back while the previous layer computes, and written back
-while the next one does). Each run prints its losses and its peak resident memory; the
-losses are the same, bit for bit, and the offloaded run's peak is lower by about the
-size of the Adam state less three layers' worth of swap buffers. The folder is left as
-it was found.
+while the next one does). Each run prints its losses, its peak resident memory and the
+memory it holds after the last step; the losses are the same, bit for bit, and the
+offloaded run holds less by the size of the Adam state less three layers' worth of swap
+buffers (its peak is lower by about as much, give or take the tens of MiB by which a
+torch process's peak varies from run to run). The folder is left as it was found.
 """
 import argparse
 import os
@@ -52,14 +53,26 @@ def train(folder, offload, layers, width, steps):
             optimizer.step()
             scheduler.step()
             losses.append(loss.item())
+        held = held_mib()
     finally:
         if offload:
             optimizer.close()
-    return losses
+    return losses, held
 
 
 def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # KiB on Linux
+
+
+def held_mib():
+    """The memory this process holds of its own now (anonymous and shared, so locked
+    swap buffers count; not the pages of its libraries, which the page cache may take
+    back at any time and which make peak RSS vary between runs by tens of MiB)."""
+    import ctypes
+    ctypes.CDLL(None).malloc_trim(0)    # what malloc keeps of freed memory is not held
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return sum(int(fields[name].split()[0]) for name in ("RssAnon", "RssShmem")) / 1024
 
 
 def main():
@@ -71,10 +84,10 @@ def main():
     parser.add_argument("--run", choices=["plain", "offload"], help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.run:           # one of the two child runs
-        losses = train(arguments.folder, arguments.run == "offload", arguments.layers,
-                       arguments.width, arguments.steps)
+        losses, held = train(arguments.folder, arguments.run == "offload", arguments.layers,
+                             arguments.width, arguments.steps)
         print(" ".join(f"{loss:.9g}" for loss in losses))
-        print(f"{peak_rss_mib():.0f}")
+        print(f"{peak_rss_mib():.0f} {held:.0f}")
         return
     parameters = sum(p.numel() for p in make_model(arguments.layers, arguments.width)
                      .parameters())
@@ -87,13 +100,16 @@ def main():
              "--folder", arguments.folder, "--layers", str(arguments.layers),
              "--width", str(arguments.width), "--steps", str(arguments.steps)],
             check=True, capture_output=True, text=True).stdout.split("\n")
-        results[run] = (output[0], float(output[1]))
+        peak, held = map(float, output[1].split())
+        results[run] = (output[0], peak, held)
         label = "state in memory" if run == "plain" else "state offloaded"
         print(f"{label}: losses {output[0]}")
-        print(f"{' ' * len(label)}  peak RSS {results[run][1]:.0f} MiB")
+        print(f"{' ' * len(label)}  peak RSS {peak:.0f} MiB, held after the last step "
+              f"{held:.0f} MiB")
     same = "the same" if results["plain"][0] == results["offload"][0] else "DIFFERENT"
     print(f"losses {same}; offloading saved "
-          f"{results['plain'][1] - results['offload'][1]:.0f} MiB of peak RSS")
+          f"{results['plain'][1] - results['offload'][1]:.0f} MiB of peak RSS, "
+          f"{results['plain'][2] - results['offload'][2]:.0f} MiB held between steps")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,58 @@
 import gc
 import os
+import resource
+import shutil
+import signal
 import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
 
 import nvmeswap
+
+#: The slow tier (the bench scripts' smoke runs, whole trainings in fresh processes):
+#: run where NVMESWAP_TEST_SLOW=1, as .ci/run does; skipped, saying so, elsewhere.
+SLOW_TIER = os.environ.get("NVMESWAP_TEST_SLOW") == "1"
+SLOW_TIER_REASON = "the slow tier: set NVMESWAP_TEST_SLOW=1 to run it (CI does)"
+
+
+def pytest_collection_modifyitems(config, items):
+    if SLOW_TIER:
+        return
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=SLOW_TIER_REASON))
+
+
+def pytest_configure(config):
+    """The slow marker; and Ctrl-C behaves as on a terminal, whoever started the suite: a
+    shell that runs it in the background (``nohup pytest &``, ``setsid``) starts it with
+    SIGINT ignored, and an ignored signal stays ignored across exec, so the test's child
+    interpreters would never see a KeyboardInterrupt. A handled signal is reset to its
+    default at exec."""
+    config.addinivalue_line("markers", f"slow: {SLOW_TIER_REASON}")
+    if os.environ.get("NVMESWAP_ENGINE") == "uring" and not may_lock(8 << 20):
+        # The kernel charges each io_uring ring's memory to its user's RLIMIT_MEMLOCK.
+        raise pytest.UsageError(
+            "NVMESWAP_ENGINE=uring needs ulimit -l of 8 MiB or more (or CAP_IPC_LOCK): the "
+            "kernel charges every io_uring ring to it, and under 64 KiB a user holds two "
+            "rings, while the tests make dozens of handles, each with a ring per worker")
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def without_file_privileges():
+    """A command prefix under which permission bits apply, even to root (whose
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH otherwise pass every check)."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root and setpriv is not installed")
+    return ("setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+            "--inh-caps", "-dac_override,-dac_read_search")
 
 
 def _resources():
@@ -64,6 +111,54 @@ def handle(handle_factory):
     return handle_factory()
 
 
+def may_lock(nbytes):
+    """Whether this process may page-lock ``nbytes`` (or have io_uring pin them): it has
+    CAP_IPC_LOCK, or RLIMIT_MEMLOCK is that large (64 KiB or 8 MiB by default)."""
+    with open("/proc/self/status") as status:
+        effective = int(next(line for line in status if line.startswith("CapEff:")).split()[1],
+                        16)
+    if effective & (1 << 14):       # CAP_IPC_LOCK
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return soft == resource.RLIM_INFINITY or soft >= nbytes
+
+
+def wait_until(condition, what, within=60.0):
+    """Wait for ``condition()`` to hold (an event, not a duration); fail the test after
+    ``within`` seconds, a bound only for a hang."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {within} s")
+        time.sleep(0.005)
+
+
+def worker_processes(h):
+    """The worker processes (subprocess.Popen) of handle ``h``'s pool."""
+    return [w.process for w in h._scheduler.workers.pool.workers]
+
+
+@contextmanager
+def stopped_workers(h):
+    """Every worker of ``h`` SIGSTOPped inside the block, SIGCONTed after: requests sent to
+    them meanwhile stay in flight however fast the storage is (the slow device a test
+    needs, by construction). Yields the processes."""
+    workers = worker_processes(h)
+    for worker in workers:
+        worker.send_signal(signal.SIGSTOP)
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGCONT)
+
+
+def in_flight(h):
+    """Whether requests of ``h`` are with its workers or its caller queue now."""
+    return h._scheduler.workers.chunks_in_flight > 0
+
+
 def random_bytes(n, seed=0):
     import numpy as np
     return np.random.default_rng(seed + n).integers(0, 256, n, dtype=np.uint8).tobytes()
@@ -96,14 +191,26 @@ def device_round_trips(h, tmp_path, sizes, offsets, make_tensor, tensor_bytes, p
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 4 MiB tmpfs of the test's own (needs root and mount(2))."""
+    """A 4 MiB tmpfs of the test's own, for anyone: mounted in a user and mount namespace
+    of its own (``unshare -Urm``, no privilege needed), by a process that holds it while
+    the test runs; the test reaches it through that process's root
+    (``/proc/<pid>/root``), and the tmpfs goes with the process."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                            capture_output=True, check=False)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed: no private tmpfs")
+    holder = subprocess.Popen(
+        ["unshare", "-Urm", "sh", "-c",
+         'mount -t tmpfs -o size=4m tmpfs "$0" && echo mounted && exec cat', str(mount_point)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        yield mount_point
+        if holder.stdout.readline().strip() != "mounted":
+            holder.stdin.close()
+            pytest.skip(f"cannot mount a private tmpfs here: {holder.stderr.read().strip()}")
+        yield Path(f"/proc/{holder.pid}/root{mount_point}")
     finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+        if holder.stdin and not holder.stdin.closed:
+            holder.stdin.close()        # cat ends, and the namespace with it
+        holder.wait(30)
+        holder.stdout.close()
+        holder.stderr.close()

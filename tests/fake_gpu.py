@@ -1,8 +1,10 @@
 """Fake libcuda and libcufile, built by the tests, for gds_handle's road without a GPU.
 
-"Device memory" is host memory in a memfd mapping: the fake driver exports an
-allocation as (pid, address range) and a worker opens it through
-/proc/<pid>/map_files (which needs CAP_SYS_ADMIN, so these tests run as root only).
+"Device memory" is host memory in a memfd mapping whose descriptor its maker keeps
+open (stand_in_device.device_tensor(shared=True)): the fake driver exports an
+allocation as (pid, that descriptor, the mapping's range and file offset), and a
+worker maps it again through /proc/<pid>/fd/<fd>, which any process of the same user
+may open (/proc/<pid>/map_files would need CAP_SYS_ADMIN).
 The fake cuFile reads and writes with pread/pwrite through an aligned bounce buffer
 (as cuFile's compat mode does), so the file side keeps O_DIRECT's rules; it keeps a
 table of registered buffers, and reads its configuration file the way cuFile does
@@ -16,15 +18,18 @@ import textwrap
 import pytest
 
 FAKE_CUDA = textwrap.dedent("""
+    #include <dirent.h>
     #include <fcntl.h>
     #include <stdio.h>
     #include <stdlib.h>
     #include <string.h>
     #include <sys/mman.h>
+    #include <sys/stat.h>
+    #include <sys/sysmacros.h>
     #include <unistd.h>
     typedef unsigned long long ptr_t;
     typedef struct { char reserved[64]; } ipc_t;
-    typedef struct { int pid; ptr_t start, end; } exported_t;
+    typedef struct { int pid, fd; ptr_t start, end, offset; } exported_t;
     static struct { ptr_t address; size_t size; } opened[64];
 
     int cuInit(unsigned flags) { (void)flags; return 0; }
@@ -51,13 +56,43 @@ FAKE_CUDA = textwrap.dedent("""
         if (maps) fclose(maps);
         return 1;                                   /* CUDA_ERROR_INVALID_VALUE */
     }
+    /* The mapping holding p: its range, file offset and file (device, inode). */
+    static int find_mapping(ptr_t p, exported_t *e, unsigned *major_, unsigned *minor_,
+                            unsigned long *inode) {
+        char line[512];
+        FILE *maps = fopen("/proc/self/maps", "r");
+        while (maps && fgets(line, sizeof line, maps)) {
+            if (sscanf(line, "%llx-%llx %*s %llx %x:%x %lu", &e->start, &e->end, &e->offset,
+                       major_, minor_, inode) == 6 && e->start <= p && p < e->end) {
+                fclose(maps);
+                return 0;
+            }
+        }
+        if (maps) fclose(maps);
+        return 1;
+    }
     int cuIpcGetMemHandle(ipc_t *handle, ptr_t base) {
         exported_t e;
-        size_t size;
+        unsigned major_, minor_;
+        unsigned long inode;
+        struct stat st;
+        struct dirent *entry;
+        DIR *fds;
         if (getenv("FAKE_CUDA_NO_IPC")) return 801; /* CUDA_ERROR_NOT_SUPPORTED */
-        if (cuMemGetAddressRange_v2(&e.start, &size, base)) return 1;
+        if (find_mapping(base, &e, &major_, &minor_, &inode) || inode == 0) return 1;
         e.pid = getpid();
-        e.end = e.start + size;
+        e.fd = -1;
+        fds = opendir("/proc/self/fd");            /* the descriptor that holds the file */
+        while (fds && (entry = readdir(fds)) != NULL) {
+            int fd = atoi(entry->d_name);
+            if (entry->d_name[0] != '.' && fstat(fd, &st) == 0 && st.st_ino == inode
+                    && major(st.st_dev) == major_ && minor(st.st_dev) == minor_) {
+                e.fd = fd;
+                break;
+            }
+        }
+        if (fds) closedir(fds);
+        if (e.fd < 0) return 1;
         memset(handle, 0, sizeof *handle);
         memcpy(handle, &e, sizeof e);
         return 0;
@@ -69,10 +104,11 @@ FAKE_CUDA = textwrap.dedent("""
         void *m;
         (void)flags;
         memcpy(&e, &handle, sizeof e);
-        snprintf(path, sizeof path, "/proc/%d/map_files/%llx-%llx", e.pid, e.start, e.end);
+        snprintf(path, sizeof path, "/proc/%d/fd/%d", e.pid, e.fd);
         fd = open(path, O_RDWR);
         if (fd < 0) return 400;                     /* CUDA_ERROR_INVALID_HANDLE */
-        m = mmap(NULL, e.end - e.start, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        m = mmap(NULL, e.end - e.start, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                 (off_t)e.offset);
         close(fd);
         if (m == MAP_FAILED) return 2;              /* CUDA_ERROR_OUT_OF_MEMORY */
         for (i = 0; i < 64 && opened[i].address; i++) {}

@@ -1,91 +1,225 @@
-"""A stand-in for CUDA memory, so that the device roads run without a GPU.
+"""A stand-in for a GPU, so that the device roads run without one.
 
-Tensors marked with a ``handle`` attribute count as device memory: the handle sees
-them as CUDA tensors (an IoBuffer with a device) and reaches their bytes only through
-``StandInCopier``, which copies the way the CUDA copier does and can be told to fail,
-corrupt or kill a worker at a given copy.
+Two parts, both installed by ``use_stand_in_device``:
+
+- Device memory: ``device_tensor`` makes a ``StandInDeviceTensor``, host memory that
+  the handles see as a CUDA tensor (an IoBuffer with a device).
+- A stand-in CUDA runtime (``StandInCuda``) in nvmeswap.gpu.copies, so that the real
+  copy code runs: its stream, the wait on the caller's stream, the copies made inside
+  ``stream(...)`` with ``non_blocking=True``, the synchronizations, and the
+  ``cudaHostRegister`` of the staging regions. It behaves as CUDA does where that
+  matters to correctness: a non-blocking copy is only queued on the current stream and
+  happens when that stream is synchronized (so a missing synchronize leaves the bytes
+  unmoved), work queued on one stream runs before another's only after ``wait_stream``,
+  and a failing copy reports its error at the synchronize.
+
+A device tensor can be told to fail at its n-th copy (``fail_at_piece``), to kill a
+worker at it (``kill_worker_at_piece``), to flip a bit of every copy to the host
+(``corrupt_copies``) or to call ``before_copy(start, length)`` before each copy runs;
+``copied(tensor)`` says how many bytes the copies moved.
 """
-import ctypes
 import mmap
 import os
-from typing import ClassVar
+import threading
+import weakref
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 
 import nvmeswap.gds as gds_module
 import nvmeswap.io.operation as operation_module
-import nvmeswap.io.placement as placement_module
-from nvmeswap import _memory
-from nvmeswap.io import cufile_placement
+from nvmeswap.gpu import copies
 from nvmeswap.io.buffers import IoBuffer, io_buffer
 
+CUDA_SUCCESS = 0
+_allocations = {}       # storage address -> Allocation, for every live device tensor
 
-class StandInCopier:
-    """Copies like CudaCopier; counts bytes, notes pipelining, fails on request."""
 
-    made: ClassVar[list] = []
+class Allocation:
+    """What the stand-in knows of one device tensor's memory."""
 
-    def __init__(self, tensor, stream):
-        self.address = tensor.data_ptr()
-        self.copied = 0
-        self.in_flight_at_copy = []
-        self.fail_at_piece = getattr(tensor, "fail_at_piece", None)
-        self.kill_worker_at_piece = getattr(tensor, "kill_worker_at_piece", None)
-        self.corrupt_copies = getattr(tensor, "corrupt_copies", False)
-        self.handle = tensor.handle
-        self.calls = 0
-        StandInCopier.made.append(self)
+    def __init__(self, handle, marks):
+        self.handle = handle
+        self.fail_at_piece = marks.pop("fail_at_piece", None)
+        self.kill_worker_at_piece = marks.pop("kill_worker_at_piece", None)
+        self.corrupt_copies = marks.pop("corrupt_copies", False)
+        self.before_copy = marks.pop("before_copy", None)   # called with (start, length)
+        assert not marks, f"unknown marks {marks}"
+        self.copies = 0         # non-blocking copies run (the copier's pieces)
+        self.copied = 0         # their bytes
 
-    def _copy(self, destination, source, length):
-        self.in_flight_at_copy.append(self.handle._scheduler.workers.chunks_in_flight)
-        if self.calls == self.fail_at_piece:
+
+def _allocation(tensor):
+    return _allocations.get(tensor.untyped_storage().data_ptr())
+
+
+def copied(tensor):
+    """The bytes the copy code moved between ``tensor`` and the host."""
+    return _allocation(tensor).copied
+
+
+class StandInDeviceTensor(torch.Tensor):
+    """Host memory that plays device memory: copies to and from it go through the
+    stand-in runtime's streams."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "copy_":
+            return StandInCuda.active.copy(args[0], args[1], kwargs.get("non_blocking", False))
+        if name == "to" and args[1:] == ("cpu",):
+            StandInCuda.active.current_stream().synchronize()   # a blocking copy
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].to("cpu", copy=True)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class StandInStream:
+    """A queue of work, run in order at ``synchronize``."""
+
+    def __init__(self, cuda, device=None):
+        self._cuda = cuda
+        self.device = device
+        self._queued = []       # (sequence number, callable)
+        self._submitted = 0
+        self._done = 0
+
+    def enqueue(self, work):
+        """Queue ``work`` (a callable): a kernel, a copy, a wait on another stream."""
+        with self._cuda.lock:
+            self._submitted += 1
+            self._queued.append((self._submitted, work))
+            self._cuda.events.append(("queued", self))
+
+    def wait_stream(self, other):
+        """What is queued here from now on runs after what ``other`` has queued so far."""
+        upto = other._submitted
+        self._cuda.events.append(("wait_stream", self, other))
+        self.enqueue(lambda: other._run_through(upto))
+
+    def synchronize(self):
+        self._cuda.events.append(("synchronize", self))
+        self._run_through(self._submitted)
+
+    def _run_through(self, upto):
+        with self._cuda.lock:
+            while self._queued and self._queued[0][0] <= upto:
+                _, work = self._queued.pop(0)
+                self._done += 1
+                work()      # an error here is the copy's: CUDA reports it at synchronize
+
+
+class StandInCuda:
+    """The part of ``torch.cuda`` nvmeswap.gpu.copies calls, without a GPU; it records
+    the calls (``events``) and the registered host memory (``registered``)."""
+
+    active = None
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.events = []
+        self.registered = {}        # address -> size: cudaHostRegister'd memory
+        self.streams_made = []
+        self._default = StandInStream(self)
+        self._current = threading.local()   # as in CUDA, the current stream is per thread
+
+    # -- the torch.cuda calls -------------------------------------------------------
+    def current_stream(self, device=None):
+        return getattr(self._current, "stream", None) or self._default
+
+    def Stream(self, device=None):     # torch.cuda's name
+        stream = StandInStream(self, device)
+        self.streams_made.append(stream)
+        return stream
+
+    @contextmanager
+    def stream(self, stream):
+        previous = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = previous
+
+    def cudart(self):
+        def register(address, size, flags):
+            assert flags == copies.HOST_REGISTER_PORTABLE
+            assert address not in self.registered, "registered twice"
+            self.registered[address] = size
+            return CUDA_SUCCESS
+
+        def unregister(address):
+            del self.registered[address]
+            return CUDA_SUCCESS
+
+        return SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=unregister,
+                               cudaError=SimpleNamespace(success=CUDA_SUCCESS))
+
+    # -- copies --------------------------------------------------------------------------
+    def copy(self, target, source, non_blocking):
+        """``target.copy_(source)``: queued on the current stream when non-blocking (as a
+        copy between device and host memory is), else at once after what is queued."""
+        device = target if isinstance(target, StandInDeviceTensor) else source
+        allocation = _allocation(device)
+
+        def run():
+            if non_blocking and allocation is not None:
+                self._copy_hooks(allocation, device)
+            with torch._C.DisableTorchFunctionSubclass():
+                target.copy_(source)
+                if non_blocking and allocation is not None:
+                    allocation.copied += target.numel() * target.element_size()
+                    if allocation.corrupt_copies and device is source:
+                        target.view(torch.uint8)[0] ^= 1
+            if non_blocking:
+                self.events.append(("copied", target.numel() * target.element_size()))
+
+        stream = self.current_stream()
+        if non_blocking:
+            stream.enqueue(run)
+        else:
+            stream.synchronize()
+            run()
+        return target
+
+    def _copy_hooks(self, allocation, device):
+        if allocation.before_copy is not None:
+            allocation.before_copy(device.storage_offset(), device.numel())
+        if allocation.copies == allocation.fail_at_piece:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        if self.calls == self.kill_worker_at_piece:
-            worker = self.handle._scheduler.workers.pool.workers[0].process
+        if allocation.copies == allocation.kill_worker_at_piece:
+            worker = allocation.handle._scheduler.workers.pool.workers[0].process
             worker.kill()
             worker.wait()
-        self.calls += 1
-        _memory.copy_memory(destination, source, length)
-        self.copied += length
-
-    def to_region(self, start, length, region, region_offset):
-        self._copy(region.address + region_offset, self.address + start, length)
-        if self.corrupt_copies:
-            ctypes.c_ubyte.from_address(region.address + region_offset).value ^= 1
-
-    def from_region(self, start, length, region, region_offset):
-        self._copy(self.address + start, region.address + region_offset, length)
-
-    def host_bytes(self, start, length):
-        return self.address + start, None
+        allocation.copies += 1
 
 
 def use_stand_in_device(monkeypatch):
-    """Patch the handles to see marked tensors as device memory; return the staging
-    regions they would have registered with CUDA."""
-    StandInCopier.made = []
-    registered = []
+    """Make the handles see device tensors as CUDA memory, and put a stand-in CUDA
+    runtime under nvmeswap.gpu.copies; return the runtime."""
+    cuda = StandInCuda()
 
     def buffer_of(obj, *, writable):
         buf = io_buffer(obj, writable=writable)
-        if hasattr(obj, "handle"):
+        if isinstance(obj, StandInDeviceTensor):
             return IoBuffer(buf.owner, buf.address, buf.nbytes, device=torch.device("cuda", 0))
         return buf
 
     for module in (operation_module, gds_module):
         monkeypatch.setattr(module, "io_buffer", buffer_of)
-    monkeypatch.setattr(placement_module, "CudaCopier", StandInCopier)
-    monkeypatch.setattr(placement_module, "copy_stream", lambda device, streams: None)
-    monkeypatch.setattr(placement_module, "register_for_device_copies", registered.append)
-    monkeypatch.setattr(cufile_placement, "wait_for_queued_work", lambda device: None)
-    return registered
+    monkeypatch.setattr(copies, "runtime", cuda)
+    monkeypatch.setattr(StandInCuda, "active", cuda)
+    return cuda
 
 
 def device_tensor(h, data, *, shared=False, **marks):
     """A stand-in device tensor holding ``data`` (bytes) or ``data`` zero bytes.
 
-    ``shared``: in a memfd mapping of its own, which other processes can map (the fake
-    CUDA driver's IPC needs that).
+    ``shared``: in a memfd mapping of its own, which other processes can map: its
+    descriptor stays open while the mapping lives, for the fake CUDA driver's IPC to
+    name (fake_gpu.py).
     """
     size = len(data) if isinstance(data, bytes) else data
     if shared:
@@ -93,16 +227,19 @@ def device_tensor(h, data, *, shared=False, **marks):
         try:
             os.ftruncate(fd, max(size, 1))
             memory = mmap.mmap(fd, max(size, 1))
-        finally:
+        except BaseException:
             os.close(fd)
-        tensor = torch.frombuffer(memory, dtype=torch.uint8)[:size]
+            raise
+        weakref.finalize(memory, os.close, fd)
+        host = torch.frombuffer(memory, dtype=torch.uint8)[:size]
         if isinstance(data, bytes):
-            tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            host.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     elif isinstance(data, bytes):
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
-        tensor = torch.zeros(size, dtype=torch.uint8)
-    tensor.handle = h
-    for name, value in marks.items():
-        setattr(tensor, name, value)
+        host = torch.zeros(size, dtype=torch.uint8)
+    tensor = host.as_subclass(StandInDeviceTensor)
+    key = tensor.untyped_storage().data_ptr()
+    _allocations[key] = Allocation(h, marks)
+    weakref.finalize(tensor, _allocations.pop, key, None)
     return tensor

@@ -1,12 +1,12 @@
 """The nvmeswap command: bench, tune and report on a small folder, their JSON and exit codes."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import without_file_privileges
 
 import nvmeswap
 
@@ -84,22 +84,11 @@ def test_bench_errors(tmp_path):
     assert bad_size.returncode == 2 and "not a size" in bad_size.stderr
 
 
-def _without_file_privileges():
-    """A command prefix under which permission bits apply, even to root."""
-    if os.geteuid() != 0:
-        return ()
-    if shutil.which("setpriv") is None:
-        pytest.skip("running as root and setpriv is not installed")
-    return ("setpriv", "--bounding-set", "-dac_override,-dac_read_search",
-            "--inh-caps", "-dac_override,-dac_read_search")
-
-
 def test_bench_and_tune_refuse_an_unwritable_folder(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
-    os.chown(locked, 65534, 65534)
     locked.chmod(0o555)
-    prefix = _without_file_privileges()
+    prefix = without_file_privileges()
     bench = nvmeswap_command("bench", "--folder", locked, "--io-size", "1M", prefix=prefix)
     assert bench.returncode == 2 and "not writable" in bench.stderr
     tune = nvmeswap_command("tune", "--folder", locked, "--io-size", "1M", prefix=prefix)
@@ -152,7 +141,7 @@ def test_report_missing_folder_fails_with_a_fix(tmp_path):
 def test_tune_plot(tmp_path):
     png = tmp_path / "landscape.png"
     result = nvmeswap_command("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
-                              "--budget-seconds", 2, "--plot", png)
+                              "--budget-seconds", 1, "--plot", png)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -19,6 +19,7 @@ def _example():
     return module
 
 
+@pytest.mark.slow
 def test_zero3_nvme_offload_matches_cpu_offload_bit_for_bit(tmp_path):
     example = _example()
     assert example.compare(str(tmp_path)) is True

@@ -1,17 +1,19 @@
 """The staging space that CUDA tensors take through aio_handle, driven by a stand-in device.
 
-No GPU is needed: the stand-in device (stand_in_device.py) copies between the tensor
-and the handle's staging space as the CUDA copier does, so the pieces, the workers and
-the files all run for real. The CUDA copier itself is tested in test_gpu.py, on a GPU.
+No GPU is needed: the stand-in device (stand_in_device.py) puts a stand-in CUDA runtime
+under nvmeswap.gpu.copies, so that the real copier runs (its stream, its wait on the
+caller's stream, its asynchronous copies and their synchronization, the registration of
+the staging space), and the pieces, the workers and the files all run for real. On a
+GPU, test_gpu.py runs the same code on CUDA.
 """
 import functools
+import os
 import threading
-import time
 
 import pytest
 import torch
-from conftest import random_bytes
-from stand_in_device import StandInCopier, device_tensor, use_stand_in_device
+from conftest import random_bytes, wait_until
+from stand_in_device import copied, device_tensor, use_stand_in_device
 
 import nvmeswap
 from nvmeswap.io.limits import Limits
@@ -50,11 +52,12 @@ def test_round_trip_through_ring(handle_factory, tmp_path, device, parallelism, 
             h.sync_pread(target, str(path), offset)
         assert bytes(target.numpy()) == data, f"size={size} offset={offset}"
         assert path.read_bytes()[offset:] == data
-        write_copier, read_copier = StandInCopier.made[-2:]
-        assert write_copier.copied == read_copier.copied == size     # every byte via the copier
+        assert copied(source) == copied(target) == size     # every byte via the copier
 
 
 def test_staging_stays_at_ring_size(handle_factory, tmp_path, device):
+    """Four slots, not a bounce buffer as large as the tensor; the staging space is
+    registered with CUDA once (Note [registered staging]) and unregistered at close."""
     h = handle_factory(intra_op_parallelism=2)
     size = 80 * PIECE + 5
     data = random_bytes(size)
@@ -62,20 +65,60 @@ def test_staging_stays_at_ring_size(handle_factory, tmp_path, device):
     target = device_tensor(h, size)
     h.sync_pread(target, str(tmp_path / "f"), 4096)
     assert bytes(target.numpy()) == data
-    # Four slots, not a bounce buffer as large as the tensor.
-    assert device and all(region.size < size / 2 for region in device)
+    assert len(device.registered) == 1 and all(n < size / 2 for n in device.registered.values())
+    h.close()
+    assert device.registered == {}
+
+
+def test_a_write_sees_the_work_queued_before_it(handle_factory, tmp_path, device):
+    """Note [stream order]: the bytes a kernel queued on the caller's stream will write
+    are the bytes written to the file, though the kernel has not run at the call."""
+    h = handle_factory(intra_op_parallelism=2)
+    data = random_bytes(9 * PIECE + 11)
+    source = device_tensor(h, len(data))            # zeros, until the kernel runs
+    device.current_stream().enqueue(
+        lambda: source.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+    h.async_pwrite(source, str(tmp_path / "f"))
+    assert h.wait() == 1
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_a_read_is_in_the_tensor_when_wait_returns(handle_factory, tmp_path, device):
+    """Note [stream order]: the copies of a read are complete at wait(), for work queued
+    after it on any stream; nothing is left queued on the handle's stream."""
+    h = handle_factory(intra_op_parallelism=2)
+    data = random_bytes(9 * PIECE + 11)
+    (tmp_path / "f").write_bytes(data)
+    target = device_tensor(h, len(data))
+    h.async_pread(target, str(tmp_path / "f"))
+    assert h.wait() == 1
+    assert bytes(target.numpy()) == data
+    (stream,) = device.streams_made
+    assert stream._queued == []
 
 
 def test_copies_overlap_the_workers_io(handle_factory, tmp_path, device):
-    """Pipelined: pieces are copied while earlier pieces are with the workers."""
+    """Pipelined: the copy of each piece of a write waits until the piece before it is
+    in the file. A piece gets there only if it went to the workers before this copy
+    began, so the copies and the workers' writes overlap; a handle that copied every
+    piece (or the next piece) before handing the last one out would stop here."""
     h = handle_factory(intra_op_parallelism=2)
     data = random_bytes(20 * PIECE)
-    h.sync_pwrite(device_tensor(h, data), str(tmp_path / "f"))
-    target = device_tensor(h, len(data))
-    h.sync_pread(target, str(tmp_path / "f"))
-    assert bytes(target.numpy()) == data
-    for copier in StandInCopier.made:
-        assert max(copier.in_flight_at_copy) >= 2, copier.in_flight_at_copy
+    path = tmp_path / "f"
+    seen = []
+
+    def after_the_previous_piece_is_written(start, length):
+        if seen:
+            before, before_length = seen[-1]
+            expected = data[before:before + before_length]
+            with open(path, "rb") as written:
+                wait_until(lambda: os.pread(written.fileno(), before_length, before) == expected,
+                           f"piece at {before} reaches the file while the next is copied")
+        seen.append((start, length))
+
+    source = device_tensor(h, data, before_copy=after_the_previous_piece_is_written)
+    assert h.sync_pwrite(source, str(path)) == 1
+    assert len(seen) >= 20 and path.read_bytes() == data
 
 
 def test_async_write_progresses_before_wait(handle_factory, tmp_path, device):
@@ -83,12 +126,9 @@ def test_async_write_progresses_before_wait(handle_factory, tmp_path, device):
     h = handle_factory()
     size = 32 * PIECE
     path = tmp_path / "f"
-    h.async_pwrite(device_tensor(h, random_bytes(size)), str(path))
-    copier = StandInCopier.made[-1]
-    deadline = time.monotonic() + 30
-    while copier.copied < size and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert copier.copied == size, "the ring stalled until wait()"
+    source = device_tensor(h, random_bytes(size))
+    h.async_pwrite(source, str(path))
+    wait_until(lambda: copied(source) == size, "the ring turns until every piece is copied")
     assert h.wait() == 1
     assert path.read_bytes() == random_bytes(size)
 

@@ -1,7 +1,6 @@
 """Bad input and failed I/O: the exact exception, errno and file name; nothing lost."""
 import errno
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -9,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import random_bytes
+from conftest import random_bytes, without_file_privileges
 
 import nvmeswap
 
@@ -169,18 +168,13 @@ PERMISSION_SCRIPT = textwrap.dedent("""
 
 
 def test_no_permission(tmp_path):
+    """A file whose mode grants its owner nothing: reading and writing it are EACCES."""
     path = tmp_path / "secret"
     path.write_bytes(b"s" * 100)
+    path.chmod(0o000)
     package_root = os.path.dirname(os.path.dirname(nvmeswap.__file__))
-    command = [sys.executable, "-c", PERMISSION_SCRIPT, str(path), package_root]
-    if os.geteuid() == 0:
-        # Root passes permission checks; drop the capabilities that let it.
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root and setpriv is not installed")
-        os.chown(path, 65534, 65534)
-        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
-                   "--inh-caps", "-dac_override,-dac_read_search"] + command
-    os.chmod(path, 0o600)
+    command = [*without_file_privileges(), sys.executable, "-c", PERMISSION_SCRIPT, str(path),
+               package_root]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 

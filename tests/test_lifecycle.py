@@ -6,6 +6,7 @@ Anything that could hang or crash runs in a child process with a deadline.
 import concurrent.futures
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import random_bytes
+from conftest import in_flight, random_bytes, stopped_workers, wait_until
 
 import nvmeswap
 
@@ -173,27 +174,22 @@ def test_pending_writes_finish_when_the_handle_is_dropped_or_the_program_exits(t
         assert np.array_equal(written[4096 * i:], expected)
 
 
-def _slow_reader(handle_factory):
-    # 4 KiB requests, one in flight: a 64 MiB read takes long enough to act during it.
-    return handle_factory(block_size=4096, queue_depth=1)
-
-
-def test_close_waits_and_raises_the_first_failure(handle_factory, tmp_path):
-    h = _slow_reader(handle_factory)
-    (tmp_path / "shrinks").write_bytes(random_bytes(64 * MiB))
+def test_close_waits_and_raises_the_first_failure(handle, tmp_path):
+    (tmp_path / "shrinks").write_bytes(random_bytes(16 * MiB))
     good = bytearray(random_bytes(MiB))
-    target = h.new_cpu_locked_tensor(64 * MiB, torch.empty(0, dtype=torch.uint8))
-    h.async_pwrite(good, tmp_path / "good")
-    h.async_pread(target, tmp_path / "shrinks")
-    time.sleep(0.1)
-    os.truncate(tmp_path / "shrinks", 4096)
+    target = handle.new_cpu_locked_tensor(16 * MiB, torch.empty(0, dtype=torch.uint8))
+    with stopped_workers(handle):           # the read cannot end before the truncation
+        handle.async_pwrite(good, tmp_path / "good")
+        handle.async_pread(target, tmp_path / "shrinks")
+        wait_until(lambda: in_flight(handle), "the operations reach the workers")
+        os.truncate(tmp_path / "shrinks", 4096)
     with pytest.raises(nvmeswap.ShortFileError) as info:
-        h.close()
+        handle.close()
     assert info.value.filename == str(tmp_path / "shrinks")
     assert (tmp_path / "good").read_bytes() == good
-    h.close()       # closed: a second close() is quiet
+    handle.close()       # closed: a second close() is quiet
     with pytest.raises(ValueError, match="closed"):
-        h.wait()
+        handle.wait()
 
 
 def test_wait_from_two_threads_counts_each_operation_once(handle_factory, tmp_path):
@@ -313,12 +309,24 @@ STOPPED_WORKER = """
     os.kill(worker.pid, signal.SIGSTOP)
     back = np.zeros_like(data)
     h.async_pread(back, path)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
-    start = time.monotonic()
+
+    def in_wait(thread=threading.main_thread()):
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None and (frame.f_code.co_name, frame.f_code.co_filename) != (
+                "wait", h.wait.__code__.co_filename):
+            frame = frame.f_back
+        return frame is not None
+
+    def interrupt_the_wait():     # the read cannot end: its worker is stopped
+        while not in_wait():
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_the_wait).start()
     try:
         h.wait()
     except KeyboardInterrupt:
-        print("interrupted after", time.monotonic() - start)
+        print("interrupted")
     os.kill(worker.pid, signal.SIGCONT)
     print("then", h.wait(), np.array_equal(back, data))
     h.close()
@@ -327,8 +335,7 @@ STOPPED_WORKER = """
 
 def test_ctrl_c_while_a_worker_is_stopped_then_continued(tmp_path):
     lines = run_child(STOPPED_WORKER, tmp_path / "f")
-    assert lines[0].startswith("interrupted after") and float(lines[0].split()[2]) < 2.0
-    assert lines[1] == "then 1 True"
+    assert lines[:2] == ["interrupted", "then 1 True"]
 
 
 def test_out_of_space_in_a_batch_names_the_file_and_keeps_what_others_wrote(
@@ -434,25 +441,44 @@ CLOSE_DURING_INLINE = """
     data = bytes(range(256)) * 1000
     open(path, "wb").write(data)
     real = scheduler.transfer_in_caller
+    started, go_on = threading.Event(), threading.Event()
+
+    events = []
 
     def slow(*args):
-        time.sleep(0.5)     # a slow device: close() comes while the request is out
-        return real(*args)
+        started.set()       # a device that holds the request until told
+        go_on.wait()
+        done = real(*args)
+        events.append("read")
+        return done
 
     scheduler.transfer_in_caller = slow
     h = nvmeswap.aio_handle()
     back = bytearray(200_000)
     reader = threading.Thread(target=h.sync_pread, args=(back, path, 5))
     reader.start()
-    time.sleep(0.1)
-    h.close()
+    started.wait()
+    closer = threading.Thread(target=lambda: (h.close(), events.append("closed")))
+    closer.start()          # close() comes while the request is out
+
+    def in_close(thread=closer):
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None and (frame.f_code.co_name, frame.f_code.co_filename) != (
+                "close", h.close.__code__.co_filename):
+            frame = frame.f_back
+        return frame is not None
+
+    while closer.is_alive() and not in_close():
+        time.sleep(0.001)
+    go_on.set()
+    closer.join()
     reader.join()
-    print("read", bytes(back) == data[5:5 + len(back)])
+    print(*events, bytes(back) == data[5:5 + len(back)])
 """
 
 
 def test_close_from_another_thread_waits_for_a_small_synchronous_operation(tmp_path):
-    assert run_child(CLOSE_DURING_INLINE, tmp_path / "f")[0] == "read True"
+    assert run_child(CLOSE_DURING_INLINE, tmp_path / "f")[0] == "read closed True"
 
 
 REFUSED_SENDS = """
@@ -484,16 +510,18 @@ REFUSED_SENDS = """
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/usr/sbin/capsh") and not os.path.exists("/sbin/capsh"),
-                    reason="needs capsh to drop CAP_SYS_RESOURCE")
 def test_descriptors_the_kernel_refuses_to_pass_fail_their_chunks_instead_of_hanging(tmp_path):
     """Without CAP_SYS_RESOURCE the kernel refuses (ETOOMANYREFS) to pass more descriptors
     than RLIMIT_NOFILE in flight, per user: a live worker's refusal fails that chunk."""
     script = textwrap.dedent(REFUSED_SENDS)
-    result = subprocess.run(["capsh", "--drop=cap_sys_resource,cap_sys_admin", "--",
-                             "-c", f'exec "{sys.executable}" -c "$0" "$@"', script,
-                             PACKAGE_ROOT, str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, check=False)
+    command = [sys.executable, "-c", script, PACKAGE_ROOT, str(tmp_path)]
+    if os.geteuid() == 0:       # root has CAP_SYS_RESOURCE (an ordinary user has none)
+        if shutil.which("capsh", path=os.pathsep.join([os.environ.get("PATH", ""),
+                                                       "/usr/sbin", "/sbin"])) is None:
+            pytest.skip("running as root and capsh (libcap2-bin) is not installed")
+        command = ["capsh", "--drop=cap_sys_resource,cap_sys_admin", "--",
+                   "-c", 'exec "$0" "$@"', *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split("\n")[:3]
     for k, line in enumerate(lines):

@@ -3,12 +3,12 @@ call move the right bytes, and whatever that call declines still runs the ordina
 import errno
 import os
 import random
+import sys
 import threading
-import time
 
 import pytest
 import torch
-from conftest import random_bytes
+from conftest import random_bytes, wait_until
 
 import nvmeswap
 from nvmeswap._transfers import quick_transfer
@@ -156,14 +156,18 @@ def test_a_quick_write_survives_a_failed_write_that_grew_the_file(handle_factory
 
 def test_close_from_another_thread_waits_for_a_quick_operation(handle_factory, tmp_path,
                                                                monkeypatch):
+    """close() from another thread while a quick write is with a slow device (one that
+    holds it until told): close() returns after the write, and the bytes are written."""
     import nvmeswap.io.scheduler as scheduler_module
-    started = threading.Event()
+    started, go_on, events = threading.Event(), threading.Event(), []
     real = scheduler_module.quick_transfer
 
     def slow_device(*args):
         started.set()
-        time.sleep(0.5)
-        return real(*args)
+        go_on.wait()
+        done = real(*args)
+        events.append("written")
+        return done
 
     monkeypatch.setattr(scheduler_module, "quick_transfer", slow_device)
     h = handle_factory()
@@ -173,13 +177,25 @@ def test_close_from_another_thread_waits_for_a_quick_operation(handle_factory, t
     writer = threading.Thread(target=lambda: results.append(
         h.sync_pwrite(aligned_plain(4 * KiB, fill=9), path, 0)))
     writer.start()
-    assert started.wait(10)
-    h.close()
-    assert not writer.is_alive() and results == [1]
+    wait_until(started.is_set, "the write reaches the device")
+    closer = threading.Thread(target=lambda: (h.close(), events.append("closed")))
+    closer.start()
+    wait_until(lambda: _inside(closer, h.close) or not closer.is_alive(), "close() starts")
+    go_on.set()
+    closer.join(60)
+    writer.join(60)
+    assert events == ["written", "closed"] and results == [1]
     assert path.read_bytes() == b"\x09" * 4 * KiB + b"\0" * 4 * KiB
     with pytest.raises(ValueError, match="closed"):
         h.sync_pread(aligned_plain(4 * KiB), path, 0)
-    writer.join()
+
+
+def _inside(thread, method):
+    """Whether ``thread`` is running ``method`` now (somewhere on its stack)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None and frame.f_code is not method.__code__:
+        frame = frame.f_back
+    return frame is not None
 
 
 def test_unusual_names_and_offsets_behave_as_on_the_ordinary_road(handle, tmp_path):

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import random_bytes
+from conftest import random_bytes, worker_processes
 
 import nvmeswap
 
@@ -191,8 +191,7 @@ def test_staging_stays_bounded_in_a_burst(handle_factory, tmp_path):
         back = torch.empty(40 * MiB + i, dtype=torch.uint8)
         h.sync_pread(back, tmp_path / f"burst{i}", 4096 * i + 7)
         assert int(back.min()) == int(back.max()) == i
-    import psutil
-    workers = psutil.Process().children()
+    workers = worker_processes(h)
     assert len(workers) == 2 and all(staging_bytes(w.pid) <= 64 * MiB for w in workers)
 
 

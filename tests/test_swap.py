@@ -181,6 +181,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_two_ranks_with_offload_match_two_ranks_without(tmp_path):
     """2 ranks (torch.multiprocessing spawn, gloo), each offloading its own Adam state.
 

@@ -533,16 +533,24 @@ def test_swapper_close_frees_its_locked_tensors_and_files(tmp_path):
 
 
 def test_offload_adam_example_trains_the_same_with_less_memory(tmp_path):
+    """The example's model holds 72 MiB of Adam state, 4.5 MiB a layer; offloaded, the
+    memory held after the last step (anonymous and shared, after malloc_trim) is lower
+    by the state less three layers' swap buffers: 58.5 MiB (measured: 59, run after
+    run). Peak RSS is not asserted: it varies by tens of MiB between identical runs."""
+    import re
     import subprocess
     import sys
     example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "examples", "offload_adam.py")
     result = subprocess.run([sys.executable, example, "--folder", str(tmp_path),
-                             "--layers", "2", "--width", "256", "--steps", "3"],
-                            capture_output=True, text=True, timeout=120, check=False)
+                             "--layers", "16", "--width", "768", "--steps", "2"],
+                            capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     plain, offload = (line.split("losses ")[1] for line in lines if ": losses " in line)
-    assert plain == offload and len(plain.split()) == 3
-    assert "losses the same; offloading saved" in lines[-1]
+    assert plain == offload and len(plain.split()) == 2
+    state = int(re.search(r"(\d+) MiB of Adam state", lines[0])[1])
+    held = int(re.fullmatch(r"losses the same; offloading saved -?\d+ MiB of peak RSS, "
+                            r"(-?\d+) MiB held between steps", lines[-1])[1])
+    assert state == 72 and held >= 0.75 * (state - 3 * state / 16), result.stdout
     assert os.listdir(tmp_path) == []

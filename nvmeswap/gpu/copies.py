@@ -16,34 +16,49 @@ from ..errors import warn_once
 
 HOST_REGISTER_PORTABLE = 1     # cudaHostRegisterPortable
 
+#: The CUDA runtime every copy goes through: None for ``torch.cuda``. The tests put a
+#: stand-in with the same calls here (tests/stand_in_device.py), so that the code below
+#: runs, streams, events and registration included, on machines without a GPU.
+runtime = None
+
+
+def cuda():
+    """``torch.cuda``, or the stand-in runtime in ``runtime``."""
+    if runtime is not None:
+        return runtime
+    import torch
+
+    return torch.cuda
+
 
 class CudaCopier:
     """Copies between one CUDA tensor and staging regions (Note [stream order])."""
 
-    __slots__ = ("_bytes", "_stream", "_torch")
+    __slots__ = ("_bytes", "_cuda", "_stream", "_torch")
 
     def __init__(self, tensor, stream):
         import torch
 
         self._torch = torch
+        self._cuda = cuda()
         self._bytes = tensor.detach().reshape(-1).view(torch.uint8)
         self._stream = stream
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        stream.wait_stream(self._cuda.current_stream(tensor.device))
 
     def to_region(self, start, length, region, region_offset):
         host = self._host(region, region_offset, length)
-        with self._torch.cuda.stream(self._stream):
+        with self._cuda.stream(self._stream):
             host.copy_(self._bytes[start:start + length], non_blocking=True)
         self._stream.synchronize()
 
     def from_region(self, start, length, region, region_offset):
         host = self._host(region, region_offset, length)
-        with self._torch.cuda.stream(self._stream):
+        with self._cuda.stream(self._stream):
             self._bytes[start:start + length].copy_(host, non_blocking=True)
         self._stream.synchronize()
 
     def host_bytes(self, start, length):
-        with self._torch.cuda.stream(self._stream):
+        with self._cuda.stream(self._stream):
             copy = self._bytes[start:start + length].to("cpu")
         return copy.data_ptr(), copy
 
@@ -55,18 +70,14 @@ class CudaCopier:
 def wait_for_queued_work(device):
     """Note [stream order], for cuFile: it reads and writes device memory outside any
     stream, so the work the caller has queued must be finished before it starts."""
-    import torch
-
-    torch.cuda.current_stream(device).synchronize()
+    cuda().current_stream(device).synchronize()
 
 
 def copy_stream(device, streams):
     """The handle's own stream on ``device`` (made once, kept in ``streams``)."""
     stream = streams.get(device)
     if stream is None:
-        import torch
-
-        stream = streams[device] = torch.cuda.Stream(device=device)
+        stream = streams[device] = cuda().Stream(device=device)
     return stream
 
 
@@ -79,9 +90,7 @@ def register_for_device_copies(region):
     """
     if region.unregister is not None:
         return
-    import torch
-
-    cudart = torch.cuda.cudart()
+    cudart = cuda().cudart()
     # Portable: pinned for every device's context, not only the current one.
     status = cudart.cudaHostRegister(region.address, region.size, HOST_REGISTER_PORTABLE)
     if status != cudart.cudaError.success:
