@@ -84,7 +84,7 @@ def an_hour_more(function):
     return slow
 
 ranks.time = Clock()
-ranks._make_buffer, ranks._fill = an_hour_more(ranks._make_buffer), an_hour_more(ranks._fill)
+ranks._make_buffer, ranks.fill = an_hour_more(ranks._make_buffer), an_hour_more(ranks.fill)
 timed = nvmeswap.aio.aio_handle.pwrite
 
 def pwrite(self, *args, **kwargs):
