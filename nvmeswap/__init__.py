@@ -4,7 +4,15 @@ A drop-in for DeepSpeed DeepNVMe's ``aio_handle`` and ``gds_handle``, built on k
 cuFile in Cython and a pool of worker processes. Importing it loads neither torch nor CUDA.
 """
 from .aio import aio_handle
-from .checkpoint import Checkpointer, async_save, load, load_into, save
+from .checkpoint import (
+    Checkpointer,
+    async_save,
+    load,
+    load_into,
+    load_safetensors,
+    save,
+    save_safetensors,
+)
 from .errors import (
     BufferedIOWarning,
     CudaError,
@@ -40,5 +48,7 @@ __all__ = [
     "gds_unavailable_reason",
     "load",
     "load_into",
+    "load_safetensors",
     "save",
+    "save_safetensors",
 ]

@@ -13,7 +13,8 @@ from typing import Any
 
 from .checkpointer import Checkpointer
 
-__all__ = ["Checkpointer", "async_save", "load", "load_into", "save"]
+__all__ = ["Checkpointer", "async_save", "load", "load_into", "load_safetensors", "save",
+           "save_safetensors"]
 
 
 def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
@@ -69,3 +70,20 @@ def async_save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> Futu
     except BaseException:
         checkpointer.close()
         raise
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None, *,
+                     handle: Any = None) -> None:
+    """Save a flat dict of tensors (str -> tensor, any safetensors dtype) as a safetensors
+    file that the ``safetensors`` package reads unchanged; ``metadata`` is a dict of str.
+    Written crash-consistently, as ``save``; tensors that share memory are refused, as
+    the package refuses them."""
+    with Checkpointer(handle) as checkpointer:
+        checkpointer.save_safetensors(tensors, path, metadata)
+
+
+def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
+    """Read a safetensors file (written by nvmeswap or by the ``safetensors`` package)
+    into a dict of CPU tensors in locked memory (as ``load``'s, one buffer per file)."""
+    with Checkpointer(handle) as checkpointer:
+        return checkpointer.load_safetensors(path)

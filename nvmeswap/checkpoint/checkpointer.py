@@ -11,6 +11,7 @@ from typing import Any
 from ..aio import aio_handle
 from ..units import ALIGNMENT, round_up
 from . import commit, loading
+from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
 from .torch_zip import layout
 
@@ -112,6 +113,21 @@ class Checkpointer:
         self._check_open()
         path = checked_path(path, writing=False)
         return loading.load_into(path, into, self.handle, strict)
+
+    # -- safetensors ---------------------------------------------------------------------
+    def save_safetensors(self, tensors: dict, path: str | os.PathLike,
+                         metadata: dict | None = None) -> None:
+        """Write a flat dict of tensors as a safetensors file (Note [aligned
+        safetensors]), crash-consistently; the ``safetensors`` package reads it."""
+        self._check_open()
+        path = checked_path(path, writing=True)
+        self.write_image(safetensors_format.layout(tensors, metadata), path)
+
+    def load_safetensors(self, path: str | os.PathLike) -> dict:
+        """Read a safetensors file (ours or the package's) into locked CPU tensors."""
+        self._check_open()
+        path = checked_path(path, writing=False)
+        return safetensors_format.load_locked(path, self.handle)
 
     # -- asynchronous --------------------------------------------------------------------
     def async_save(self, obj: Any, path: str | os.PathLike, *, one_off: bool = False) -> Future:

@@ -111,7 +111,8 @@ class StreamWriter:
                     into = slice(base + position - start, base + upto - start)
                     if is_tensor:
                         self.ring[into].copy_(run.source[position - offset:upto - offset])
-                        crc = zlib.crc32(self.view[into], crc)
+                        if run.crc_slots:
+                            crc = zlib.crc32(self.view[into], crc)
                     else:
                         self.view[into] = run[position - offset:upto - offset]
                     position = upto
