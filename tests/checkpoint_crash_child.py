@@ -1,0 +1,70 @@
+"""Run by tests/test_checkpoint_crash.py: rounds of checkpoint saves, each process killed
+with SIGKILL at a random instant.
+
+``python checkpoint_crash_child.py FOLDER ROUNDS SEED``: round r saves generation after
+generation to ``FOLDER/round<r>/ckpt.pt`` in a forked process (torch and nvmeswap already
+imported, so a round starts in milliseconds), which is killed a random time after its
+handle is ready. Prints one JSON line: the delay of each kill.
+"""
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+
+def make_state(generation):
+    """The checkpoint of ``generation``: its bytes follow from the number alone."""
+    import torch
+
+    made = torch.Generator().manual_seed(generation)
+    return {
+        "generation": generation,
+        "w": torch.randn(512, 1024, generator=made),
+        "b": torch.randn(300_001, generator=made).bfloat16(),
+        "steps": [torch.full((1000,), generation, dtype=torch.int64), "adam"],
+    }
+
+
+def _saver(path, first, ready):
+    import nvmeswap
+
+    with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2) as checkpointer:
+        os.write(ready, b"r")
+        generation = first
+        while True:
+            checkpointer.save(make_state(generation), path)
+            generation += 1
+
+
+def main():
+    folder, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    import torch  # noqa: F401  (imported before the forks: each round starts at once)
+
+    import nvmeswap  # noqa: F401
+
+    chosen = random.Random(seed)
+    delays = []
+    for index in range(rounds):
+        path = os.path.join(folder, f"round{index}", "ckpt.pt")
+        ready_read, ready_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_read)
+            try:
+                _saver(path, (index + 1) * 1000, ready_write)
+            finally:
+                os._exit(1)
+        os.close(ready_write)
+        os.read(ready_read, 1)
+        os.close(ready_read)
+        delays.append(chosen.uniform(0, 0.3))
+        time.sleep(delays[-1])
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    print(json.dumps(delays))
+
+
+if __name__ == "__main__":
+    main()
