@@ -56,6 +56,21 @@ class FileImage:
         self._add(offset, run.nbytes, run)
         return run
 
+    def pad_to(self, alignment: int) -> None:
+        """Zero bytes up to the next multiple of ``alignment``."""
+        if self.size % alignment:
+            self.add_bytes(self.size, bytes(alignment - self.size % alignment))
+
+    def extend(self, other: FileImage) -> int:
+        """Append ``other``'s runs after this image's; returns where it starts."""
+        base = self.size
+        for offset, run in other.runs:
+            self.runs.append((base + offset, run))
+            if isinstance(run, TensorRun):
+                run.offset += base
+        self.size = base + other.size
+        return base
+
     def _add(self, offset, nbytes, run):
         if offset != self.size:
             raise AssertionError(f"file image run at {offset} after {self.size} bytes")

@@ -144,38 +144,73 @@ def _find_crc_slots(image, runs):
 
 
 # -- reading ------------------------------------------------------------------------------
+class _Slice(io.RawIOBase):
+    """``length`` bytes of an open file from ``base``, as a file of their own."""
+
+    def __init__(self, raw, base, length):
+        self.raw, self.base, self.length, self.position = raw, base, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.position
+
+    def seek(self, offset, whence=0):
+        origin = {0: 0, 1: self.position, 2: self.length}[whence]
+        self.position = max(0, origin + offset)
+        return self.position
+
+    def readinto(self, buffer):
+        count = max(0, min(len(buffer), self.length - self.position))
+        self.raw.seek(self.base + self.position)
+        got = self.raw.readinto(memoryview(buffer)[:count])
+        self.position += got
+        return got
+
+
 class ZipEntries:
     """Where each record of a torch.save archive is: ``records`` maps the record name
-    (``data.pkl``, ``data/0``, ...) to ``(offset of its bytes, size, crc)``."""
+    (``data.pkl``, ``data/0``, ...) to ``(file offset of its bytes, size, crc)``. The
+    archive may be ``length`` bytes from ``base`` inside a larger file (DCP's files)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, base: int = 0, length: int | None = None) -> None:
         self.path = path
-        try:
-            archive = zipfile.ZipFile(path)
-        except zipfile.BadZipFile as error:
-            raise ValueError(f"{path}: not a torch.save zip archive ({error}); files of "
-                             "torch's legacy (pre-1.6) format are not supported") from None
         self.records: dict[str, tuple[int, int, int]] = {}
-        with archive, open(path, "rb") as raw:
-            for info in archive.infolist():
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise ValueError(f"{path}: record {info.filename} is compressed")
-                raw.seek(info.header_offset)
-                header = raw.read(30)
-                signature, *_, name_len, extra_len = struct.unpack("<IHHHHHIIIHH", header)
-                if signature != _LOCAL:
-                    raise ValueError(f"{path}: bad local header for {info.filename}")
-                start = info.header_offset + 30 + name_len + extra_len
-                record = info.filename.split("/", 1)[1] if "/" in info.filename else \
-                    info.filename
-                self.records[record] = (start, info.file_size, info.CRC)
+        with open(path, "rb") as raw:
+            if length is None:
+                length = raw.seek(0, 2) - base
+            view = _Slice(raw, base, length)
+            try:
+                archive = zipfile.ZipFile(io.BufferedReader(view))
+            except zipfile.BadZipFile as error:
+                raise ValueError(f"{path}: not a torch.save zip archive ({error}); files "
+                                 "of torch's legacy (pre-1.6) format are not supported") \
+                    from None
+            with archive:
+                for info in archive.infolist():
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise ValueError(f"{path}: record {info.filename} is compressed")
+                    raw.seek(base + info.header_offset)
+                    header = raw.read(30)
+                    signature, *_, name_len, extra_len = struct.unpack("<IHHHHHIIIHH",
+                                                                       header)
+                    if signature != _LOCAL:
+                        raise ValueError(f"{path}: bad local header for {info.filename}")
+                    start = base + info.header_offset + 30 + name_len + extra_len
+                    record = info.filename.split("/", 1)[1] if "/" in info.filename \
+                        else info.filename
+                    self.records[record] = (start, info.file_size, info.CRC)
             if "data.pkl" not in self.records:
                 raise ValueError(f"{path}: not a torch.save archive (no data.pkl)")
             self.pickle = self.read(raw, "data.pkl")
             self.byteorder = (self.read(raw, "byteorder").decode()
                               if "byteorder" in self.records else "little")
 
-    def read(self, raw: io.BufferedReader, record: str) -> bytes:
+    def read(self, raw: Any, record: str) -> bytes:
         start, size, _ = self.records[record]
         raw.seek(start)
         return raw.read(size)
