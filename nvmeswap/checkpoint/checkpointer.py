@@ -13,6 +13,7 @@ from ..units import ALIGNMENT, round_up
 from . import commit, loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
+from .stripes import STRIPE_BYTES, StripedHandle, write_striped
 from .torch_zip import layout
 
 #: The ring a synchronous save copies through (Note [streamed checkpoint writes]).
@@ -53,24 +54,37 @@ class Checkpointer:
     chunk_bytes, chunks : int
         The ring of locked buffers a synchronous save copies through (default 4 x 16 MiB);
         the only memory a synchronous save locks.
+    stripe_folders : sequence of folders, optional
+        Stripe every checkpoint over these folders, one per device (Note [stripes]), with
+        ``stripe_bytes`` a stripe (default 4 MiB): saves go to a path in the first folder,
+        which then holds the layout (Note [striped checkpoints]). ``load`` reads striped
+        checkpoints whatever the checkpointer.
 
     ``async_save`` snapshots into one locked buffer of the checkpoint's size, kept and
     reused by later saves (grown if a later checkpoint is larger). ``close()`` waits for
     a save in flight, then frees the buffers. A context manager.
     """
 
-    def __init__(self, handle: aio_handle | None = None, *, chunk_bytes: int = CHUNK_BYTES,
-                 chunks: int = CHUNKS) -> None:
-        if handle is not None and not isinstance(handle, aio_handle):
-            raise TypeError(f"handle must be an nvmeswap aio_handle, got "
+    def __init__(self, handle: aio_handle | StripedHandle | None = None, *,
+                 chunk_bytes: int = CHUNK_BYTES, chunks: int = CHUNKS,
+                 stripe_folders: Any = None, stripe_bytes: int = STRIPE_BYTES) -> None:
+        if handle is not None and not isinstance(handle, (aio_handle, StripedHandle)):
+            raise TypeError(f"handle must be an nvmeswap aio_handle or StripedHandle, got "
                             f"{type(handle).__name__}")
+        if handle is not None and stripe_folders is not None:
+            raise ValueError("give a handle or stripe_folders, not both")
         if not isinstance(chunk_bytes, int) or chunk_bytes < ALIGNMENT:
             raise ValueError(f"chunk_bytes must be an int of at least {ALIGNMENT}, got "
                              f"{chunk_bytes!r}")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-        self._own_handle = handle is None
+        if stripe_folders is not None:
+            handle = StripedHandle(stripe_folders, stripe_bytes=stripe_bytes, **HANDLE_ARGS)
+            self._own_handle = True
+        else:
+            self._own_handle = handle is None
         self.handle = aio_handle(**HANDLE_ARGS) if handle is None else handle
+        self.striped = isinstance(self.handle, StripedHandle)
         self._chunk_bytes, self._chunks = chunk_bytes, chunks
         self._writer: StreamWriter | None = None
         self._snapshot = None
@@ -91,6 +105,10 @@ class Checkpointer:
         with self._lock:
             if self._writer is None:
                 self._writer = StreamWriter(self.handle, self._chunk_bytes, self._chunks)
+            if self.striped:
+                write_striped(self.handle, image.size, path,
+                              lambda name: self._writer.write(image, name))
+                return
             temporary = commit.start(path)
             try:
                 self._writer.write(image, temporary)
@@ -121,6 +139,9 @@ class Checkpointer:
         safetensors]), crash-consistently; the ``safetensors`` package reads it."""
         self._check_open()
         path = checked_path(path, writing=True)
+        if self.striped:
+            raise ValueError("striped checkpoints are torch.save archives; save_safetensors "
+                             "needs an unstriped Checkpointer")
         self.write_image(safetensors_format.layout(tensors, metadata), path)
 
     def load_safetensors(self, path: str | os.PathLike) -> dict:
@@ -192,14 +213,18 @@ class Checkpointer:
             finally:
                 view.release()
             with self._lock:
-                temporary = commit.start(path)
-                try:
-                    if image.size:
-                        self.handle.sync_pwrite(snapshot[:image.size], temporary)
-                    commit.finish(temporary, path, image.size)
-                except BaseException:
-                    commit.abandon(temporary)
-                    raise
+                if self.striped:
+                    write_striped(self.handle, image.size, path, lambda name: image.size and
+                                  self.handle.sync_pwrite(snapshot[:image.size], name))
+                else:
+                    temporary = commit.start(path)
+                    try:
+                        if image.size:
+                            self.handle.sync_pwrite(snapshot[:image.size], temporary)
+                        commit.finish(temporary, path, image.size)
+                    except BaseException:
+                        commit.abandon(temporary)
+                        raise
         except BaseException as failure:
             error = failure
         if one_off:

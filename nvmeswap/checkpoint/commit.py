@@ -64,18 +64,23 @@ def start(path: str) -> str:
     return temporary
 
 
-def finish(temporary: str, path: str, size: int) -> None:
-    """Make ``temporary`` durable at exactly ``size`` bytes, rename it to ``path`` and make
-    the rename durable (Note [crash-consistent checkpoints])."""
-    fd = os.open(temporary, os.O_WRONLY)
+def make_durable(path: str, size: int) -> None:
+    """Check that ``path`` holds exactly ``size`` bytes and ``fsync`` it."""
+    fd = os.open(path, os.O_WRONLY)
     try:
         written = os.fstat(fd).st_size
         if written != size:
-            raise OSError(f"{temporary}: {written} bytes were written, {size} expected; "
+            raise OSError(f"{path}: {written} bytes were written, {size} expected; "
                           "the checkpoint is not complete")
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def finish(temporary: str, path: str, size: int) -> None:
+    """Make ``temporary`` durable at exactly ``size`` bytes, rename it to ``path`` and make
+    the rename durable (Note [crash-consistent checkpoints])."""
+    make_durable(temporary, size)
     os.replace(temporary, path)
     sync_folder(os.path.dirname(os.path.abspath(path)))
 

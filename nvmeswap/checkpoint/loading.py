@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from ..units import ALIGNMENT
+from .stripes import read_layout, read_striped
 from .torch_zip import ZipEntries
 
 
@@ -99,17 +100,39 @@ def storage_span(entries: ZipEntries) -> tuple[int, int]:
     return min(r[0] for r in ranges) // ALIGNMENT * ALIGNMENT, max(r[1] for r in ranges)
 
 
-def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
-    """``nvmeswap.load``: the storages in one locked buffer read in one operation."""
+def _read_archive(path, handle):
+    """``(entries, buffer, start)``: the archive's records, and one locked buffer holding
+    file bytes from offset ``start`` on that cover every storage (Note [one read per
+    checkpoint]); a striped checkpoint (Note [striped checkpoints]) is read whole."""
     import torch
-    from torch import serialization
 
+    layout = read_layout(path)
+    if layout is not None:
+        buffer = read_striped(layout, handle, path)
+        try:
+            return ZipEntries(path, memory=memoryview(buffer.numpy())), buffer, 0
+        except BaseException:
+            handle.free_cpu_locked_tensor(buffer)
+            raise
     entries = ZipEntries(path)
     start, end = storage_span(entries)
     buffer = handle.new_cpu_locked_tensor(end - start, torch.empty(0, dtype=torch.uint8))
     try:
         if end > start:
             handle.sync_pread(buffer, path, start)
+    except BaseException:
+        handle.free_cpu_locked_tensor(buffer)
+        raise
+    return entries, buffer, start
+
+
+def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
+    """``nvmeswap.load``: the storages are views of one locked buffer."""
+    import torch
+    from torch import serialization
+
+    entries, buffer, start = _read_archive(path, handle)
+    try:
         view = memoryview(buffer.numpy())
         restore = serialization._get_restore_location(map_location)
 
@@ -139,7 +162,33 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     ``into``; every match checked before any read."""
     import torch
 
-    entries = ZipEntries(path)
+    layout = read_layout(path)
+    if layout is not None:
+        buffer = read_striped(layout, handle, path)
+        view = memoryview(buffer.numpy())
+        try:
+            entries = ZipEntries(path, memory=view)
+            for target, start in _placed(path, entries, into, strict):
+                nbytes = target.numel() * target.element_size()
+                source = torch.frombuffer(view[start:start + nbytes], dtype=target.dtype)
+                target.copy_(source.reshape(target.shape))
+        finally:
+            view.release()
+            handle.free_cpu_locked_tensor(buffer)
+        return into
+    reads = _placed(path, ZipEntries(path), into, strict)
+    for target, start in reads:
+        handle.async_pread(target, path, start)
+    if reads:
+        handle.wait()
+    return into
+
+
+def _placed(path, entries, into, strict):
+    """``(target tensor, file offset of its saved bytes)`` for each non-empty saved tensor
+    with a place in ``into``, every match checked first."""
+    import torch
+
     keys: dict[int, str] = {}
 
     def make_storage(key, dtype, nbytes, location):
@@ -162,11 +211,7 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
         start = entries.records[f"data/{key}"][0] + source.storage_offset() * source.element_size()
         if source.numel():
             reads.append((target, start))
-    for target, start in reads:
-        handle.async_pread(target, path, start)
-    if reads:
-        handle.wait()
-    return into
+    return reads
 
 
 def _pairs(saved, into, strict, path, name=""):
