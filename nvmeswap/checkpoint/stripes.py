@@ -133,6 +133,22 @@ class StripedHandle:
             position += length
         return out
 
+    def size(self, filename: Any) -> int:
+        """The logical size of ``filename``: the end of the last byte its parts hold."""
+        count, stripe = len(self.folders), self.stripe_bytes
+        end = 0
+        for device, path in enumerate(self.paths(filename)):
+            try:
+                held = os.stat(path).st_size
+            except FileNotFoundError:
+                if device == 0:         # the file itself is missing
+                    raise
+                held = 0                # a file shorter than its first stripes
+            if held:
+                row, within = divmod(held - 1, stripe)
+                end = max(end, (row * count + device) * stripe + within + 1)
+        return end
+
     def makedirs(self, folder: Any) -> None:
         """Make ``folder`` (inside the first folder) and its twin in every other one."""
         for path in self.paths(folder):
