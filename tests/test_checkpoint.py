@@ -113,7 +113,8 @@ def test_load_reads_what_save_wrote_into_locked_memory(checkpointer, tmp_path):
     assert all(v.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()
                for v in views)
     assert checkpointer.handle.is_pinned(loaded["big"])
-    assert checkpointer.handle.free_cpu_locked_tensor(loaded["big"])
+    assert checkpointer.free(loaded) >= 1
+    assert not checkpointer.handle.is_pinned(loaded["big"])
 
 
 def test_load_reads_what_torch_save_wrote(checkpointer, tmp_path):
@@ -275,3 +276,21 @@ def test_a_given_handle_stays_open(handle, tmp_path):
     assert handle.is_pinned(loaded["a"])
     assert_same({"a": torch.arange(5)}, loaded)
     handle.free_cpu_locked_tensor(loaded["a"])
+
+
+def test_a_load_read_in_several_groups_keeps_every_byte(checkpointer, tmp_path):
+    """Note [checkpoint reads]: storages past 64 MiB go into further buffers."""
+    from nvmeswap.checkpoint.loading import GROUP_BYTES
+
+    count = GROUP_BYTES // 2 // 8 + 1234
+    state = {f"t{k}": torch.arange(count, dtype=torch.int64) * (k + 1) - k for k in range(3)}
+    state["odd"] = random_tensor((4099,), torch.bfloat16, 8)
+    path = tmp_path / "groups.pt"
+    checkpointer.save(state, path)
+    loaded = checkpointer.load(path)
+    assert_same(state, loaded)
+    assert checkpointer.free(loaded) == 2
+    torch.save(state, tmp_path / "torch.pt")
+    loaded = checkpointer.load(tmp_path / "torch.pt")
+    assert_same(state, loaded)
+    assert checkpointer.free(loaded) == 2

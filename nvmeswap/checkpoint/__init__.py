@@ -35,11 +35,11 @@ def load(path: str | os.PathLike, map_location: Any = None, *, handle: Any = Non
          weights_only: bool = True) -> Any:
     """Load a ``torch.save`` archive (written by nvmeswap or by torch), as ``torch.load``.
 
-    CPU tensors land in locked memory (one buffer for the whole file, read in one
-    operation): pinned and zero-copy for nvmeswap handles. They stay in the process's
-    locked set while any handle is open, until ``free_cpu_locked_tensor`` is called on
-    one of them (which takes the whole file's buffer out of it); their memory goes with
-    the last tensor. ``map_location`` is ``torch.load``'s. ``weights_only`` as in
+    CPU tensors land in locked memory (buffers of at least 64 MiB of consecutive
+    storages, each read in one large operation while the next is allocated): pinned and
+    zero-copy for nvmeswap handles. They stay in the process's locked set while any
+    handle is open, until ``Checkpointer.free`` (or ``free_cpu_locked_tensor`` on each
+    buffer) takes them out; their memory goes with the last tensor. ``map_location`` is ``torch.load``'s. ``weights_only`` as in
     ``torch.load`` (True: tensors, containers and plain values only).
     """
     with Checkpointer(handle) as checkpointer:
@@ -84,6 +84,6 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 
 def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
     """Read a safetensors file (written by nvmeswap or by the ``safetensors`` package)
-    into a dict of CPU tensors in locked memory (as ``load``'s, one buffer per file)."""
+    into a dict of CPU tensors in locked memory (as ``load``'s)."""
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_safetensors(path)

@@ -119,8 +119,9 @@ class Checkpointer:
 
     def load(self, path: str | os.PathLike, map_location: Any = None, *,
              weights_only: bool = True) -> Any:
-        """Read a torch.save archive (ours or torch's); CPU storages land in one locked
-        buffer (Note [one read per checkpoint])."""
+        """Read a torch.save archive (ours or torch's); CPU storages land in locked
+        buffers (Note [checkpoint reads]); ``free(result)`` takes them out of the
+        process's locked set."""
         self._check_open()
         path = checked_path(path, writing=False)
         return loading.load_locked(path, self.handle, map_location, weights_only)
@@ -131,6 +132,26 @@ class Checkpointer:
         self._check_open()
         path = checked_path(path, writing=False)
         return loading.load_into(path, into, self.handle, strict)
+
+    def free(self, obj: Any) -> int:
+        """Take the locked buffers holding the tensors of ``obj`` (as ``load`` returns it:
+        nested dicts, lists, tuples) out of the process's locked set; how many there
+        were. The tensors stay valid; their memory goes with the last of them."""
+        self._check_open()
+        import torch
+
+        freed = 0
+        stack = [obj]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                if item.device.type == "cpu" and item.numel():
+                    freed += self.handle.free_cpu_locked_tensor(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+        return freed
 
     # -- safetensors ---------------------------------------------------------------------
     def save_safetensors(self, tensors: dict, path: str | os.PathLike,

@@ -10,10 +10,13 @@ state. The image is cut into chunks at 4096-aligned file offsets; each chunk is 
 into one buffer of a small ring of locked buffers (the CRC taken from the copy), written
 from there without a further copy, and the buffer is reused once its write is done. The
 copy of chunk k+1 overlaps the write of chunk k, so a save costs about the larger of one
-memcpy and one device write of the state, and locks only the ring.
+memcpy and one device write of the state, and locks only the ring. The CRCs are taken
+from the tensors themselves on a thread of their own, running ahead of the copy; a
+header run that holds one waits for it before it is copied.
 """
 from __future__ import annotations
 
+import threading
 import zlib
 from typing import Any
 
@@ -89,6 +92,54 @@ def uint8_view(storage: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
+class _Checksums:
+    """The CRC-32 of every tensor run that needs one, computed on a thread of its own
+    from the runs' own bytes while the ring is filled and written (zlib releases the
+    GIL), each patched into its header bytes before ``wait_for`` lets them be copied."""
+
+    PIECE = 64 << 20
+
+    def __init__(self, runs: list[TensorRun]) -> None:
+        self.runs = runs
+        self.finished = 0
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.condition = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="nvmeswap-crc32", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for run in self.runs:
+                view = memoryview(run.source.numpy())
+                crc = 0
+                for start in range(0, len(view), self.PIECE):
+                    if self.stopped:
+                        return
+                    crc = zlib.crc32(view[start:start + self.PIECE], crc)
+                view.release()
+                with self.condition:
+                    run.set_crc(crc)
+                    self.finished += 1
+                    self.condition.notify_all()
+        except BaseException as error:
+            with self.condition:
+                self.error = error
+                self.condition.notify_all()
+
+    def wait_for(self, count: int) -> None:
+        """Return once the first ``count`` runs have their CRC in place."""
+        with self.condition:
+            while self.finished < count and self.error is None:
+                self.condition.wait()
+            if self.error is not None:
+                raise self.error
+
+    def close(self) -> None:
+        self.stopped = True
+        self.thread.join()
+
+
 class StreamWriter:
     """Writes ``FileImage``s through a ring of ``chunks`` locked buffers of ``chunk_bytes``
     (Note [streamed checkpoint writes]); owns the ring until ``close()``."""
@@ -108,7 +159,13 @@ class StreamWriter:
         futures: list = [None] * self.chunks
         runs = image.runs
         at = 0                          # index of the run being copied
-        crc = 0
+        # needed[i]: how many checksummed runs come before run i (its CRCs may be in it).
+        needed, count = [], 0
+        for _, run in runs:
+            needed.append(count)
+            count += isinstance(run, TensorRun) and bool(run.crc_slots)
+        checksums = _Checksums([run for _, run in runs
+                                if isinstance(run, TensorRun) and run.crc_slots])
         try:
             for slot_number, start in enumerate(range(0, image.size, self.chunk_bytes)):
                 slot = slot_number % self.chunks
@@ -126,19 +183,16 @@ class StreamWriter:
                     into = slice(base + position - start, base + upto - start)
                     if is_tensor:
                         self.ring[into].copy_(run.source[position - offset:upto - offset])
-                        if run.crc_slots:
-                            crc = zlib.crc32(self.view[into], crc)
                     else:
+                        checksums.wait_for(needed[at])
                         self.view[into] = run[position - offset:upto - offset]
                     position = upto
                     if upto == run_end:
-                        if is_tensor:
-                            run.set_crc(crc)
-                            crc = 0
                         at += 1
                 futures[slot] = self.handle.submit_pwrite(self.ring[base:base + end - start],
                                                           filename, start)
         finally:
+            checksums.close()
             first = None
             for future in futures:
                 if future is None:

@@ -1,16 +1,19 @@
 """Reading torch.save archives: the pickle, with each storage's bytes read by nvmeswap
 into locked memory, or straight into tensors the caller already has.
 
-Note [one read per checkpoint]: the storages of a torch.save archive lie one after another,
-separated only by small zip headers. ``load`` reads the whole span from the first storage
-to the end of the last in one operation (the handle cuts it over its workers) into one
-locked buffer, and each storage is a view of its part of that buffer (``torch.frombuffer``:
-a storage of exactly that size). The headers read along are a few KiB per storage; in
-exchange every request is large and aligned, whatever the archive's own alignment (64
-bytes in files torch wrote, 4096 in nvmeswap's).
+Note [checkpoint reads]: the storages of a checkpoint lie one after another, separated
+only by small headers. ``load`` reads them in groups of consecutive storages of at least
+64 MiB, each group one large aligned read (the handle cuts it over its workers) into one
+locked buffer of its own, and each storage is a view of its part of that buffer
+(``torch.frombuffer``: a storage of exactly that size). The buffers are allocated one
+after the other while the reads run: locking fresh memory costs about as much as reading
+it from the device, and this way the two overlap instead of adding up. The headers read
+along are a few KiB per storage; in exchange every request is large and aligned,
+whatever the file's own alignment (64 bytes in files torch wrote, 4096 in nvmeswap's).
 """
 from __future__ import annotations
 
+import bisect
 import io
 import pickle
 import sys
@@ -90,50 +93,94 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
     return result
 
 
-def storage_span(entries: ZipEntries) -> tuple[int, int]:
-    """``(start, end)``: the aligned file range that holds every storage (Note [one read
-    per checkpoint]); ``(0, 0)`` when there is none."""
-    ranges = [(start, start + size) for record, (start, size, _) in entries.records.items()
-              if record.startswith("data/") and size]
-    if not ranges:
-        return 0, 0
-    return min(r[0] for r in ranges) // ALIGNMENT * ALIGNMENT, max(r[1] for r in ranges)
+GROUP_BYTES = 64 << 20
+
+
+class Pieces:
+    """Locked buffers holding file ranges (Note [checkpoint reads]); ``view(start, n)`` is
+    the memory of file bytes ``[start, start + n)``."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.views: list[memoryview] = []
+        self.buffers: list[Any] = []
+
+    def add(self, start: int, buffer: Any) -> None:
+        self.starts.append(start)
+        self.ends.append(start + buffer.numel())
+        self.buffers.append(buffer)
+        self.views.append(memoryview(buffer.numpy()))
+
+    def view(self, start: int, nbytes: int) -> memoryview:
+        index = bisect.bisect_right(self.starts, start) - 1
+        if index < 0 or start + nbytes > self.ends[index]:
+            raise AssertionError(f"bytes {start}..{start + nbytes} were not read")
+        at = start - self.starts[index]
+        return self.views[index][at:at + nbytes]
+
+    def free(self, handle: Any) -> None:
+        for buffer in self.buffers:
+            handle.free_cpu_locked_tensor(buffer)
+
+
+def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces:
+    """Read the file ranges ``[(start, end)]`` (non-overlapping) into locked buffers, in
+    groups of at least ``GROUP_BYTES``, allocating each while the one before is read."""
+    import torch
+
+    groups: list[list[int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if groups and groups[-1][1] - groups[-1][0] < GROUP_BYTES:
+            groups[-1][1] = max(groups[-1][1], end)
+        else:
+            groups.append([start // ALIGNMENT * ALIGNMENT, end])
+    pieces = Pieces()
+    futures = []
+    try:
+        for start, end in groups:
+            buffer = handle.new_cpu_locked_tensor(end - start, torch.empty(0, dtype=torch.uint8))
+            pieces.add(start, buffer)
+            futures.append(handle.submit_pread(buffer, path, start))
+        while futures:
+            futures.pop(0).result()
+    except BaseException:
+        for future in futures:
+            try:
+                future.result()
+            except BaseException:
+                pass
+        pieces.free(handle)
+        raise
+    return pieces
 
 
 def _read_archive(path, handle):
-    """``(entries, buffer, start)``: the archive's records, and one locked buffer holding
-    file bytes from offset ``start`` on that cover every storage (Note [one read per
-    checkpoint]); a striped checkpoint (Note [striped checkpoints]) is read whole."""
-    import torch
-
+    """``(entries, pieces)``: the archive's records and the bytes of every storage (Note
+    [checkpoint reads]); a striped checkpoint (Note [striped checkpoints]) is read whole."""
     layout = read_layout(path)
     if layout is not None:
         buffer = read_striped(layout, handle, path)
+        pieces = Pieces()
+        pieces.add(0, buffer)
         try:
-            return ZipEntries(path, memory=memoryview(buffer.numpy())), buffer, 0
+            return ZipEntries(path, memory=pieces.views[0]), pieces
         except BaseException:
-            handle.free_cpu_locked_tensor(buffer)
+            pieces.free(handle)
             raise
     entries = ZipEntries(path)
-    start, end = storage_span(entries)
-    buffer = handle.new_cpu_locked_tensor(end - start, torch.empty(0, dtype=torch.uint8))
-    try:
-        if end > start:
-            handle.sync_pread(buffer, path, start)
-    except BaseException:
-        handle.free_cpu_locked_tensor(buffer)
-        raise
-    return entries, buffer, start
+    ranges = [(start, start + size) for record, (start, size, _) in entries.records.items()
+              if record.startswith("data/")]
+    return entries, read_ranges(handle, path, ranges)
 
 
 def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
-    """``nvmeswap.load``: the storages are views of one locked buffer."""
+    """``nvmeswap.load``: the storages are views of locked buffers."""
     import torch
     from torch import serialization
 
-    entries, buffer, start = _read_archive(path, handle)
+    entries, pieces = _read_archive(path, handle)
     try:
-        view = memoryview(buffer.numpy())
         restore = serialization._get_restore_location(map_location)
 
         def make_storage(key, dtype, nbytes, location):
@@ -146,14 +193,13 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
             if nbytes == 0:
                 storage = torch.UntypedStorage(0)
             else:
-                at = record[0] - start
-                storage = torch.frombuffer(view[at:at + nbytes],
+                storage = torch.frombuffer(pieces.view(record[0], nbytes),
                                            dtype=torch.uint8).untyped_storage()
             return restore(storage, location)
 
         return unpickle(entries, make_storage, weights_only, map_location)
     except BaseException:
-        handle.free_cpu_locked_tensor(buffer)
+        pieces.free(handle)
         raise
 
 

@@ -6,8 +6,8 @@ shape and ``data_offsets`` into the data that follows, plus an optional
 Note [aligned safetensors]: the format allows no gaps between tensors, so only the start
 of the data can be placed: nvmeswap pads the JSON with spaces (as the format allows) so
 the data starts at a multiple of 4096. The whole data section is then one run of aligned
-direct writes, and a load reads it in one aligned operation into one locked buffer, each
-tensor a view of its part (Note [one read per checkpoint]).
+direct writes, and a load reads it in large aligned operations into locked buffers, each
+tensor a view of its part (Note [checkpoint reads]).
 """
 from __future__ import annotations
 
@@ -135,23 +135,21 @@ class Header:
 
 
 def load_locked(path: str, handle: Any) -> dict:
-    """``load_safetensors``: the data section read in one operation into one locked buffer."""
+    """``load_safetensors``: the data section read in large aligned operations into locked
+    buffers (Note [checkpoint reads])."""
     import torch
 
+    from .loading import read_ranges
+
     header = Header(path)
-    spans = [(start, end) for _, _, start, end in header.tensors.values() if end > start]
-    first = min((s for s, _ in spans), default=0) // ALIGNMENT * ALIGNMENT
-    last = max((e for _, e in spans), default=first)
-    buffer = handle.new_cpu_locked_tensor(last - first, torch.empty(0, dtype=torch.uint8))
-    if last > first:
-        handle.sync_pread(buffer, path, first)
-    view = memoryview(buffer.numpy())
+    pieces = read_ranges(handle, path, [(start, end) for _, _, start, end
+                                        in header.tensors.values()])
     result = {}
     for name, (dtype, shape, start, end) in header.tensors.items():
         if end == start:
             result[name] = torch.empty(shape, dtype=dtype)
             continue
-        tensor = torch.frombuffer(view[start - first:end - first], dtype=dtype)
+        tensor = torch.frombuffer(pieces.view(start, end - start), dtype=dtype)
         if tensor.numel() != _numel(shape):
             raise ValueError(f"{path}: {name} has {end - start} bytes for shape {list(shape)}")
         result[name] = tensor.reshape(shape)
