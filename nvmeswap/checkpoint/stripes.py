@@ -272,6 +272,7 @@ class StripedHandle:
 
 
 # -- striped checkpoints ------------------------------------------------------------------
+
 # Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
 # is a small JSON file there, the layout: the folders, the stripe size, the logical size
 # and the name of the striped data, ``<name>.<pid>-<random>.stripe`` in every folder. A
