@@ -1,10 +1,11 @@
 """Run by tests/test_checkpoint_crash.py: rounds of checkpoint saves, each process killed
 with SIGKILL at a random instant.
 
-``python checkpoint_crash_child.py FOLDER ROUNDS SEED``: round r saves generation after
-generation to ``FOLDER/round<r>/ckpt.pt`` in a forked process (torch and nvmeswap already
-imported, so a round starts in milliseconds), which is killed a random time after its
-handle is ready. Prints one JSON line: the delay of each kill.
+``python checkpoint_crash_child.py FOLDER ROUNDS SEED [STRIPED]``: round r saves
+generation after generation to ``FOLDER/round<r>/ckpt.pt`` (with STRIPED, to
+``FOLDER/round<r>/dev0/ckpt.pt`` striped over ``dev0`` and ``dev1``) in a forked process
+(torch and nvmeswap already imported, so a round starts in milliseconds), which is killed
+a random time after its handle is ready. Prints one JSON line: the delay of each kill.
 """
 import json
 import os
@@ -27,10 +28,11 @@ def make_state(generation):
     }
 
 
-def _saver(path, first, ready):
+def _saver(path, first, ready, stripes):
     import nvmeswap
 
-    with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2) as checkpointer:
+    with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2, stripe_folders=stripes,
+                               stripe_bytes=256 << 10) as checkpointer:
         os.write(ready, b"r")
         generation = first
         while True:
@@ -40,6 +42,7 @@ def _saver(path, first, ready):
 
 def main():
     folder, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    striped = len(sys.argv) > 4
     import torch  # noqa: F401  (imported before the forks: each round starts at once)
 
     import nvmeswap  # noqa: F401
@@ -47,13 +50,16 @@ def main():
     chosen = random.Random(seed)
     delays = []
     for index in range(rounds):
-        path = os.path.join(folder, f"round{index}", "ckpt.pt")
+        stripes = [os.path.join(folder, f"round{index}", f"dev{k}") for k in range(2)] \
+            if striped else None
+        path = os.path.join(stripes[0] if striped else os.path.join(folder, f"round{index}"),
+                            "ckpt.pt")
         ready_read, ready_write = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(ready_read)
             try:
-                _saver(path, (index + 1) * 1000, ready_write)
+                _saver(path, (index + 1) * 1000, ready_write, stripes)
             finally:
                 os._exit(1)
         os.close(ready_write)

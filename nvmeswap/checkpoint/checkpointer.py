@@ -109,7 +109,7 @@ class Checkpointer:
                 write_striped(self.handle, image.size, path,
                               lambda name: self._writer.write(image, name))
                 return
-            temporary = commit.start(path)
+            temporary = commit.start(path, image.size)
             try:
                 self._writer.write(image, temporary)
                 commit.finish(temporary, path, image.size)
@@ -238,7 +238,7 @@ class Checkpointer:
                     write_striped(self.handle, image.size, path, lambda name: image.size and
                                   self.handle.sync_pwrite(snapshot[:image.size], name))
                 else:
-                    temporary = commit.start(path)
+                    temporary = commit.start(path, image.size)
                     try:
                         if image.size:
                             self.handle.sync_pwrite(snapshot[:image.size], temporary)

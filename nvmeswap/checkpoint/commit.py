@@ -12,6 +12,7 @@ behind; the next save of the same name removes those whose process is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
 TEMPORARY = ".nvmeswap-tmp-"
@@ -52,15 +53,28 @@ def _alive(pid):
     return True
 
 
-def start(path: str) -> str:
-    """Make a fresh, empty temporary file for ``path`` and return its name; errors name
-    the folder or file."""
+def start(path: str, size: int = 0) -> str:
+    """Make a fresh temporary file for ``path`` with ``size`` bytes allocated (all the
+    direct writes then land in blocks the file already has, and a full disk is reported
+    before any write) and return its name; errors name the folder or file."""
     remove_stale(path)
     temporary = temporary_name(path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    os.close(fd)
+    try:
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as error:
+                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(temporary)
+                    raise OSError(error.errno, error.strerror, temporary) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return temporary
 
 
