@@ -3,7 +3,7 @@ with SIGKILL at a random instant.
 
 ``python checkpoint_crash_child.py FOLDER ROUNDS SEED [STRIPED]``: round r saves
 generation after generation to ``FOLDER/round<r>/ckpt.pt`` (with STRIPED, to
-``FOLDER/round<r>/dev0/ckpt.pt`` striped over ``dev0`` and ``dev1``) in a forked process
+``FOLDER/dev0/ckpt<r>.pt`` striped over ``FOLDER/dev0`` and ``FOLDER/dev1``) in a forked process
 (torch and nvmeswap already imported, so a round starts in milliseconds), which is killed
 a random time after its handle is ready. Prints one JSON line: the delay of each kill.
 """
@@ -31,13 +31,15 @@ def make_state(generation):
 def _saver(path, first, ready, stripes):
     import nvmeswap
 
+    # Four states made up front, saved in turn: saves follow each other with no gap, so
+    # nearly every kill lands inside one.
+    states = [make_state(first + k) for k in range(4)]
     with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2, stripe_folders=stripes,
                                stripe_bytes=256 << 10) as checkpointer:
         os.write(ready, b"r")
-        generation = first
         while True:
-            checkpointer.save(make_state(generation), path)
-            generation += 1
+            for state in states:
+                checkpointer.save(state, path)
 
 
 def main():
@@ -50,10 +52,9 @@ def main():
     chosen = random.Random(seed)
     delays = []
     for index in range(rounds):
-        stripes = [os.path.join(folder, f"round{index}", f"dev{k}") for k in range(2)] \
-            if striped else None
-        path = os.path.join(stripes[0] if striped else os.path.join(folder, f"round{index}"),
-                            "ckpt.pt")
+        stripes = [os.path.join(folder, f"dev{k}") for k in range(2)] if striped else None
+        path = os.path.join(stripes[0], f"ckpt{index}.pt") if striped else \
+            os.path.join(folder, f"round{index}", "ckpt.pt")
         ready_read, ready_write = os.pipe()
         pid = os.fork()
         if pid == 0:
