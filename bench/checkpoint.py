@@ -10,6 +10,11 @@ against the state saved. Times are what a training script waits for: the call, f
 start to return. ``torch.save`` does not fsync, so its time ends before the bytes are on
 the device; "torch.save + fsync" adds the fsync, as every other contender durably
 writes. nvmeswap's calls include starting their handle (``nvmeswap.save`` makes one).
+Every save writes a fresh file, and the page cache is synced before and after each, so
+no contender pays for another's write-back.
+
+"(kept)": the same call on a Checkpointer that a training loop keeps (its handle started
+and its ring allocated by an earlier small checkpoint; that is not timed).
 
 Async: in one process, ``Checkpointer.save`` (synchronous) and then
 ``Checkpointer.async_save`` of the same state; the blocked time is how long the
@@ -33,10 +38,10 @@ import torch
 
 from nvmeswap.units import GB, parse_size
 
-SAVERS = ["torch.save", "torch.save + fsync", "nvmeswap.save", "dcp FileSystemWriter",
-          "dcp NvmeFileSystemWriter"]
-LOADERS = ["torch.load", "nvmeswap.load", "nvmeswap.load_into", "dcp FileSystemReader",
-           "dcp NvmeFileSystemReader"]
+SAVERS = ["torch.save", "torch.save + fsync", "nvmeswap.save", "nvmeswap.save (kept)",
+          "dcp FileSystemWriter", "dcp NvmeFileSystemWriter"]
+LOADERS = ["torch.load", "nvmeswap.load", "nvmeswap.load (kept)", "nvmeswap.load_into",
+           "dcp FileSystemReader", "dcp NvmeFileSystemReader"]
 
 
 def make_state(nbytes):
@@ -60,8 +65,10 @@ def state_bytes(state):
 
 
 def same(a, b):
+    """Every tensor of ``a`` is in ``b`` with the same bytes (load_into leaves the
+    non-tensor values of its target alone)."""
     return all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
-               if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+               for k in a if isinstance(a[k], torch.Tensor))
 
 
 def drop_caches():
@@ -84,6 +91,15 @@ def child(args):
     state = make_state(args.size)
     where = args.path
     result = {"contender": args.contender}
+    kept = None
+    if "(kept)" in args.contender:
+        # A training loop keeps its Checkpointer: started, its workers warm, its ring
+        # allocated by an earlier (small) checkpoint.
+        kept = nvmeswap.Checkpointer()
+        warm = os.path.join(os.path.dirname(where), "warm-up.pt")
+        kept.save({"w": torch.ones(1 << 20)}, warm)
+        kept.free(kept.load(warm))
+        os.unlink(warm)
     if args.job == "save":
         started = time.perf_counter()
         if args.contender.startswith("torch.save"):
@@ -94,6 +110,8 @@ def child(args):
                 os.close(fd)
         elif args.contender == "nvmeswap.save":
             nvmeswap.save(state, where)
+        elif args.contender == "nvmeswap.save (kept)":
+            kept.save(state, where)
         elif args.contender == "nvmeswap.save striped":
             with nvmeswap.Checkpointer(stripe_folders=args.stripe.split(",")) as saver:
                 saver.save(state, where)
@@ -117,6 +135,8 @@ def child(args):
             loaded = torch.load(where)
         elif args.contender in ("nvmeswap.load", "nvmeswap.load striped"):
             loaded = nvmeswap.load(where)
+        elif args.contender == "nvmeswap.load (kept)":
+            loaded = kept.load(where)
         elif args.contender == "nvmeswap.load_into":
             loaded = nvmeswap.load_into(where, into)
         elif args.contender == "dcp FileSystemReader":
@@ -127,6 +147,8 @@ def child(args):
             loaded = into
         result["seconds"] = time.perf_counter() - started
         result["identical"] = same(state, loaded)
+        if kept is not None:
+            kept.free(loaded)
     elif args.job == "async":
         with nvmeswap.Checkpointer() as saver:
             started = time.perf_counter()
@@ -144,6 +166,8 @@ def child(args):
             result["blocked_seconds"] = statistics.median(blocked[1:])
             result["async_total_seconds"] = statistics.median(totals[1:])
             result["identical"] = same(state, torch.load(where))
+    if kept is not None:
+        kept.close()
     print(json.dumps(result))
 
 
@@ -164,6 +188,9 @@ def main():
     parser.add_argument("--size", default="1G", type=parse_size)
     parser.add_argument("--rounds", default=1, type=int)
     parser.add_argument("--stripe", default=None, metavar="DIR1,DIR2,...")
+    parser.add_argument("--only", default=None, metavar="NAME,...",
+                        help="run only the contenders whose names start with one of these "
+                             "(say 'nvmeswap'), and skip the async part")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -183,31 +210,45 @@ def main():
         loaders.append("nvmeswap.load striped")
     paths = {
         "torch.save": "torch.pt", "torch.save + fsync": "torch.pt", "nvmeswap.save": "ours.pt",
+        "nvmeswap.save (kept)": "ours.pt", "nvmeswap.load (kept)": "ours.pt",
         "dcp FileSystemWriter": "dcp", "dcp NvmeFileSystemWriter": "dcp-nvme",
         "torch.load": "torch.pt", "nvmeswap.load": "ours.pt", "nvmeswap.load_into": "ours.pt",
         "dcp FileSystemReader": "dcp", "dcp NvmeFileSystemReader": "dcp-nvme",
     }
+    if args.only:
+        wanted = tuple(args.only.split(","))
+        savers = [name for name in savers if name.startswith(wanted)]
+        loaders = [name for name in loaders if name.startswith(wanted)]
     times = {name: [] for name in savers + loaders}
     cold = True
     identical = True
     try:
         nbytes = state_bytes(make_state(args.size))
-        for _ in range(args.rounds):
-            for name in savers:
+        for round_number in range(args.rounds):
+            # Each round starts with the next contender: none always goes first.
+            turn = round_number % len(savers)
+            for name in savers[turn:] + savers[:turn]:
                 path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
                     else os.path.join(folder, paths[name])
-                if name.startswith("dcp") and os.path.exists(path):
+                if os.path.isdir(path):
                     shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.unlink(path)
+                os.sync()       # nobody's dirty pages are written back during the next one
                 times[name].append(run_child(args, name, "save", path)["seconds"])
-            for name in loaders:
+                os.sync()
+            turn = round_number % len(loaders)
+            for name in loaders[turn:] + loaders[:turn]:
                 path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
                     else os.path.join(folder, paths[name])
                 got = run_child(args, name, "load", path)
                 times[name].append(got["seconds"])
                 cold &= got["cold"]
-                identical &= got["identical"]
-        asynchronous = run_child(args, "nvmeswap.async_save", "async",
-                                 os.path.join(folder, "async.pt"))
+                if not got["identical"]:
+                    identical = False
+                    print(f"{name}: the bytes loaded differ from those saved", file=sys.stderr)
+        asynchronous = None if args.only else run_child(
+            args, "nvmeswap.async_save", "async", os.path.join(folder, "async.pt"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         for work in stripe_work:
@@ -223,9 +264,13 @@ def main():
         ("nvmeswap.save vs torch.save", "torch.save", "nvmeswap.save"),
         ("nvmeswap.save vs torch.save + fsync", "torch.save + fsync", "nvmeswap.save"),
         ("nvmeswap.save vs dcp FileSystemWriter", "dcp FileSystemWriter", "nvmeswap.save"),
+        ("kept Checkpointer.save vs torch.save", "torch.save", "nvmeswap.save (kept)"),
+        ("kept Checkpointer.save vs torch.save + fsync", "torch.save + fsync",
+         "nvmeswap.save (kept)"),
         ("dcp Nvme vs dcp FileSystemWriter", "dcp FileSystemWriter",
          "dcp NvmeFileSystemWriter"),
         ("nvmeswap.load vs torch.load", "torch.load", "nvmeswap.load"),
+        ("kept Checkpointer.load vs torch.load", "torch.load", "nvmeswap.load (kept)"),
         ("nvmeswap.load_into vs torch.load", "torch.load", "nvmeswap.load_into"),
         ("nvmeswap.load vs dcp FileSystemReader", "dcp FileSystemReader", "nvmeswap.load"),
         ("dcp Nvme vs dcp FileSystemReader", "dcp FileSystemReader",
@@ -236,7 +281,10 @@ def main():
                    ("striped load vs nvmeswap.load", "nvmeswap.load", "nvmeswap.load striped")]
     print("speed-ups (the peer's time / nvmeswap's):")
     for label, peer, ours in ratios:
-        print(f"  {label:<42} {median[peer] / median[ours]:5.2f}x")
+        if peer in median and ours in median:
+            print(f"  {label:<42} {median[peer] / median[ours]:5.2f}x")
+    if asynchronous is None:
+        return
     sync, blocked = asynchronous["sync_seconds"], asynchronous["blocked_seconds"]
     print(f"async_save: caller blocked {blocked:.3f} s (first call, allocating the snapshot: "
           f"{asynchronous['first_blocked_seconds']:.3f} s), whole save "
