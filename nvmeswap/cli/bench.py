@@ -110,9 +110,11 @@ def add_arguments(parser):
                              "one async call per request, waiting every 256 (default: 0)")
     parser.add_argument("--stripe", metavar="DIR1,DIR2,...", default=None,
                         help="measure each folder's device alone, then one transfer striped "
-                             "over all of them (per-device and aggregate GB/s)")
+                             "over all of them (per-device and aggregate GB/s; default: no "
+                             "striping, the usual test)")
     parser.add_argument("--stripe-size", type=size_argument, default="4M", metavar="SIZE",
-                        help="bytes per stripe with --stripe, a multiple of 4096")
+                        help="bytes per stripe with --stripe, a multiple of 4096 "
+                             "(default: %(default)s)")
     parser.add_argument("--config", metavar="FILE",
                         help="handle settings from a tuner result or a DeepSpeed 'aio' section; "
                              "options given here override it (default: the handle's defaults)")
