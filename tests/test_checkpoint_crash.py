@@ -15,6 +15,10 @@ import nvmeswap
 from nvmeswap.checkpoint.commit import TEMPORARY
 
 # More for a soak: NVMESWAP_CRASH_ROUNDS=500 (the normal suite keeps it near 10 s).
+ROOT = Path(__file__).resolve().parent.parent
+# The children import this checkout's nvmeswap, whatever is installed.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                os.environ.get("PYTHONPATH")]))}
 ROUNDS = int(os.environ.get("NVMESWAP_CRASH_ROUNDS", "12"))
 
 
@@ -25,7 +29,7 @@ def test_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_path):
             checkpointer.save(make_state(index), tmp_path / f"round{index}" / "ckpt.pt")
     child = Path(__file__).with_name("checkpoint_crash_child.py")
     done = subprocess.run([sys.executable, str(child), str(tmp_path), str(ROUNDS), "33"],
-                          capture_output=True, text=True, timeout=240, check=False)
+                          capture_output=True, text=True, timeout=240, check=False, env=ENV)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)) == ROUNDS
     newer = cut_short = 0
@@ -68,7 +72,7 @@ def test_striped_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_pa
         child = Path(__file__).with_name("checkpoint_crash_child.py")
         done = subprocess.run([sys.executable, str(child), str(tmp_path), str(rounds), "34",
                                "striped"], capture_output=True, text=True, timeout=240,
-                              check=False)
+                              check=False, env=ENV)
         assert done.returncode == 0, done.stderr
         newer = cut_short = 0
         for index in range(rounds):

@@ -24,9 +24,12 @@ def test_two_ranks_save_and_load_through_both_writers_and_readers(tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch has no gloo")
     script = Path(__file__).with_name("checkpoint_dcp_rank.py")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root,
+                                                                    os.environ.get("PYTHONPATH")]))}
     port = free_port()
     ranks = [subprocess.Popen([sys.executable, str(script), str(rank), port, str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for rank in range(2)]
     outputs = []
     try:
