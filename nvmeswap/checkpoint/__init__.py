@@ -12,9 +12,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from .checkpointer import Checkpointer
+from .stripes import StripedHandle
 
-__all__ = ["Checkpointer", "async_save", "load", "load_into", "load_safetensors", "save",
-           "save_safetensors"]
+__all__ = ["Checkpointer", "StripedHandle", "async_save", "load", "load_into",
+           "load_safetensors", "save", "save_safetensors"]
 
 
 def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
