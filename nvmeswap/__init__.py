@@ -4,6 +4,15 @@ A drop-in for DeepSpeed DeepNVMe's ``aio_handle`` and ``gds_handle``, built on k
 cuFile in Cython and a pool of worker processes. Importing it loads neither torch nor CUDA.
 """
 from .aio import aio_handle
+from .checkpoint import (
+    Checkpointer,
+    async_save,
+    load,
+    load_into,
+    load_safetensors,
+    save,
+    save_safetensors,
+)
 from .errors import (
     BufferedIOWarning,
     CudaError,
@@ -22,6 +31,7 @@ from .gpu.discovery import gds_available, gds_unavailable_reason
 __version__ = "0.1.0"
 __all__ = [
     "BufferedIOWarning",
+    "Checkpointer",
     "CuFileError",
     "CudaError",
     "EngineFallbackWarning",
@@ -32,7 +42,13 @@ __all__ = [
     "ValidationError",
     "WorkerDied",
     "aio_handle",
+    "async_save",
     "gds_available",
     "gds_handle",
     "gds_unavailable_reason",
+    "load",
+    "load_into",
+    "load_safetensors",
+    "save",
+    "save_safetensors",
 ]

@@ -108,6 +108,13 @@ def add_arguments(parser):
                         help="with --pattern rand: start N requests in one call "
                              "(async_pread_many / async_pwrite_many) and wait for them; 0: "
                              "one async call per request, waiting every 256 (default: 0)")
+    parser.add_argument("--stripe", metavar="DIR1,DIR2,...", default=None,
+                        help="measure each folder's device alone, then one transfer striped "
+                             "over all of them (per-device and aggregate GB/s; default: no "
+                             "striping, the usual test)")
+    parser.add_argument("--stripe-size", type=size_argument, default="4M", metavar="SIZE",
+                        help="bytes per stripe with --stripe, a multiple of 4096 "
+                             "(default: %(default)s)")
     parser.add_argument("--config", metavar="FILE",
                         help="handle settings from a tuner result or a DeepSpeed 'aio' section; "
                              "options given here override it (default: the handle's defaults)")
@@ -116,6 +123,11 @@ def add_arguments(parser):
 def run(args):
     """Run the job; return the exit status."""
     plan = _plan(args)
+    if args.stripe is not None:
+        from .bench_stripes import run_stripes
+        if args.stripe_size % 4096:
+            raise UsageError(f"--stripe-size must be a multiple of 4096, got {args.stripe_size}")
+        return run_stripes(args, plan["handle"], args.stripe_size)
     made_folder = None
     if not plan["folders"]:
         try:

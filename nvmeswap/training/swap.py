@@ -52,12 +52,15 @@ class TensorSwapper:
 
     Parameters
     ----------
-    folder : str or os.PathLike
+    folder : str or os.PathLike, or a list of them
         Where the swap files go; created if missing. The swapper makes a sub-folder of
         its own there (``directory``), so several swappers (or optimizers, or ranks) may
         share one folder. ``close()`` deletes that sub-folder and everything in it. If a
         clean-up job removes them, the next write makes them again (what was removed is
-        gone: reading it raises ``FileNotFoundError`` naming the file).
+        gone: reading it raises ``FileNotFoundError`` naming the file). A list of folders
+        (one per device) stripes every swap file over all of them, with ``stripe_bytes`` a
+        stripe (Note [stripes] in checkpoint/stripes.py); the default handles are then
+        ``StripedHandle``s.
     read_handle, write_handle : aio_handle, optional
         The handles to use; by default two of its own (``**handle_args``) that share
         their locked memory, so reads are never queued behind writes and tensors from
@@ -81,23 +84,34 @@ class TensorSwapper:
 
     def __init__(self, folder: str | os.PathLike[str], read_handle: aio_handle | None = None,
                  write_handle: aio_handle | None = None, *, pack_below: int = 0,
-                 **handle_args: Any) -> None:
-        folder = os.fspath(folder)
-        os.makedirs(folder, exist_ok=True)
-        self.folder = folder
-        self.directory = tempfile.mkdtemp(prefix="swap-", dir=folder)
+                 stripe_bytes: int | None = None, **handle_args: Any) -> None:
+        folders = [os.fspath(f) for f in folder] if isinstance(folder, (list, tuple)) \
+            else [os.fspath(folder)]
+        for each in folders:
+            os.makedirs(each, exist_ok=True)
+        self.folder = folders[0]
+        self.directory = tempfile.mkdtemp(prefix="swap-", dir=self.folder)
         self._closed = False
         self._own = [h is None for h in (read_handle, write_handle)]
         self.read_handle = read_handle
         self.write_handle = write_handle
+        self._stripes = None
         try:
-            self.read_handle = read_handle or aio_handle(**handle_args)
-            self.write_handle = write_handle or aio_handle(
+            if len(folders) > 1:
+                from ..checkpoint.stripes import STRIPE_BYTES, StripedHandle
+                self.read_handle = read_handle or StripedHandle(
+                    folders, stripe_bytes=stripe_bytes or STRIPE_BYTES, **handle_args)
+                self.write_handle = write_handle or StripedHandle(
+                    folders, stripe_bytes=stripe_bytes or STRIPE_BYTES, **handle_args)
+                self._stripes = self.write_handle
+                self._stripes.makedirs(self.directory)
+            self.read_handle = self.read_handle or aio_handle(**handle_args)
+            self.write_handle = self.write_handle or aio_handle(
                 **handle_args,
                 share_locked_memory_with=self.read_handle if self._own[0] else None)
         except BaseException:
             self._close_handles()
-            os.rmdir(self.directory)
+            self._rmdir()
             raise
         self._entries = {}
         self._reading = []
@@ -182,9 +196,14 @@ class TensorSwapper:
         try:
             return write(*args)
         except FileNotFoundError:
-            if os.path.isdir(self.directory):
+            folders = self._stripes.paths(self.directory) if self._stripes is not None \
+                else [self.directory]
+            if all(os.path.isdir(folder) for folder in folders):
                 raise
-        os.makedirs(self.directory, exist_ok=True)
+        if self._stripes is not None:
+            self._stripes.makedirs(self.directory)
+        else:
+            os.makedirs(self.directory, exist_ok=True)
         return write(*args)
 
     def swap_in(self, key: Hashable, out: Any = None, async_op: bool = True) -> Any:
@@ -270,7 +289,8 @@ class TensorSwapper:
             if problems:
                 _fail(entry, problems[0])
                 continue
-            size = os.stat(entry.path).st_size - entry.offset
+            size = (self._stripes.size(entry.path) if self._stripes is not None
+                    else os.stat(entry.path).st_size) - entry.offset
             if size < entry.nbytes:
                 message = f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
                 problems.append(message)
@@ -319,8 +339,8 @@ class TensorSwapper:
         if entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
         del self._entries[key]
-        if not self._pack.release(key) and os.path.exists(entry.path):
-            os.unlink(entry.path)
+        if not self._pack.release(key):
+            self._remove(entry.path)
 
     @property
     def closed(self) -> bool:
@@ -342,21 +362,31 @@ class TensorSwapper:
                         errors.append(error)
             for key in list(self._entries):
                 self.release(key)
-            for path in (self._pack.path,):
-                if os.path.exists(path):
-                    os.unlink(path)
+            self._remove(self._pack.path)
             for tensor in self._locked:
                 self.read_handle.free_cpu_locked_tensor(tensor)
             self._locked = []
-            try:
-                os.rmdir(self.directory)
-            except FileNotFoundError:
-                pass
+            self._rmdir()
         finally:
             self._closed = True
             self._close_handles()
         if errors:
             raise errors[0]
+
+    def _remove(self, path):
+        if self._stripes is not None:
+            self._stripes.remove(path)
+        elif os.path.exists(path):
+            os.unlink(path)
+
+    def _rmdir(self):
+        if self._stripes is not None:
+            self._stripes.rmdir(self.directory)
+        else:
+            try:
+                os.rmdir(self.directory)
+            except FileNotFoundError:
+                pass
 
     def _close_handles(self):
         for own, handle in zip(self._own, (self.read_handle, self.write_handle)):

@@ -1,0 +1,301 @@
+"""Checkpoints: nvmeswap against torch.save/torch.load and DCP's FileSystemWriter/Reader.
+
+    python bench/checkpoint.py --folder /nvme/scratch [--size 1G] [--rounds 1]
+
+A state dict of about ``--size`` bytes (a model's layers, fp32 weights and bf16 copies,
+as a mixed-precision trainer keeps them) is saved and loaded by each contender in a
+fresh process of its own; before every load the page cache is dropped (needs root; the
+table says if it could not), so loads read the device. Each load is checked byte for byte
+against the state saved. Times are what a training script waits for: the call, from
+start to return. ``torch.save`` does not fsync, so its time ends before the bytes are on
+the device; "torch.save + fsync" adds the fsync, as every other contender durably
+writes. nvmeswap's calls include starting their handle (``nvmeswap.save`` makes one).
+Every save writes a fresh file, and the page cache is synced before and after each, so
+no contender pays for another's write-back.
+
+"(kept)": the same call on a Checkpointer that a training loop keeps (its handle started
+and its ring allocated by an earlier small checkpoint; that is not timed).
+
+Async: in one process, ``Checkpointer.save`` (synchronous) and then
+``Checkpointer.async_save`` of the same state; the blocked time is how long the
+caller's thread waits before ``async_save`` returns (the snapshot): the median of calls
+2 to 6 (the first allocates the snapshot buffer), against the synchronous save's time.
+
+Striping: ``--stripe DIR1,DIR2,...`` adds a striped nvmeswap save and load over those
+folders, against the plain one.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from nvmeswap.units import GB, parse_size
+
+SAVERS = ["torch.save", "torch.save + fsync", "nvmeswap.save", "nvmeswap.save (kept)",
+          "dcp FileSystemWriter", "dcp NvmeFileSystemWriter"]
+LOADERS = ["torch.load", "nvmeswap.load", "nvmeswap.load (kept)", "nvmeswap.load_into",
+           "dcp FileSystemReader", "dcp NvmeFileSystemReader"]
+
+
+def make_state(nbytes):
+    """Layers of fp32 weights (4 bytes a value) each with a bf16 copy (2 bytes): about
+    ``nbytes`` in all, deterministic."""
+    made = torch.Generator().manual_seed(0)
+    layers = 16
+    per_layer = nbytes // layers // 6          # values per layer: 4 + 2 bytes each
+    state = {}
+    for layer in range(layers):
+        weight = torch.randn(per_layer // 1024, 1024, generator=made)
+        state[f"layers.{layer}.weight"] = weight
+        state[f"layers.{layer}.weight_bf16"] = weight.bfloat16()
+    state["step"] = 1000
+    return state
+
+
+def state_bytes(state):
+    return sum(v.numel() * v.element_size() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
+def same(a, b):
+    """Every tensor of ``a`` is in ``b`` with the same bytes (load_into leaves the
+    non-tensor values of its target alone)."""
+    return all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+               for k in a if isinstance(a[k], torch.Tensor))
+
+
+def drop_caches():
+    """Drop the page cache (root only); NVMESWAP_BENCH_KEEP_PAGE_CACHE=1 keeps it (the
+    smoke test's tiny runs), and the table then says the loads were warm."""
+    if os.environ.get("NVMESWAP_BENCH_KEEP_PAGE_CACHE") == "1":
+        return False
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as caches:
+            caches.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def child(args):
+    """One contender, one job, in this (fresh) process: print its JSON."""
+    import torch.distributed.checkpoint as dcp
+
+    import nvmeswap
+    from nvmeswap.checkpoint.dcp import NvmeFileSystemReader, NvmeFileSystemWriter
+
+    state = make_state(args.size)
+    where = args.path
+    result = {"contender": args.contender}
+    kept = None
+    if "(kept)" in args.contender:
+        # A training loop keeps its Checkpointer: started, its workers warm, its ring
+        # allocated by an earlier (small) checkpoint.
+        kept = nvmeswap.Checkpointer()
+        warm = os.path.join(os.path.dirname(where), "warm-up.pt")
+        kept.save({"w": torch.ones(1 << 20)}, warm)
+        kept.free(kept.load(warm))
+        os.unlink(warm)
+    if args.job == "save":
+        started = time.perf_counter()
+        if args.contender.startswith("torch.save"):
+            torch.save(state, where)
+            if "fsync" in args.contender:
+                fd = os.open(where, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+        elif args.contender == "nvmeswap.save":
+            nvmeswap.save(state, where)
+        elif args.contender == "nvmeswap.save (kept)":
+            kept.save(state, where)
+        elif args.contender == "nvmeswap.save striped":
+            with nvmeswap.Checkpointer(stripe_folders=args.stripe.split(",")) as saver:
+                saver.save(state, where)
+        elif args.contender == "dcp FileSystemWriter":
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(where))
+        elif args.contender == "dcp NvmeFileSystemWriter":
+            dcp.save(state, storage_writer=NvmeFileSystemWriter(where))
+        result["seconds"] = time.perf_counter() - started
+    elif args.job == "load":
+        result["cold"] = drop_caches()
+        into = None
+        if args.contender in ("nvmeswap.load_into", "dcp FileSystemReader",
+                              "dcp NvmeFileSystemReader"):
+            into = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else 0
+                    for k, v in state.items()}
+            for value in into.values():        # the model's memory exists already
+                if isinstance(value, torch.Tensor):
+                    value.view(torch.uint8).fill_(0)
+        started = time.perf_counter()
+        if args.contender == "torch.load":
+            loaded = torch.load(where)
+        elif args.contender in ("nvmeswap.load", "nvmeswap.load striped"):
+            loaded = nvmeswap.load(where)
+        elif args.contender == "nvmeswap.load (kept)":
+            loaded = kept.load(where)
+        elif args.contender == "nvmeswap.load_into":
+            loaded = nvmeswap.load_into(where, into)
+        elif args.contender == "dcp FileSystemReader":
+            dcp.load(into, storage_reader=dcp.FileSystemReader(where))
+            loaded = into
+        elif args.contender == "dcp NvmeFileSystemReader":
+            dcp.load(into, storage_reader=NvmeFileSystemReader(where))
+            loaded = into
+        result["seconds"] = time.perf_counter() - started
+        result["identical"] = same(state, loaded)
+        if kept is not None:
+            kept.free(loaded)
+    elif args.job == "async":
+        with nvmeswap.Checkpointer() as saver:
+            started = time.perf_counter()
+            saver.save(state, where)
+            result["sync_seconds"] = time.perf_counter() - started
+            blocked = []
+            totals = []
+            for _ in range(6):
+                started = time.perf_counter()
+                future = saver.async_save(state, where)
+                blocked.append(time.perf_counter() - started)
+                future.result()
+                totals.append(time.perf_counter() - started)
+            result["first_blocked_seconds"] = blocked[0]
+            result["blocked_seconds"] = statistics.median(blocked[1:])
+            result["async_total_seconds"] = statistics.median(totals[1:])
+            result["identical"] = same(state, torch.load(where))
+    if kept is not None:
+        kept.close()
+    print(json.dumps(result))
+
+
+def run_child(args, contender, job, path):
+    command = [sys.executable, __file__, "--child", "--contender", contender, "--job", job,
+               "--path", path, "--size", str(args.size)]
+    if args.stripe:
+        command += ["--stripe", args.stripe]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{contender} {job} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", default=None, help="where the checkpoints go")
+    parser.add_argument("--size", default="1G", type=parse_size)
+    parser.add_argument("--rounds", default=1, type=int)
+    parser.add_argument("--stripe", default=None, metavar="DIR1,DIR2,...")
+    parser.add_argument("--only", default=None, metavar="NAME,...",
+                        help="run only the contenders whose names start with one of these "
+                             "(say 'nvmeswap'), and skip the async part")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--contender", help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    folder = tempfile.mkdtemp(prefix="nvmeswap-ckpt-", dir=args.folder or os.getcwd())
+    savers, loaders = list(SAVERS), list(LOADERS)
+    stripe_work = []
+    if args.stripe:
+        stripe_work = [tempfile.mkdtemp(prefix="nvmeswap-ckpt-", dir=d)
+                       for d in args.stripe.split(",")]
+        args.stripe = ",".join(stripe_work)
+        savers.append("nvmeswap.save striped")
+        loaders.append("nvmeswap.load striped")
+    paths = {
+        "torch.save": "torch.pt", "torch.save + fsync": "torch.pt", "nvmeswap.save": "ours.pt",
+        "nvmeswap.save (kept)": "ours.pt", "nvmeswap.load (kept)": "ours.pt",
+        "dcp FileSystemWriter": "dcp", "dcp NvmeFileSystemWriter": "dcp-nvme",
+        "torch.load": "torch.pt", "nvmeswap.load": "ours.pt", "nvmeswap.load_into": "ours.pt",
+        "dcp FileSystemReader": "dcp", "dcp NvmeFileSystemReader": "dcp-nvme",
+    }
+    if args.only:
+        wanted = tuple(args.only.split(","))
+        savers = [name for name in savers if name.startswith(wanted)]
+        loaders = [name for name in loaders if name.startswith(wanted)]
+    times = {name: [] for name in savers + loaders}
+    cold = True
+    identical = True
+    try:
+        nbytes = state_bytes(make_state(args.size))
+        for round_number in range(args.rounds):
+            # Each round starts with the next contender: none always goes first.
+            turn = round_number % len(savers)
+            for name in savers[turn:] + savers[:turn]:
+                path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
+                    else os.path.join(folder, paths[name])
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.unlink(path)
+                os.sync()       # nobody's dirty pages are written back during the next one
+                times[name].append(run_child(args, name, "save", path)["seconds"])
+                os.sync()
+            turn = round_number % len(loaders)
+            for name in loaders[turn:] + loaders[:turn]:
+                path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
+                    else os.path.join(folder, paths[name])
+                got = run_child(args, name, "load", path)
+                times[name].append(got["seconds"])
+                cold &= got["cold"]
+                if not got["identical"]:
+                    identical = False
+                    print(f"{name}: the bytes loaded differ from those saved", file=sys.stderr)
+        asynchronous = None if args.only else run_child(
+            args, "nvmeswap.async_save", "async", os.path.join(folder, "async.pt"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        for work in stripe_work:
+            shutil.rmtree(work, ignore_errors=True)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    print(f"state: {nbytes / (1 << 30):.2f} GiB (fp32 + bf16), {args.rounds} round(s), "
+          f"median seconds; loads {'cold (page cache dropped)' if cold else 'WARM'}; "
+          f"every load byte-identical: {identical}")
+    print(f"{'contender':<28} {'seconds':>8} {'GB/s':>6}")
+    for name in savers + loaders:
+        print(f"{name:<28} {median[name]:8.3f} {nbytes / median[name] / GB:6.2f}")
+    ratios = [
+        ("nvmeswap.save vs torch.save", "torch.save", "nvmeswap.save"),
+        ("nvmeswap.save vs torch.save + fsync", "torch.save + fsync", "nvmeswap.save"),
+        ("nvmeswap.save vs dcp FileSystemWriter", "dcp FileSystemWriter", "nvmeswap.save"),
+        ("kept Checkpointer.save vs torch.save", "torch.save", "nvmeswap.save (kept)"),
+        ("kept Checkpointer.save vs torch.save + fsync", "torch.save + fsync",
+         "nvmeswap.save (kept)"),
+        ("dcp Nvme vs dcp FileSystemWriter", "dcp FileSystemWriter",
+         "dcp NvmeFileSystemWriter"),
+        ("nvmeswap.load vs torch.load", "torch.load", "nvmeswap.load"),
+        ("kept Checkpointer.load vs torch.load", "torch.load", "nvmeswap.load (kept)"),
+        ("nvmeswap.load_into vs torch.load", "torch.load", "nvmeswap.load_into"),
+        ("nvmeswap.load vs dcp FileSystemReader", "dcp FileSystemReader", "nvmeswap.load"),
+        ("dcp Nvme vs dcp FileSystemReader", "dcp FileSystemReader",
+         "dcp NvmeFileSystemReader"),
+    ]
+    if args.stripe:
+        ratios += [("striped save vs nvmeswap.save", "nvmeswap.save", "nvmeswap.save striped"),
+                   ("striped load vs nvmeswap.load", "nvmeswap.load", "nvmeswap.load striped")]
+    print("speed-ups (the peer's time / nvmeswap's):")
+    for label, peer, ours in ratios:
+        if peer in median and ours in median:
+            print(f"  {label:<42} {median[peer] / median[ours]:5.2f}x")
+    if asynchronous is None:
+        return
+    sync, blocked = asynchronous["sync_seconds"], asynchronous["blocked_seconds"]
+    print(f"async_save: caller blocked {blocked:.3f} s (first call, allocating the snapshot: "
+          f"{asynchronous['first_blocked_seconds']:.3f} s), whole save "
+          f"{asynchronous['async_total_seconds']:.3f} s; synchronous save {sync:.3f} s; "
+          f"blocked / synchronous = {blocked / sync:.2f}; byte-identical: "
+          f"{asynchronous['identical']}")
+
+
+if __name__ == "__main__":
+    main()

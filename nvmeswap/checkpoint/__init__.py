@@ -1,0 +1,90 @@
+"""Checkpoints at the speed of the device: ``torch.save`` archives and safetensors files
+written and read through nvmeswap (O_DIRECT, locked memory, the worker pool),
+crash-consistently, optionally in the background, and striped over several devices.
+
+``save``/``load``/``load_into``/``async_save`` use a short-lived ``Checkpointer``; keep one
+(or pass a handle) to reuse its handle and locked buffers across checkpoints.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from typing import Any
+
+from .checkpointer import Checkpointer
+from .stripes import StripedHandle
+
+__all__ = ["Checkpointer", "StripedHandle", "async_save", "load", "load_into",
+           "load_safetensors", "save", "save_safetensors"]
+
+
+def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
+    """Save ``obj`` (nested dicts, lists and tuples of tensors of any dtype and Python
+    values) to ``path`` as ``torch.save`` would; ``torch.load`` reads the file unchanged.
+
+    Tensor bytes go through an nvmeswap handle (``handle``, or one made for this call)
+    with O_DIRECT from a small ring of locked buffers. The file is written under a
+    temporary name, made durable, then renamed over ``path`` (Note [crash-consistent
+    checkpoints]): a save killed at any instant leaves the previous file at ``path``.
+    Errors name the file; a missing folder is reported before any I/O.
+    """
+    with Checkpointer(handle) as checkpointer:
+        checkpointer.save(obj, path)
+
+
+def load(path: str | os.PathLike, map_location: Any = None, *, handle: Any = None,
+         weights_only: bool = True) -> Any:
+    """Load a ``torch.save`` archive (written by nvmeswap or by torch), as ``torch.load``.
+
+    CPU tensors land in locked memory (buffers of at least 64 MiB of consecutive
+    storages, each read in one large operation while the next is allocated): pinned and
+    zero-copy for nvmeswap handles. They stay in the process's locked set while any
+    handle is open, until ``Checkpointer.free`` (or ``free_cpu_locked_tensor`` on each
+    buffer) takes them out; their memory goes with the last tensor. ``map_location`` is ``torch.load``'s. ``weights_only`` as in
+    ``torch.load`` (True: tensors, containers and plain values only).
+    """
+    with Checkpointer(handle) as checkpointer:
+        return checkpointer.load(path, map_location, weights_only=weights_only)
+
+
+def load_into(path: str | os.PathLike, into: Any, *, handle: Any = None,
+              strict: bool = True) -> Any:
+    """Read each tensor saved at ``path`` straight into the tensor at the same place in
+    ``into`` (a state dict; nested dicts, lists and tuples). Every dtype, shape and key
+    is checked before any read (``strict``: the keys must match exactly). Returns
+    ``into``; its non-tensor values are left alone."""
+    with Checkpointer(handle) as checkpointer:
+        return checkpointer.load_into(path, into, strict=strict)
+
+
+def async_save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> Future:
+    """Start saving ``obj`` to ``path``; returns a ``concurrent.futures.Future`` once the
+    tensors are copied to locked memory (``obj`` may change from then on).
+
+    ``.result()`` returns None once the file is durable under ``path``, or raises the
+    failure. Each call locks a buffer of the checkpoint's size for the time of the save;
+    ``Checkpointer.async_save`` keeps and reuses it across saves.
+    """
+    checkpointer = Checkpointer(handle)
+    try:
+        return checkpointer.async_save(obj, path, one_off=True)
+    except BaseException:
+        checkpointer.close()
+        raise
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None, *,
+                     handle: Any = None) -> None:
+    """Save a flat dict of tensors (str -> tensor, any safetensors dtype) as a safetensors
+    file that the ``safetensors`` package reads unchanged; ``metadata`` is a dict of str.
+    Written crash-consistently, as ``save``; tensors that share memory are refused, as
+    the package refuses them."""
+    with Checkpointer(handle) as checkpointer:
+        checkpointer.save_safetensors(tensors, path, metadata)
+
+
+def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
+    """Read a safetensors file (written by nvmeswap or by the ``safetensors`` package)
+    into a dict of CPU tensors in locked memory (as ``load``'s)."""
+    with Checkpointer(handle) as checkpointer:
+        return checkpointer.load_safetensors(path)

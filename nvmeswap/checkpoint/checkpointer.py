@@ -1,0 +1,296 @@
+"""``Checkpointer``: one handle, one ring of locked buffers and one snapshot buffer, reused
+by every save and load made through it; the module functions make a short-lived one.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from ..aio import aio_handle
+from ..units import ALIGNMENT, round_up
+from . import commit, loading
+from . import safetensors as safetensors_format
+from .image import FileImage, StreamWriter, TensorRun
+from .stripes import STRIPE_BYTES, StripedHandle, write_striped
+from .torch_zip import layout
+
+#: The ring a synchronous save copies through (Note [streamed checkpoint writes]).
+CHUNK_BYTES = 16 << 20
+CHUNKS = 4
+#: The handle a checkpointer makes for itself when given none.
+HANDLE_ARGS = {"intra_op_parallelism": 2}
+
+
+def checked_path(path: Any, *, writing: bool) -> str:
+    """``path`` as a str; before any I/O, the error that the I/O would meet (naming the
+    file or folder) for a missing file to read or a missing folder to write into."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a checkpoint path must be a str or os.PathLike, got "
+                        f"{type(path).__name__}")
+    path = os.fspath(path)
+    if writing:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(2, "No such folder to write the checkpoint into", folder)
+        if os.path.isdir(path):
+            raise IsADirectoryError(21, "Is a directory", path)
+    else:
+        os.stat(path)                   # FileNotFoundError / PermissionError naming it
+        if os.path.isdir(path):
+            raise IsADirectoryError(21, "Is a directory", path)
+    return path
+
+
+class Checkpointer:
+    """Saves and loads checkpoints through one nvmeswap handle.
+
+    Parameters
+    ----------
+    handle : aio_handle, optional
+        The handle to move the bytes with; by default one of its own
+        (``intra_op_parallelism=2``), closed by ``close()``. A given handle is left open.
+    chunk_bytes, chunks : int
+        The ring of locked buffers a synchronous save copies through (default 4 x 16 MiB);
+        the only memory a synchronous save locks.
+    stripe_folders : sequence of folders, optional
+        Stripe every checkpoint over these folders, one per device (Note [stripes]), with
+        ``stripe_bytes`` a stripe (default 4 MiB): saves go to a path in the first folder,
+        which then holds the layout (Note [striped checkpoints]). ``load`` reads striped
+        checkpoints whatever the checkpointer.
+
+    ``async_save`` snapshots into one locked buffer of the checkpoint's size, kept and
+    reused by later saves (grown if a later checkpoint is larger). ``close()`` waits for
+    a save in flight, then frees the buffers. A context manager.
+    """
+
+    def __init__(self, handle: aio_handle | StripedHandle | None = None, *,
+                 chunk_bytes: int = CHUNK_BYTES, chunks: int = CHUNKS,
+                 stripe_folders: Any = None, stripe_bytes: int = STRIPE_BYTES) -> None:
+        if handle is not None and not isinstance(handle, (aio_handle, StripedHandle)):
+            raise TypeError(f"handle must be an nvmeswap aio_handle or StripedHandle, got "
+                            f"{type(handle).__name__}")
+        if handle is not None and stripe_folders is not None:
+            raise ValueError("give a handle or stripe_folders, not both")
+        if not isinstance(chunk_bytes, int) or chunk_bytes < ALIGNMENT:
+            raise ValueError(f"chunk_bytes must be an int of at least {ALIGNMENT}, got "
+                             f"{chunk_bytes!r}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+        if stripe_folders is not None:
+            handle = StripedHandle(stripe_folders, stripe_bytes=stripe_bytes, **HANDLE_ARGS)
+            self._own_handle = True
+        else:
+            self._own_handle = handle is None
+        self.handle = aio_handle(**HANDLE_ARGS) if handle is None else handle
+        self.striped = isinstance(self.handle, StripedHandle)
+        self._chunk_bytes, self._chunks = chunk_bytes, chunks
+        self._writer: StreamWriter | None = None
+        self._snapshot = None
+        self._in_flight: Future | None = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    # -- torch.save format -------------------------------------------------------------
+    def save(self, obj: Any, path: str | os.PathLike) -> None:
+        """Write ``obj`` as ``torch.save`` would (with 4096-aligned storages), whole or not
+        at all (Note [crash-consistent checkpoints])."""
+        self._check_open()
+        path = checked_path(path, writing=True)
+        self.write_image(layout(obj), path)
+
+    def write_image(self, image: FileImage, path: str) -> None:
+        """Write ``image`` to ``path`` through the ring, crash-consistently."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = StreamWriter(self.handle, self._chunk_bytes, self._chunks)
+            if self.striped:
+                write_striped(self.handle, image.size, path,
+                              lambda name: self._writer.write(image, name))
+                return
+            temporary = commit.start(path, image.size)
+            try:
+                self._writer.write(image, temporary)
+                commit.finish(temporary, path, image.size)
+            except BaseException:
+                commit.abandon(temporary)
+                raise
+
+    def load(self, path: str | os.PathLike, map_location: Any = None, *,
+             weights_only: bool = True) -> Any:
+        """Read a torch.save archive (ours or torch's); CPU storages land in locked
+        buffers (Note [checkpoint reads]); ``free(result)`` takes them out of the
+        process's locked set."""
+        self._check_open()
+        path = checked_path(path, writing=False)
+        return loading.load_locked(path, self.handle, map_location, weights_only)
+
+    def load_into(self, path: str | os.PathLike, into: Any, *, strict: bool = True) -> Any:
+        """Read each tensor of a torch.save archive straight into the matching tensor of
+        ``into`` (a state dict, nested dicts/lists allowed); returns ``into``."""
+        self._check_open()
+        path = checked_path(path, writing=False)
+        return loading.load_into(path, into, self.handle, strict)
+
+    def free(self, obj: Any) -> int:
+        """Take the locked buffers holding the tensors of ``obj`` (as ``load`` returns it:
+        nested dicts, lists, tuples) out of the process's locked set; how many there
+        were. The tensors stay valid; their memory goes with the last of them."""
+        self._check_open()
+        import torch
+
+        freed = 0
+        stack = [obj]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                if item.device.type == "cpu" and item.numel():
+                    freed += self.handle.free_cpu_locked_tensor(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+        return freed
+
+    # -- safetensors ---------------------------------------------------------------------
+    def save_safetensors(self, tensors: dict, path: str | os.PathLike,
+                         metadata: dict | None = None) -> None:
+        """Write a flat dict of tensors as a safetensors file (Note [aligned
+        safetensors]), crash-consistently; the ``safetensors`` package reads it."""
+        self._check_open()
+        path = checked_path(path, writing=True)
+        if self.striped:
+            raise ValueError("striped checkpoints are torch.save archives; save_safetensors "
+                             "needs an unstriped Checkpointer")
+        self.write_image(safetensors_format.layout(tensors, metadata), path)
+
+    def load_safetensors(self, path: str | os.PathLike) -> dict:
+        """Read a safetensors file (ours or the package's) into locked CPU tensors."""
+        self._check_open()
+        path = checked_path(path, writing=False)
+        return safetensors_format.load_locked(path, self.handle)
+
+    # -- asynchronous --------------------------------------------------------------------
+    def async_save(self, obj: Any, path: str | os.PathLike, *, one_off: bool = False) -> Future:
+        """Snapshot ``obj``'s tensors into locked memory, then write in the background.
+
+        Returns once the snapshot is taken: ``obj`` may change from then on. The returned
+        ``concurrent.futures.Future`` gives None when the checkpoint is durable under its
+        name, or raises the failure. One save is in flight at a time: a second call first
+        waits for the one before (Note [async checkpoint snapshot]). ``one_off``: close
+        this checkpointer once the save is done, before the future is.
+        """
+        self._check_open()
+        path = checked_path(path, writing=True)
+        # Note [async checkpoint snapshot]: the caller's thread does only what must happen
+        # before the state may change again: lay the archive out (the pickle, small) and
+        # copy each tensor's bytes into one locked buffer at its place in the file, with
+        # torch's copy (which releases the GIL and uses every core). The CRCs, the headers
+        # and the write run on a thread of their own, whose work releases the GIL too
+        # (zlib's CRC, nvmeswap's wait). The buffer is the size of one checkpoint, kept
+        # for the next save; so that it stays one, a save waits for the one before it.
+        image = layout(obj)
+        self.wait_in_flight()
+        snapshot = self._snapshot_buffer(image.size)
+        for offset, run in image.runs:
+            if isinstance(run, TensorRun):
+                snapshot[offset:offset + run.nbytes].copy_(run.source)
+                run.source = None        # the snapshot is the source from now on
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        self._in_flight = future
+        thread = threading.Thread(target=self._write_snapshot,
+                                  args=(image, path, future, one_off),
+                                  name="nvmeswap-async-save", daemon=True)
+        thread.start()
+        return future
+
+    def _snapshot_buffer(self, nbytes):
+        import torch
+
+        if self._snapshot is None or self._snapshot.numel() < nbytes:
+            if self._snapshot is not None:
+                self.handle.free_cpu_locked_tensor(self._snapshot)
+                self._snapshot = None
+            self._snapshot = self.handle.new_cpu_locked_tensor(
+                round_up(max(nbytes, 1), ALIGNMENT), torch.empty(0, dtype=torch.uint8))
+        return self._snapshot
+
+    def _write_snapshot(self, image, path, future, one_off):
+        import zlib
+
+        error = None
+        try:
+            snapshot = self._snapshot
+            view = memoryview(snapshot.numpy())
+            try:
+                for offset, run in image.runs:
+                    if isinstance(run, TensorRun):
+                        run.set_crc(zlib.crc32(view[offset:offset + run.nbytes]))
+                for offset, run in image.runs:
+                    if not isinstance(run, TensorRun):
+                        view[offset:offset + len(run)] = run
+            finally:
+                view.release()
+            with self._lock:
+                if self.striped:
+                    write_striped(self.handle, image.size, path, lambda name: image.size and
+                                  self.handle.sync_pwrite(snapshot[:image.size], name))
+                else:
+                    temporary = commit.start(path, image.size)
+                    try:
+                        if image.size:
+                            self.handle.sync_pwrite(snapshot[:image.size], temporary)
+                        commit.finish(temporary, path, image.size)
+                    except BaseException:
+                        commit.abandon(temporary)
+                        raise
+        except BaseException as failure:
+            error = failure
+        if one_off:
+            self._in_flight = None
+            try:
+                self.close()
+            except BaseException as failure:
+                error = error or failure
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+
+    def wait_in_flight(self) -> None:
+        """Wait for the asynchronous save in flight, if any (its error stays with its
+        future)."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.exception()
+
+    # -- lifetime ------------------------------------------------------------------------
+    def _check_open(self):
+        if self.closed:
+            raise ValueError("this Checkpointer is closed")
+
+    def close(self) -> None:
+        """Wait for a save in flight, free the buffers, close the handle if it is ours."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.wait_in_flight()
+        finally:
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+                if self._snapshot is not None:
+                    self.handle.free_cpu_locked_tensor(self._snapshot)
+            finally:
+                self._writer = self._snapshot = None
+                if self._own_handle:
+                    self.handle.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

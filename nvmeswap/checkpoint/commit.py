@@ -1,0 +1,113 @@
+"""Checkpoint files appear whole or not at all: written under a temporary name, made
+durable, then renamed over the old one.
+
+Note [crash-consistent checkpoints]: a checkpoint is written to ``<name>.nvmeswap-tmp-<pid>``
+in the same folder, every byte of it written and ``fsync``-ed, then renamed over
+``<name>`` (``os.replace``, atomic within a filesystem) and the folder ``fsync``-ed so the
+rename itself survives a power cut. A save killed at any instant leaves either the old
+file or the new one under the name, never a mixture, and a file under the name is never
+shorter or other than what was written. The temporary file of a killed save is left
+behind; the next save of the same name removes those whose process is gone.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+
+TEMPORARY = ".nvmeswap-tmp-"
+
+
+def temporary_name(path: str) -> str:
+    """Where the checkpoint for ``path`` is written before the rename."""
+    return f"{path}{TEMPORARY}{os.getpid()}"
+
+
+def remove_stale(path: str) -> None:
+    """Remove the temporary files of earlier saves of ``path`` whose process is gone."""
+    folder, name = os.path.split(os.path.abspath(path))
+    prefix = name + TEMPORARY
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for other in names:
+        if not other.startswith(prefix):
+            continue
+        pid = other[len(prefix):]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, other))
+
+
+def _alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start(path: str, size: int = 0) -> str:
+    """Make a fresh temporary file for ``path`` with ``size`` bytes allocated (all the
+    direct writes then land in blocks the file already has, and a full disk is reported
+    before any write) and return its name; errors name the folder or file."""
+    remove_stale(path)
+    temporary = temporary_name(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as error:
+                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(temporary)
+                    raise OSError(error.errno, error.strerror, temporary) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return temporary
+
+
+def make_durable(path: str, size: int) -> None:
+    """Check that ``path`` holds exactly ``size`` bytes and ``fsync`` it."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        written = os.fstat(fd).st_size
+        if written != size:
+            raise OSError(f"{path}: {written} bytes were written, {size} expected; "
+                          "the checkpoint is not complete")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finish(temporary: str, path: str, size: int) -> None:
+    """Make ``temporary`` durable at exactly ``size`` bytes, rename it to ``path`` and make
+    the rename durable (Note [crash-consistent checkpoints])."""
+    make_durable(temporary, size)
+    os.replace(temporary, path)
+    sync_folder(os.path.dirname(os.path.abspath(path)))
+
+
+def sync_folder(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def abandon(temporary: str) -> None:
+    """Remove the temporary file of a save that failed."""
+    with contextlib.suppress(OSError):
+        os.unlink(temporary)

@@ -1,0 +1,292 @@
+"""Reading torch.save archives: the pickle, with each storage's bytes read by nvmeswap
+into locked memory, or straight into tensors the caller already has.
+
+Note [checkpoint reads]: the storages of a checkpoint lie one after another, separated
+only by small headers. ``load`` reads them in groups of consecutive storages of at least
+64 MiB, each group one large aligned read (the handle cuts it over its workers) into one
+locked buffer of its own, and each storage is a view of its part of that buffer
+(``torch.frombuffer``: a storage of exactly that size). The buffers are allocated one
+after the other while the reads run: locking fresh memory costs about as much as reading
+it from the device, and this way the two overlap instead of adding up. The headers read
+along are a few KiB per storage; in exchange every request is large and aligned,
+whatever the file's own alignment (64 bytes in files torch wrote, 4096 in nvmeswap's).
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import pickle
+import sys
+from typing import Any
+
+from ..units import ALIGNMENT
+from .stripes import read_layout, read_striped
+from .torch_zip import ZipEntries
+
+
+def _storage_dtype(storage_type):
+    import torch
+
+    return torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+
+
+def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
+             map_location: Any = None) -> Any:
+    """The archive's object, ``make_storage(key, dtype, nbytes, location)`` giving each
+    storage (an ``UntypedStorage``) once per key, as ``torch.load`` does."""
+    import torch
+    from torch import serialization
+
+    if entries.byteorder != sys.byteorder:
+        raise ValueError(f"{entries.path}: written on a {entries.byteorder}-endian machine; "
+                         "nvmeswap.load reads native-endian archives only (torch.load "
+                         "byte-swaps them)")
+    loaded: dict[str, Any] = {}
+
+    def persistent_load(saved_id):
+        typename = saved_id[0].decode() if isinstance(saved_id[0], bytes) else saved_id[0]
+        if typename != "storage":
+            raise pickle.UnpicklingError(f"{entries.path}: unknown persistent id {typename!r}")
+        storage_type, key, location, numel = saved_id[1:]
+        key = key.decode() if isinstance(key, bytes) else key
+        location = location.decode() if isinstance(location, bytes) else location
+        if key not in loaded:
+            dtype = _storage_dtype(storage_type)
+            nbytes = numel * torch._utils._element_size(dtype)
+            storage = make_storage(key, dtype, nbytes, location)
+            loaded[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype,
+                                                     _internal=True)
+        return loaded[key]
+
+    data = io.BytesIO(entries.pickle)
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        unpickler = _weights_only_unpickler.Unpickler(data, encoding="utf-8")
+    else:
+        class _Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                if isinstance(name, str) and "Storage" in name:
+                    try:
+                        return serialization.StorageType(name)
+                    except KeyError:
+                        pass
+                return super().find_class({"torch.tensor": "torch._tensor"}.get(module, module),
+                                          name)
+
+        unpickler = _Unpickler(data)
+    unpickler.persistent_load = persistent_load
+    tls = serialization._serialization_tls
+    previous, tls.map_location = tls.map_location, map_location
+    try:
+        try:
+            result = unpickler.load()
+        except pickle.UnpicklingError as error:
+            if weights_only:
+                raise pickle.UnpicklingError(
+                    f"{entries.path}: {error}; pass weights_only=False only for a file "
+                    "from a source you trust") from None
+            raise
+    finally:
+        tls.map_location = previous
+    torch._utils._validate_loaded_sparse_tensors()
+    return result
+
+
+GROUP_BYTES = 64 << 20
+
+
+class Pieces:
+    """Locked buffers holding file ranges (Note [checkpoint reads]); ``view(start, n)`` is
+    the memory of file bytes ``[start, start + n)``."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.views: list[memoryview] = []
+        self.buffers: list[Any] = []
+
+    def add(self, start: int, buffer: Any) -> None:
+        self.starts.append(start)
+        self.ends.append(start + buffer.numel())
+        self.buffers.append(buffer)
+        self.views.append(memoryview(buffer.numpy()))
+
+    def view(self, start: int, nbytes: int) -> memoryview:
+        index = bisect.bisect_right(self.starts, start) - 1
+        if index < 0 or start + nbytes > self.ends[index]:
+            raise AssertionError(f"bytes {start}..{start + nbytes} were not read")
+        at = start - self.starts[index]
+        return self.views[index][at:at + nbytes]
+
+    def free(self, handle: Any) -> None:
+        for buffer in self.buffers:
+            handle.free_cpu_locked_tensor(buffer)
+
+
+def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces:
+    """Read the file ranges ``[(start, end)]`` (non-overlapping) into locked buffers, in
+    groups of at least ``GROUP_BYTES``, allocating each while the one before is read."""
+    import torch
+
+    groups: list[list[int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if groups and groups[-1][1] - groups[-1][0] < GROUP_BYTES:
+            groups[-1][1] = max(groups[-1][1], end)
+        else:
+            groups.append([start // ALIGNMENT * ALIGNMENT, end])
+    pieces = Pieces()
+    futures = []
+    try:
+        for start, end in groups:
+            buffer = handle.new_cpu_locked_tensor(end - start, torch.empty(0, dtype=torch.uint8))
+            pieces.add(start, buffer)
+            futures.append(handle.submit_pread(buffer, path, start))
+        while futures:
+            futures.pop(0).result()
+    except BaseException:
+        for future in futures:
+            try:
+                future.result()
+            except BaseException:
+                pass
+        pieces.free(handle)
+        raise
+    return pieces
+
+
+def _read_archive(path, handle):
+    """``(entries, pieces)``: the archive's records and the bytes of every storage (Note
+    [checkpoint reads]); a striped checkpoint (Note [striped checkpoints]) is read whole."""
+    layout = read_layout(path)
+    if layout is not None:
+        buffer = read_striped(layout, handle, path)
+        pieces = Pieces()
+        pieces.add(0, buffer)
+        try:
+            return ZipEntries(path, memory=pieces.views[0]), pieces
+        except BaseException:
+            pieces.free(handle)
+            raise
+    entries = ZipEntries(path)
+    ranges = [(start, start + size) for record, (start, size, _) in entries.records.items()
+              if record.startswith("data/")]
+    return entries, read_ranges(handle, path, ranges)
+
+
+def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
+    """``nvmeswap.load``: the storages are views of locked buffers."""
+    import torch
+    from torch import serialization
+
+    entries, pieces = _read_archive(path, handle)
+    try:
+        restore = serialization._get_restore_location(map_location)
+
+        def make_storage(key, dtype, nbytes, location):
+            record = entries.records.get(f"data/{key}")
+            if record is None or record[1] != nbytes:
+                raise ValueError(f"{path}: storage {key} of {nbytes} bytes is not in the "
+                                 "archive" if record is None else
+                                 f"{path}: storage {key} holds {record[1]} bytes, the pickle "
+                                 f"says {nbytes}")
+            if nbytes == 0:
+                storage = torch.UntypedStorage(0)
+            else:
+                storage = torch.frombuffer(pieces.view(record[0], nbytes),
+                                           dtype=torch.uint8).untyped_storage()
+            return restore(storage, location)
+
+        return unpickle(entries, make_storage, weights_only, map_location)
+    except BaseException:
+        pieces.free(handle)
+        raise
+
+
+def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
+    """``nvmeswap.load_into``: each saved tensor read straight into the matching tensor of
+    ``into``; every match checked before any read."""
+    import torch
+
+    layout = read_layout(path)
+    if layout is not None:
+        buffer = read_striped(layout, handle, path)
+        view = memoryview(buffer.numpy())
+        try:
+            entries = ZipEntries(path, memory=view)
+            for target, start in _placed(path, entries, into, strict):
+                nbytes = target.numel() * target.element_size()
+                source = torch.frombuffer(view[start:start + nbytes], dtype=target.dtype)
+                target.copy_(source.reshape(target.shape))
+        finally:
+            view.release()
+            handle.free_cpu_locked_tensor(buffer)
+        return into
+    reads = _placed(path, ZipEntries(path), into, strict)
+    for target, start in reads:
+        handle.async_pread(target, path, start)
+    if reads:
+        handle.wait()
+    return into
+
+
+def _placed(path, entries, into, strict):
+    """``(target tensor, file offset of its saved bytes)`` for each non-empty saved tensor
+    with a place in ``into``, every match checked first."""
+    import torch
+
+    keys: dict[int, str] = {}
+
+    def make_storage(key, dtype, nbytes, location):
+        storage = torch.UntypedStorage(nbytes, device="meta")
+        keys[storage._cdata] = key
+        return storage
+
+    saved = unpickle(entries, make_storage, weights_only=True)
+    reads = []
+    for name, source, target in _pairs(saved, into, strict, path):
+        if source.dtype != target.dtype or source.shape != target.shape:
+            raise ValueError(f"{path}: {name} is {source.dtype} {tuple(source.shape)} in the "
+                             f"file, {target.dtype} {tuple(target.shape)} in memory")
+        if not target.is_contiguous():
+            raise ValueError(f"load_into: the tensor for {name} is not contiguous")
+        if not source.is_contiguous():
+            raise ValueError(f"{path}: {name} was saved as a non-contiguous view; use "
+                             "nvmeswap.load for it")
+        key = keys[source.untyped_storage()._cdata]
+        start = entries.records[f"data/{key}"][0] + source.storage_offset() * source.element_size()
+        if source.numel():
+            reads.append((target, start))
+    return reads
+
+
+def _pairs(saved, into, strict, path, name=""):
+    """``(name, saved tensor, target tensor)`` for each tensor of ``saved`` with a place in
+    ``into`` (nested dicts, lists and tuples); a missing or extra entry is an error when
+    ``strict``."""
+    import torch
+
+    if isinstance(saved, torch.Tensor):
+        if not isinstance(into, torch.Tensor):
+            raise TypeError(f"load_into: {name or 'the object'} is a tensor in {path}, "
+                            f"{type(into).__name__} in memory")
+        yield name, saved, into
+    elif isinstance(saved, dict):
+        if not isinstance(into, dict):
+            raise TypeError(f"load_into: {name or 'the object'} is a dict in {path}, "
+                            f"{type(into).__name__} in memory")
+        missing = [k for k in saved if k not in into]
+        extra = [k for k in into if k not in saved]
+        if strict and (missing or extra):
+            raise KeyError(f"load_into: {path} and the target differ: in the file only "
+                           f"{missing}, in the target only {extra}")
+        for key, value in saved.items():
+            if key in into:
+                yield from _pairs(value, into[key], strict, path, f"{name}.{key}" if name
+                                  else str(key))
+    elif isinstance(saved, (list, tuple)):
+        if not isinstance(into, (list, tuple)) or len(into) != len(saved):
+            raise TypeError(f"load_into: {name or 'the object'} is a {type(saved).__name__} "
+                            f"of {len(saved)} in {path}, not so in memory")
+        for index, (value, target) in enumerate(zip(saved, into)):
+            yield from _pairs(value, target, strict, path, f"{name}[{index}]")

@@ -1,0 +1,163 @@
+"""The safetensors format, written and read through nvmeswap without the ``safetensors``
+package: an 8-byte little-endian header length N, N bytes of JSON (each tensor's dtype,
+shape and ``data_offsets`` into the data that follows, plus an optional
+``"__metadata__"`` of strings), then the tensors' bytes back to back.
+
+Note [aligned safetensors]: the format allows no gaps between tensors, so only the start
+of the data can be placed: nvmeswap pads the JSON with spaces (as the format allows) so
+the data starts at a multiple of 4096. The whole data section is then one run of aligned
+direct writes, and a load reads it in large aligned operations into locked buffers, each
+tensor a view of its part (Note [checkpoint reads]).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from ..units import ALIGNMENT, round_up
+from .image import FileImage, uint8_view
+
+#: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
+_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16",
+}
+MAX_HEADER = 100_000_000        # the safetensors package's own limit
+
+
+def _dtypes():
+    import torch
+
+    return {name: getattr(torch, attr) for name, attr in _NAMES.items() if hasattr(torch, attr)}
+
+
+def layout(tensors: Any, metadata: Any = None) -> FileImage:
+    """The ``FileImage`` of a safetensors file of ``tensors`` (a dict name -> CPU tensor);
+    every argument checked first."""
+    import torch
+
+    if not isinstance(tensors, dict):
+        raise TypeError(f"save_safetensors needs a dict of tensors, got "
+                        f"{type(tensors).__name__}")
+    if metadata is not None and (not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise TypeError("metadata must be a dict of str to str")
+    names = {dtype: name for name, dtype in _dtypes().items()}
+    header: dict[str, Any] = {}
+    sources = []
+    spans = []
+    offset = 0
+    for key, tensor in tensors.items():
+        if not isinstance(key, str):
+            raise TypeError(f"safetensors keys are str, got {key!r}")
+        if key == "__metadata__":
+            raise ValueError("'__metadata__' is reserved in safetensors; pass metadata=")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{key}: expected a tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in names:
+            raise ValueError(f"{key}: safetensors has no name for {tensor.dtype}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"{key}: only dense tensors can be saved, not {tensor.layout}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes and tensor.is_contiguous() and tensor.device.type == "cpu":
+            start = tensor.data_ptr()
+            spans.append((start, start + nbytes, key))
+        header[key] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        sources.append(tensor)
+        offset += nbytes
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{first} and {second} share memory; safetensors stores each "
+                             "tensor once (clone one of them)")
+    if metadata is not None:
+        header = {"__metadata__": dict(metadata), **header}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    data_start = round_up(8 + len(text), ALIGNMENT)
+    text += b" " * (data_start - 8 - len(text))
+    image = FileImage()
+    image.add_bytes(0, struct.pack("<Q", len(text)) + text)
+    for tensor in sources:
+        if tensor.numel():
+            data = tensor.detach().to("cpu").contiguous()
+            image.add_tensor(image.size, uint8_view(data.untyped_storage())[
+                data.storage_offset() * data.element_size():][:data.numel()
+                                                              * data.element_size()])
+    return image
+
+
+class Header:
+    """The parsed header of a safetensors file: ``tensors`` (name -> (dtype, shape, start,
+    end) with absolute file offsets), ``metadata`` and ``data_start``."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as file:
+            head = file.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: too short for a safetensors file")
+            (length,) = struct.unpack("<Q", head)
+            if length > MAX_HEADER:
+                raise ValueError(f"{path}: a safetensors header of {length} bytes is too "
+                                 "large (not a safetensors file?)")
+            text = file.read(length)
+            size = file.seek(0, 2)
+        if len(text) < length:
+            raise ValueError(f"{path}: the safetensors header is cut short")
+        try:
+            parsed = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"{path}: bad safetensors header: {error}") from None
+        self.path = path
+        self.data_start = 8 + length
+        self.metadata = parsed.pop("__metadata__", None)
+        dtypes = _dtypes()
+        self.tensors = {}
+        end_of_data = 0
+        for name, entry in parsed.items():
+            dtype = dtypes.get(entry.get("dtype"))
+            if dtype is None:
+                raise ValueError(f"{path}: {name} has a dtype this torch lacks: "
+                                 f"{entry.get('dtype')}")
+            begin, end = entry["data_offsets"]
+            if not 0 <= begin <= end:
+                raise ValueError(f"{path}: {name} has bad data_offsets {begin}, {end}")
+            self.tensors[name] = (dtype, tuple(entry["shape"]), self.data_start + begin,
+                                  self.data_start + end)
+            end_of_data = max(end_of_data, end)
+        if self.data_start + end_of_data > size:
+            raise ValueError(f"{path}: {size} bytes, but its header describes "
+                             f"{self.data_start + end_of_data}")
+
+
+def load_locked(path: str, handle: Any) -> dict:
+    """``load_safetensors``: the data section read in large aligned operations into locked
+    buffers (Note [checkpoint reads])."""
+    import torch
+
+    from .loading import read_ranges
+
+    header = Header(path)
+    pieces = read_ranges(handle, path, [(start, end) for _, _, start, end
+                                        in header.tensors.values()])
+    result = {}
+    for name, (dtype, shape, start, end) in header.tensors.items():
+        if end == start:
+            result[name] = torch.empty(shape, dtype=dtype)
+            continue
+        tensor = torch.frombuffer(pieces.view(start, end - start), dtype=dtype)
+        if tensor.numel() != _numel(shape):
+            raise ValueError(f"{path}: {name} has {end - start} bytes for shape {list(shape)}")
+        result[name] = tensor.reshape(shape)
+    return result
+
+
+def _numel(shape):
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count

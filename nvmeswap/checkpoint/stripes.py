@@ -1,0 +1,404 @@
+"""Striping: one logical file spread over several folders (one per device), so that one
+read or write keeps every device busy at once.
+
+Note [stripes]: a logical file at ``folders[0]/rel`` is stored as one file per folder, at
+``folders[k]/rel``. Its bytes are cut into stripes of ``stripe_bytes`` (a multiple of
+4096); stripe ``i`` goes to folder ``i % N`` at offset ``(i // N) * stripe_bytes``, so
+each device's file is dense and each device holds about 1/N of every large transfer.
+Each folder has its own ``aio_handle`` (its own workers and kernel queue): a transfer
+starts every stripe on the handle of its device and completes when all have, so the
+devices work in parallel and the figure is their sum, less what the CPU copying costs.
+Locked memory belongs to the process, so a locked buffer is zero-copy on every one.
+
+``StripedHandle`` speaks the part of ``aio_handle``'s API that checkpoints and
+``TensorSwapper`` use (``sync_``/``async_``/``submit_`` ``pread``/``pwrite``, ``wait``,
+locked tensors). A striped checkpoint (Note [striped checkpoints]) records its layout
+beside the data, so that ``nvmeswap.load`` finds it from the one path.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from ..aio import aio_handle
+from ..units import ALIGNMENT
+
+STRIPE_BYTES = 4 << 20
+
+
+def _byte_view(buffer):
+    """A flat uint8 view of a contiguous CPU tensor or a buffer-protocol object."""
+    try:
+        import torch
+    except ImportError:         # pragma: no cover - numpy / bytearray users
+        torch = None
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise ValueError("a StripedHandle moves CPU buffers only, not "
+                             f"{buffer.device.type} tensors")
+        if not buffer.is_contiguous():
+            raise ValueError("a StripedHandle needs a contiguous tensor")
+        return buffer.reshape(-1).view(torch.uint8) if buffer.numel() else \
+            torch.empty(0, dtype=torch.uint8)
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("a StripedHandle needs a C-contiguous buffer")
+    return view.cast("B")
+
+
+class StripedFuture:
+    """One striped transfer: done when every stripe is; ``result()`` gives the bytes
+    moved or raises the first stripe's error once all have ended."""
+
+    def __init__(self, parts: list, nbytes: int) -> None:
+        self._parts = parts
+        self._nbytes = nbytes
+
+    def done(self) -> bool:
+        return all(part.done() for part in self._parts)
+
+    def result(self) -> int:
+        first = None
+        for part in self._parts:
+            try:
+                part.result()
+            except BaseException as error:
+                first = first or error
+        if first is not None:
+            raise first
+        return self._nbytes
+
+
+class StripedHandle:
+    """Transfers striped over ``folders`` (Note [stripes]).
+
+    Parameters
+    ----------
+    folders : sequence of str or os.PathLike
+        Existing folders, one per device; file names given to the handle must lie in
+        the first.
+    stripe_bytes : int
+        Bytes per stripe, a multiple of 4096 (default 4 MiB).
+    **handle_args
+        ``aio_handle``'s arguments, for the handle of each folder.
+    """
+
+    def __init__(self, folders: Any, *, stripe_bytes: int = STRIPE_BYTES,
+                 **handle_args: Any) -> None:
+        self.closed = False
+        self._pending: list[StripedFuture] = []
+        self.handles: list[aio_handle] = []
+        if isinstance(folders, (str, os.PathLike)) or not folders:
+            raise TypeError("folders must be a non-empty sequence of folders")
+        self.folders = [os.path.abspath(os.fspath(f)) for f in folders]
+        for folder in self.folders:
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(2, "No such stripe folder", folder)
+        if len(set(self.folders)) != len(self.folders):
+            raise ValueError(f"a folder is named twice in {self.folders}")
+        if not isinstance(stripe_bytes, int) or stripe_bytes <= 0 or stripe_bytes % ALIGNMENT:
+            raise ValueError(f"stripe_bytes must be a positive multiple of {ALIGNMENT}, "
+                             f"got {stripe_bytes!r}")
+        self.stripe_bytes = stripe_bytes
+        try:
+            for _ in self.folders:
+                self.handles.append(aio_handle(**handle_args))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- where the bytes go --------------------------------------------------------------
+    def paths(self, filename: Any) -> list[str]:
+        """The file of each folder that holds a part of ``filename``."""
+        if isinstance(filename, int) or not isinstance(filename, (str, os.PathLike)):
+            raise TypeError(f"a StripedHandle needs a file name, got {type(filename).__name__}")
+        relative = os.path.relpath(os.path.abspath(os.fspath(filename)), self.folders[0])
+        if relative == os.curdir or relative.split(os.sep)[0] == os.pardir:
+            raise ValueError(f"{filename} is not inside {self.folders[0]}, the first stripe "
+                             "folder")
+        return [os.path.join(folder, relative) for folder in self.folders]
+
+    def pieces(self, nbytes: int, offset: int) -> list[tuple[int, int, int, int]]:
+        """``(device, device offset, buffer offset, length)`` of each stripe piece of the
+        logical range ``[offset, offset + nbytes)``."""
+        count, size = len(self.folders), self.stripe_bytes
+        out = []
+        position = offset
+        while position < offset + nbytes:
+            stripe, within = divmod(position, size)
+            length = min(size - within, offset + nbytes - position)
+            out.append((stripe % count, (stripe // count) * size + within,
+                        position - offset, length))
+            position += length
+        return out
+
+    def size(self, filename: Any) -> int:
+        """The logical size of ``filename``: the end of the last byte its parts hold."""
+        count, stripe = len(self.folders), self.stripe_bytes
+        end = 0
+        for device, path in enumerate(self.paths(filename)):
+            try:
+                held = os.stat(path).st_size
+            except FileNotFoundError:
+                if device == 0:         # the file itself is missing
+                    raise
+                held = 0                # a file shorter than its first stripes
+            if held:
+                row, within = divmod(held - 1, stripe)
+                end = max(end, (row * count + device) * stripe + within + 1)
+        return end
+
+    def makedirs(self, folder: Any) -> None:
+        """Make ``folder`` (inside the first folder) and its twin in every other one."""
+        for path in self.paths(folder):
+            os.makedirs(path, exist_ok=True)
+
+    def remove(self, filename: Any) -> None:
+        """Delete every part of ``filename``; parts already gone are fine."""
+        for path in self.paths(filename):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def rmdir(self, folder: Any) -> None:
+        for path in self.paths(folder):
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(path)
+
+    # -- transfers -----------------------------------------------------------------------
+    def _start(self, buffer, filename, file_offset, is_read):
+        self._check_open()
+        if not isinstance(file_offset, int) or file_offset < 0:
+            raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
+        paths = self.paths(filename)
+        flat = _byte_view(buffer)
+        nbytes = flat.numel() if hasattr(flat, "numel") else len(flat)
+        parts = []
+        try:
+            for device, device_offset, at, length in self.pieces(nbytes, file_offset):
+                handle = self.handles[device]
+                piece = flat[at:at + length]
+                submit = handle.submit_pread if is_read else handle.submit_pwrite
+                parts.append(submit(piece, paths[device], device_offset))
+            if not parts and not is_read:
+                for path in paths:          # a write of 0 bytes still makes the files
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+        except BaseException:
+            for part in parts:
+                with contextlib.suppress(BaseException):
+                    part.result()
+            raise
+        return StripedFuture(parts, nbytes)
+
+    def submit_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> StripedFuture:
+        return self._start(buffer, filename, file_offset, is_read=False)
+
+    def submit_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> StripedFuture:
+        return self._start(buffer, filename, file_offset, is_read=True)
+
+    def async_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        self._pending.append(self._start(buffer, filename, file_offset, is_read=False))
+        return 0
+
+    def async_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        self._pending.append(self._start(buffer, filename, file_offset, is_read=True))
+        return 0
+
+    def sync_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        self._start(buffer, filename, file_offset, is_read=False).result()
+        return 1
+
+    def sync_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        self._start(buffer, filename, file_offset, is_read=True).result()
+        return 1
+
+    def wait(self) -> int:
+        """Wait for every ``async_`` transfer; how many completed. The first failure is
+        raised once all have ended."""
+        pending, self._pending = self._pending, []
+        first = None
+        for future in pending:
+            try:
+                future.result()
+            except BaseException as error:
+                first = first or error
+        if first is not None:
+            raise first
+        return len(pending)
+
+    # -- locked memory (the process's, shared by every handle) ---------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None) -> Any:
+        self._check_open()
+        return self.handles[0].new_cpu_locked_tensor(num_elem, example_tensor)
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        self._check_open()
+        return self.handles[0].free_cpu_locked_tensor(tensor)
+
+    def is_pinned(self, buffer: Any) -> bool:
+        return self.handles[0].is_pinned(buffer)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def _check_open(self):
+        if self.closed:
+            raise ValueError("this StripedHandle is closed")
+
+    def close(self) -> None:
+        """Wait for what is in flight and close every folder's handle. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        first = None
+        if self._pending:
+            with contextlib.suppress(BaseException):
+                self.wait()
+        for handle in self.handles:
+            try:
+                handle.close()
+            except BaseException as error:
+                first = first or error
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> StripedHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<nvmeswap StripedHandle {'closed' if self.closed else 'open'} over "
+                f"{len(self.folders)} folders, {self.stripe_bytes} bytes a stripe>")
+
+
+# -- striped checkpoints ------------------------------------------------------------------
+
+# Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
+# is a small JSON file there, the layout: the folders, the stripe size, the logical size
+# and the name of the striped data, ``<name>.<pid>-<random>.stripe`` in every folder. A
+# save writes fresh stripe files under a new name, fsyncs each and each folder, then
+# replaces the layout file as any checkpoint is replaced (Note [crash-consistent
+# checkpoints]): that rename is the one commit point, so a save killed at any instant
+# leaves the old layout naming the old stripes, which are deleted only after the commit.
+# Stripes no layout names, left by killed saves, go at the next save of the same name.
+# ``nvmeswap.load`` knows the layout file by its first bytes and reads the data from it.
+LAYOUT_KEY = "nvmeswap_stripes"
+
+
+def read_layout(path: str) -> dict | None:
+    """The layout at ``path``, or None if ``path`` is not a striped checkpoint."""
+    import json
+
+    with open(path, "rb") as file:
+        head = file.read(64 << 10)
+    if not head.startswith(b'{"' + LAYOUT_KEY.encode()):
+        return None
+    try:
+        layout = json.loads(head)
+    except ValueError as error:
+        raise ValueError(f"{path}: a damaged stripe layout ({error})") from None
+    return layout
+
+
+def write_striped(handle: StripedHandle, size: int, path: str, write: Any) -> None:
+    """Make the checkpoint ``path`` striped over ``handle``'s folders: ``write(name)``
+    writes its ``size`` bytes to the logical file ``name`` through ``handle``."""
+    import json
+    import secrets
+
+    from . import commit
+
+    folder, base = os.path.split(os.path.abspath(path))
+    if folder != handle.folders[0]:
+        raise ValueError(f"{path}: a striped checkpoint lives in the first stripe folder, "
+                         f"{handle.folders[0]}")
+    old = read_layout(path) if os.path.isfile(path) else None
+    _remove_orphans(handle, base, old)
+    name = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.stripe"
+    logical = os.path.join(folder, name)
+    parts = handle.paths(logical)
+    try:
+        for part in parts:
+            os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        write(logical)
+        expected = [0] * len(parts)
+        for device, device_offset, _, length in handle.pieces(size, 0):
+            expected[device] = max(expected[device], device_offset + length)
+        for part, part_size in zip(parts, expected):
+            commit.make_durable(part, part_size)
+        for other in handle.folders[1:]:
+            commit.sync_folder(other)
+        text = json.dumps({LAYOUT_KEY: 1, "name": name, "size": size,
+                           "stripe_bytes": handle.stripe_bytes,
+                           "folders": handle.folders}).encode()
+        temporary = commit.start(path)
+        try:
+            with open(temporary, "wb") as file:
+                file.write(text)
+            commit.finish(temporary, path, len(text))
+        except BaseException:
+            commit.abandon(temporary)
+            raise
+    except BaseException:
+        for part in parts:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
+        raise
+    if old is not None and old.get("name") != name:
+        _remove_stripes(old)
+
+
+def _remove_stripes(layout):
+    for folder in layout.get("folders", []):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, layout["name"]))
+
+
+def _remove_orphans(handle, base, current):
+    """Delete stripe files of ``base`` that no layout names, left by saves whose process
+    is gone."""
+    keep = current.get("name") if current else None
+    for folder in handle.folders:
+        with contextlib.suppress(OSError):
+            for other in os.listdir(folder):
+                if not (other.startswith(base + ".") and other.endswith(".stripe")) \
+                        or other == keep:
+                    continue
+                pid = other[len(base) + 1:].split("-", 1)[0]
+                if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, other))
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def read_striped(layout: dict, handle: Any, path: str) -> Any:
+    """The whole logical file of a striped checkpoint in one locked uint8 tensor, read
+    with ``handle`` if it stripes over the same folders, else with one made for it."""
+    import torch
+
+    folders, stripe_bytes = layout["folders"], layout["stripe_bytes"]
+    same = isinstance(handle, StripedHandle) and handle.folders == folders \
+        and handle.stripe_bytes == stripe_bytes
+    reader = handle if same else StripedHandle(folders, stripe_bytes=stripe_bytes,
+                                               intra_op_parallelism=2)
+    try:
+        buffer = reader.new_cpu_locked_tensor(layout["size"], torch.empty(0, dtype=torch.uint8))
+        try:
+            if layout["size"]:
+                reader.sync_pread(buffer, os.path.join(folders[0], layout["name"]))
+        except BaseException:
+            reader.free_cpu_locked_tensor(buffer)
+            raise
+        return buffer
+    finally:
+        if not same:
+            reader.close()

@@ -1,0 +1,241 @@
+"""torch.save's zip format: laying a state out as torch writes it, and finding where each
+storage's bytes are in a file torch (or nvmeswap) wrote.
+
+Note [torch.save layout]: ``torch.save`` writes a zip archive (``data.pkl``, the pickle with
+each storage replaced by a persistent id ``("storage", type, key, location, numel)``, then
+one uncompressed entry ``data/<key>`` per storage, each starting at a multiple of the
+archive's ``.storage_alignment``). nvmeswap lets torch's own writer lay the archive out
+(``torch._C.PyTorchFileWriter`` driven by ``torch.serialization._save``) with an alignment
+of 4096, and intercepts each storage: instead of its bytes the writer records a hole of
+its size (``write_record_metadata``, what ``torch.serialization.skip_data`` uses). The
+headers, pickle and central directory torch produced are kept as they are; the holes are
+filled by nvmeswap's direct writes, and each storage's CRC-32 (zip's data descriptor after
+the bytes, and the central directory) is filled in as its bytes go by. The result is the
+file torch would have written with ``storage_alignment = 4096``; ``torch.load`` and
+``zipfile`` read it unchanged.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+from typing import Any
+
+from .image import FileImage, TensorRun, uint8_view
+
+STORAGE_ALIGNMENT = 4096
+_DESCRIPTOR = b"PK\x07\x08"
+_CENTRAL = 0x02014B50
+_LOCAL = 0x04034B50
+
+
+class _Recorder:
+    """A write-only file for ``PyTorchFileWriter``: keeps what is written, and each skipped
+    region (a storage's bytes) as a hole."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.pieces: list[tuple[int, Any]] = []     # (offset, bytes | ("hole", name, n))
+        self.pending: str | None = None
+
+    def write(self, data: Any) -> int:
+        data = bytes(data)
+        if data:
+            self.pieces.append((self.position, data))
+            self.position += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence != os.SEEK_CUR or self.pending is None:
+            raise AssertionError(f"unexpected seek({offset}, {whence}) while laying out")
+        self.pieces.append((self.position, ("hole", self.pending, offset)))
+        self.position += offset
+        self.pending = None
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+
+class _LayoutZip:
+    """The zip writer ``torch.serialization._save`` talks to: storages become holes."""
+
+    def __init__(self, writer: Any, recorder: _Recorder) -> None:
+        self.writer = writer
+        self.recorder = recorder
+        self.storages: dict[str, Any] = {}
+
+    def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        if isinstance(data, (bytes, str)):
+            self.writer.write_record(name, data, nbytes)
+            return
+        self.storages[name] = data
+        self.recorder.pending = name
+        self.writer.write_record_metadata(name, nbytes)
+        if nbytes == 0:
+            self.recorder.pending = None
+
+    def write_record_metadata(self, name: str, nbytes: int) -> None:
+        raise TypeError("nvmeswap.save cannot run inside torch.serialization.skip_data()")
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
+
+def layout(obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2) -> FileImage:
+    """The ``FileImage`` of ``torch.save(obj)`` with 4096-aligned storages (Note [torch.save
+    layout])."""
+    import torch
+    from torch import serialization
+
+    recorder = _Recorder()
+    writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
+    zip_file = _LayoutZip(writer, recorder)
+    from torch.utils.serialization import config
+
+    with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}):
+        serialization._save(obj, zip_file, pickle_module, pickle_protocol, False)
+    writer.write_end_of_file()
+
+    image = FileImage()
+    runs: dict[str, TensorRun] = {}
+    headers: list[bytearray] = []
+    for offset, piece in recorder.pieces:
+        if isinstance(piece, tuple):
+            _, name, nbytes = piece
+            storage = zip_file.storages[name]
+            runs[name] = image.add_tensor(offset, uint8_view(storage)[:nbytes])
+        else:
+            headers.append(image.add_bytes(offset, piece))
+    _find_crc_slots(image, runs)
+    return image
+
+
+def _find_crc_slots(image, runs):
+    """Point each storage's run at the CRC fields torch left as 0: the data descriptor that
+    follows its bytes and its central directory entry."""
+    by_offset = {offset: run for offset, run in image.runs}
+    for name, run in runs.items():
+        end = run.offset + run.nbytes
+        descriptor = by_offset.get(end)
+        if not isinstance(descriptor, bytearray) or descriptor[:4] != _DESCRIPTOR:
+            raise AssertionError(f"no data descriptor after {name}")
+        run.crc_slots.append((descriptor, 4))
+    # The central directory: the last runs, entries one after another.
+    wanted = dict(runs)
+    for _, segment in image.runs:
+        if not isinstance(segment, bytearray):
+            continue
+        at = 0
+        while at + 46 <= len(segment) and struct.unpack_from("<I", segment, at)[0] == _CENTRAL:
+            name_len, extra_len, comment_len = struct.unpack_from("<HHH", segment, at + 28)
+            name = segment[at + 46:at + 46 + name_len].decode()
+            record = name.split("/", 1)[1] if "/" in name else name
+            if record in wanted:
+                wanted.pop(record).crc_slots.append((segment, at + 16))
+            at += 46 + name_len + extra_len + comment_len
+    if wanted:
+        raise AssertionError(f"no central directory entry for {sorted(wanted)}")
+
+
+# -- reading ------------------------------------------------------------------------------
+class _Slice(io.RawIOBase):
+    """``length`` bytes of an open file from ``base``, as a file of their own."""
+
+    def __init__(self, raw, base, length):
+        self.raw, self.base, self.length, self.position = raw, base, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.position
+
+    def seek(self, offset, whence=0):
+        origin = {0: 0, 1: self.position, 2: self.length}[whence]
+        self.position = max(0, origin + offset)
+        return self.position
+
+    def readinto(self, buffer):
+        count = max(0, min(len(buffer), self.length - self.position))
+        self.raw.seek(self.base + self.position)
+        got = self.raw.readinto(memoryview(buffer)[:count])
+        self.position += got
+        return got
+
+
+class _Memory:
+    """The part of a binary file ``_Slice`` uses, over a memoryview (no copy)."""
+
+    def __init__(self, view):
+        self.view, self.position = view, 0
+
+    def seek(self, offset, whence=0):
+        self.position = offset if whence == 0 else len(self.view) + offset
+        return self.position
+
+    def readinto(self, buffer):
+        count = max(0, min(len(buffer), len(self.view) - self.position))
+        memoryview(buffer)[:count] = self.view[self.position:self.position + count]
+        self.position += count
+        return count
+
+    def read(self, size):
+        data = bytes(self.view[self.position:self.position + size])
+        self.position += len(data)
+        return data
+
+
+class ZipEntries:
+    """Where each record of a torch.save archive is: ``records`` maps the record name
+    (``data.pkl``, ``data/0``, ...) to ``(file offset of its bytes, size, crc)``. The
+    archive may be ``length`` bytes from ``base`` inside a larger file (DCP's files)."""
+
+    def __init__(self, path: str, base: int = 0, length: int | None = None, *,
+                 memory: Any = None) -> None:
+        self.path = path
+        self.records: dict[str, tuple[int, int, int]] = {}
+        opened = open(path, "rb") if memory is None else io.BytesIO()  # noqa: SIM115
+        with opened:
+            raw = opened if memory is None else _Slice(_Memory(memory), 0, len(memory))
+            if length is None:
+                length = raw.seek(0, 2) - base
+            view = _Slice(raw, base, length)
+            try:
+                archive = zipfile.ZipFile(io.BufferedReader(view))
+            except zipfile.BadZipFile as error:
+                raise ValueError(f"{path}: not a torch.save zip archive ({error}); files "
+                                 "of torch's legacy (pre-1.6) format are not supported") \
+                    from None
+            with archive:
+                for info in archive.infolist():
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise ValueError(f"{path}: record {info.filename} is compressed")
+                    raw.seek(base + info.header_offset)
+                    header = raw.read(30)
+                    signature, *_, name_len, extra_len = struct.unpack("<IHHHHHIIIHH",
+                                                                       header)
+                    if signature != _LOCAL:
+                        raise ValueError(f"{path}: bad local header for {info.filename}")
+                    start = base + info.header_offset + 30 + name_len + extra_len
+                    record = info.filename.split("/", 1)[1] if "/" in info.filename \
+                        else info.filename
+                    self.records[record] = (start, info.file_size, info.CRC)
+            if "data.pkl" not in self.records:
+                raise ValueError(f"{path}: not a torch.save archive (no data.pkl)")
+            self.pickle = self.read(raw, "data.pkl")
+            self.byteorder = (self.read(raw, "byteorder").decode()
+                              if "byteorder" in self.records else "little")
+
+    def read(self, raw: Any, record: str) -> bytes:
+        start, size, _ = self.records[record]
+        raw.seek(start)
+        return raw.read(size)

@@ -1,0 +1,296 @@
+"""nvmeswap.save / load / load_into / async_save: torch.save archives, bit for bit.
+
+Every dtype and container comes back with the same bytes; torch.load reads our files and
+nvmeswap.load reads torch's; the zip's CRCs are right (zipfile checks them); bad arguments
+fail before any file is touched, with the file named.
+"""
+import collections
+import errno
+import fractions
+import math
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import nvmeswap
+from nvmeswap.checkpoint.commit import TEMPORARY
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+          torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+          torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32,
+          torch.uint64]
+
+
+def random_tensor(shape, dtype, seed):
+    """A tensor of ``shape`` whose bytes are random (bools 0 or 1), NaN patterns included."""
+    count = int(np.prod(shape, dtype=np.int64))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rng = np.random.default_rng(seed)
+    if dtype == torch.bool:
+        return torch.from_numpy(rng.integers(0, 2, count).astype(np.bool_)).reshape(shape)
+    raw = torch.from_numpy(rng.integers(0, 256, count * itemsize, dtype=np.uint8))
+    return raw.view(dtype).reshape(shape)
+
+
+def raw(tensor):
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(a, b, where="obj"):
+    """``a`` and ``b`` are the same structure, tensors equal bit for bit (same dtype,
+    shape, stride, storage offset)."""
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == \
+            (b.dtype, b.shape, b.stride(), b.storage_offset()), where
+        assert torch.equal(raw(a), raw(b)), f"{where}: bytes differ"
+        assert a.requires_grad == b.requires_grad, where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{index}]")
+    else:
+        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), where
+
+
+def every_dtype_state(seed=0):
+    state = collections.OrderedDict()
+    for index, dtype in enumerate(DTYPES):
+        name = str(dtype).split(".")[1]
+        state[name] = random_tensor((3, 1000 + index), dtype, seed + index)
+    return state
+
+
+def mixed_state():
+    """Containers, scalars, views sharing storage, odd sizes, empty and 0-d tensors."""
+    base = random_tensor((64, 33), torch.float32, 1)
+    return {
+        "model": every_dtype_state(),
+        "views": [base, base[3:9], base.t(), base[:, 5]],      # one storage, four views
+        "tuple": (random_tensor((4097,), torch.int8, 2), 7, "adam"),
+        "scalars": {"step": 12345, "lr": 3e-4, "nan": float("nan"), "none": None,
+                    "flag": True, "name": "run-1", "bytes": b"\x00\x01"},
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "big": random_tensor((5 << 20) + 3, torch.uint8, 3),   # crosses ring chunks
+        "param": torch.nn.Parameter(random_tensor((17, 3), torch.float32, 4)),
+    }
+
+
+@pytest.fixture
+def checkpointer():
+    with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=3) as made:
+        yield made
+
+
+def test_torch_load_reads_what_save_wrote(checkpointer, tmp_path):
+    state = mixed_state()
+    path = tmp_path / "state.pt"
+    checkpointer.save(state, path)
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None          # every CRC-32 is right
+    loaded = torch.load(path)
+    assert_same(state, loaded)
+    assert loaded["views"][1].untyped_storage().data_ptr() == \
+        loaded["views"][0].untyped_storage().data_ptr()
+
+
+def test_load_reads_what_save_wrote_into_locked_memory(checkpointer, tmp_path):
+    state = mixed_state()
+    path = tmp_path / "state.pt"
+    checkpointer.save(state, path)
+    loaded = checkpointer.load(path)
+    assert_same(state, loaded)
+    views = loaded["views"]
+    assert all(v.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()
+               for v in views)
+    assert checkpointer.handle.is_pinned(loaded["big"])
+    assert checkpointer.free(loaded) >= 1
+    assert not checkpointer.handle.is_pinned(loaded["big"])
+
+
+def test_load_reads_what_torch_save_wrote(checkpointer, tmp_path):
+    state = mixed_state()
+    path = tmp_path / "torch.pt"
+    torch.save(state, path)
+    assert_same(state, checkpointer.load(path))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips_through_the_module_functions(tmp_path, dtype):
+    tensor = random_tensor((7, 1031), dtype, 9)
+    path = tmp_path / "one.pt"
+    nvmeswap.save({"t": tensor, "odd": tensor[1:, 3:]}, path)
+    assert_same({"t": tensor, "odd": tensor[1:, 3:]}, torch.load(path))
+    assert_same({"t": tensor, "odd": tensor[1:, 3:]}, nvmeswap.load(path))
+
+
+def test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(tmp_path):
+    from torch.utils.serialization import config
+
+    state = {"a": random_tensor((1000,), torch.float32, 5), "b": [1, 2.0]}
+    nvmeswap.save(state, tmp_path / "ours.pt")
+    with config.patch({"save.storage_alignment": 4096}):
+        torch.save(state, tmp_path / "archive")         # torch names the records after it
+    ours = (tmp_path / "ours.pt").read_bytes()
+    theirs = (tmp_path / "archive").read_bytes()
+    serial = ours.index(b".data/serialization_id")
+    # Everything but the serialization id, which torch makes fresh for every file.
+    assert len(ours) == len(theirs)
+    assert ours[:serial] == theirs[:serial]
+
+
+def test_map_location_and_weights_only(checkpointer, tmp_path):
+    state = {"w": random_tensor((10,), torch.float32, 6), "od": collections.OrderedDict(a=1)}
+    path = tmp_path / "s.pt"
+    checkpointer.save(state, path)
+    loaded = checkpointer.load(path, map_location="cpu")
+    assert_same(state, loaded)
+    seen = []
+    loaded = checkpointer.load(path, map_location=lambda s, loc: seen.append(loc))
+    assert seen == ["cpu"] and torch.equal(raw(loaded["w"]), raw(state["w"]))
+    loaded = checkpointer.load(path, map_location="meta")
+    assert loaded["w"].device.type == "meta"
+    torch.save({"f": fractions.Fraction(1, 3)}, tmp_path / "code.pt")
+    with pytest.raises(pickle.UnpicklingError, match="weights_only=False"):
+        checkpointer.load(tmp_path / "code.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "code.pt")                # torch refuses it too
+    assert checkpointer.load(tmp_path / "code.pt", weights_only=False)["f"] == \
+        fractions.Fraction(1, 3)
+
+
+def test_load_into_reads_straight_into_given_tensors(checkpointer, tmp_path):
+    state = {"model": every_dtype_state(3), "step": 5, "list": [random_tensor((9,), torch.int32, 4)]}
+    path = tmp_path / "s.pt"
+    checkpointer.save(state, path)
+    locked = checkpointer.handle.new_cpu_locked_tensor(3 * 1001, torch.empty(0))
+    into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "step": 0, "list": [torch.zeros(9, dtype=torch.int32)]}
+    into["model"]["float32"] = locked.view(3, 1001)
+    assert checkpointer.load_into(path, into) is into
+    assert_same(dict(state["model"]), into["model"])
+    assert_same(state["list"], into["list"])
+    assert into["step"] == 0                        # non-tensor values are left alone
+    assert checkpointer.handle.free_cpu_locked_tensor(locked)
+
+
+def test_load_into_checks_everything_before_reading(checkpointer, tmp_path):
+    path = tmp_path / "s.pt"
+    checkpointer.save({"a": torch.ones(4), "b": torch.ones(2, 2)}, path)
+    a = torch.zeros(4)
+    with pytest.raises(ValueError, match="b is torch.float32 \\(2, 2\\) in the file"):
+        checkpointer.load_into(path, {"a": a, "b": torch.zeros(4)})
+    with pytest.raises(KeyError, match="in the target only \\['c'\\]"):
+        checkpointer.load_into(path, {"a": a, "b": torch.zeros(2, 2), "c": a})
+    with pytest.raises(ValueError, match="not contiguous"):
+        checkpointer.load_into(path, {"a": a, "b": torch.zeros(2, 2).t()})
+    assert torch.equal(a, torch.zeros(4))           # nothing was read
+    assert checkpointer.load_into(path, {"a": a}, strict=False)["a"].sum() == 4
+
+
+def test_async_save_snapshots_and_writes_in_the_background(tmp_path):
+    state = mixed_state()
+    expected = {"big": state["big"].clone(), "model": collections.OrderedDict(
+        (k, v.clone()) for k, v in state["model"].items())}
+    path = tmp_path / "async.pt"
+    with nvmeswap.Checkpointer() as checkpointer:
+        future = checkpointer.async_save(state, path)
+        state["big"].fill_(0)                          # the snapshot is already taken
+        for tensor in state["model"].values():
+            tensor.zero_()
+        assert future.result() is None
+        loaded = torch.load(path)
+        assert_same(expected["big"], loaded["big"])
+        assert_same(expected["model"], loaded["model"])
+        # The second save reuses the snapshot buffer.
+        second = checkpointer.async_save({"x": torch.arange(10)}, path)
+        second.result()
+    assert_same({"x": torch.arange(10)}, torch.load(path))
+    assert nvmeswap.async_save({"y": torch.arange(3)}, path).result() is None
+    assert_same({"y": torch.arange(3)}, torch.load(path))
+
+
+def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):
+    big = {"t": torch.zeros(8 << 20, dtype=torch.uint8)}       # more than the 4 MiB tmpfs
+    path = small_filesystem / "full.pt"
+    future = nvmeswap.async_save(big, path)
+    with pytest.raises(OSError) as raised:
+        future.result()
+    assert raised.value.errno == errno.ENOSPC
+    assert not path.exists()
+    assert not [p for p in os.listdir(small_filesystem) if TEMPORARY in p]
+
+
+def test_a_failed_save_leaves_the_previous_file(tmp_path, small_filesystem):
+    path = small_filesystem / "s.pt"
+    nvmeswap.save({"t": torch.ones(1000)}, path)
+    with pytest.raises(OSError) as raised:
+        nvmeswap.save({"t": torch.zeros(8 << 20, dtype=torch.uint8)}, path)
+    assert raised.value.errno == errno.ENOSPC
+    assert_same({"t": torch.ones(1000)}, torch.load(path))
+    assert os.listdir(small_filesystem) == ["s.pt"]
+
+
+def test_bad_arguments_fail_before_any_io(tmp_path):
+    missing = tmp_path / "no" / "such" / "s.pt"
+    with pytest.raises(FileNotFoundError) as raised:
+        nvmeswap.save({"a": torch.ones(1)}, missing)
+    assert raised.value.filename == str(missing.parent)
+    with pytest.raises(FileNotFoundError) as raised:
+        nvmeswap.load(tmp_path / "absent.pt")
+    assert raised.value.filename == str(tmp_path / "absent.pt")
+    with pytest.raises(IsADirectoryError):
+        nvmeswap.save({"a": torch.ones(1)}, tmp_path)
+    with pytest.raises(TypeError, match="str or os.PathLike"):
+        nvmeswap.save({"a": torch.ones(1)}, 3)
+    with pytest.raises(TypeError, match="aio_handle"):
+        nvmeswap.Checkpointer(handle="fast")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        nvmeswap.Checkpointer(chunk_bytes=100)
+    (tmp_path / "junk.pt").write_bytes(b"not a zip at all")
+    with pytest.raises(ValueError, match="junk.pt: not a torch.save zip archive"):
+        nvmeswap.load(tmp_path / "junk.pt")
+    assert os.listdir(tmp_path) == ["junk.pt"]
+
+
+def test_a_closed_checkpointer_refuses_work(tmp_path):
+    checkpointer = nvmeswap.Checkpointer()
+    checkpointer.close()
+    checkpointer.close()
+    with pytest.raises(ValueError, match="closed"):
+        checkpointer.save({}, tmp_path / "x.pt")
+
+
+def test_a_given_handle_stays_open(handle, tmp_path):
+    nvmeswap.save({"a": torch.arange(5)}, tmp_path / "a.pt", handle=handle)
+    loaded = nvmeswap.load(tmp_path / "a.pt", handle=handle)
+    assert handle.is_pinned(loaded["a"])
+    assert_same({"a": torch.arange(5)}, loaded)
+    handle.free_cpu_locked_tensor(loaded["a"])
+
+
+def test_a_load_read_in_several_groups_keeps_every_byte(checkpointer, tmp_path):
+    """Note [checkpoint reads]: storages past 64 MiB go into further buffers."""
+    from nvmeswap.checkpoint.loading import GROUP_BYTES
+
+    count = GROUP_BYTES // 2 // 8 + 1234
+    state = {f"t{k}": torch.arange(count, dtype=torch.int64) * (k + 1) - k for k in range(3)}
+    state["odd"] = random_tensor((4099,), torch.bfloat16, 8)
+    path = tmp_path / "groups.pt"
+    checkpointer.save(state, path)
+    loaded = checkpointer.load(path)
+    assert_same(state, loaded)
+    assert checkpointer.free(loaded) == 2
+    torch.save(state, tmp_path / "torch.pt")
+    loaded = checkpointer.load(tmp_path / "torch.pt")
+    assert_same(state, loaded)
+    assert checkpointer.free(loaded) == 2

@@ -1,0 +1,78 @@
+"""safetensors files: the package reads ours and we read the package's, bit for bit."""
+import json
+import struct
+
+import pytest
+import torch
+from test_checkpoint import DTYPES, assert_same, random_tensor
+
+import nvmeswap
+
+safetensors_torch = pytest.importorskip("safetensors.torch",
+                                        reason="safetensors is not installed")
+
+# safetensors has no name for these.
+UNNAMED = {torch.complex128}
+
+
+def flat_state():
+    state = {f"t.{str(dtype).split('.')[1]}": random_tensor((5, 999), dtype, index)
+             for index, dtype in enumerate(DTYPES) if dtype not in UNNAMED}
+    state["empty"] = torch.empty(0, 4)
+    state["scalar"] = torch.tensor(1.5)
+    state["big"] = random_tensor(((3 << 20) + 5,), torch.uint8, 7)
+    return state
+
+
+def test_the_package_reads_what_we_wrote(tmp_path):
+    state = flat_state()
+    path = tmp_path / "ours.safetensors"
+    nvmeswap.save_safetensors(state, path, metadata={"format": "pt", "step": "3"})
+    loaded = safetensors_torch.load_file(path)
+    assert_same(state, {k: loaded[k] for k in state})
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as opened:
+        assert opened.metadata() == {"format": "pt", "step": "3"}
+    length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert (8 + length) % 4096 == 0                     # the data starts aligned
+    assert json.loads(path.read_bytes()[8:8 + length])["__metadata__"]["step"] == "3"
+
+
+def test_we_read_what_the_package_wrote(tmp_path):
+    state = flat_state()
+    path = tmp_path / "theirs.safetensors"
+    safetensors_torch.save_file(state, path)
+    with nvmeswap.aio_handle() as handle:
+        loaded = nvmeswap.load_safetensors(path, handle=handle)
+        assert_same(state, {k: loaded[k] for k in state})
+        assert handle.is_pinned(loaded["big"])
+        handle.free_cpu_locked_tensor(loaded["big"])
+
+
+def test_round_trip_and_refusals(tmp_path):
+    state = flat_state()
+    path = tmp_path / "s.safetensors"
+    nvmeswap.save_safetensors(state, path)
+    loaded = nvmeswap.load_safetensors(path)
+    assert_same(state, {k: loaded[k] for k in state})
+    shared = torch.arange(10.0)
+    with pytest.raises(ValueError, match="share memory"):
+        nvmeswap.save_safetensors({"a": shared, "b": shared[2:]}, tmp_path / "x")
+    with pytest.raises(ValueError, match="no name for torch.complex128"):
+        nvmeswap.save_safetensors({"a": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "x")
+    with pytest.raises(TypeError, match="keys are str"):
+        nvmeswap.save_safetensors({1: shared}, tmp_path / "x")
+    with pytest.raises(TypeError, match="metadata"):
+        nvmeswap.save_safetensors({"a": shared}, tmp_path / "x", metadata={"a": 1})
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "short").write_bytes(struct.pack("<Q", 50) + b"{}")
+    with pytest.raises(ValueError, match="short: the safetensors header is cut short"):
+        nvmeswap.load_safetensors(tmp_path / "short")
+
+
+def test_a_non_contiguous_tensor_is_saved_as_its_values(tmp_path):
+    base = random_tensor((30, 40), torch.float32, 3)
+    nvmeswap.save_safetensors({"t": base.t(), "row": base[4]}, tmp_path / "v.safetensors")
+    loaded = safetensors_torch.load_file(tmp_path / "v.safetensors")
+    assert_same({"t": base.t().contiguous(), "row": base[4].clone()}, loaded)

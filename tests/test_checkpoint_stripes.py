@@ -1,0 +1,102 @@
+"""Note [stripes] and Note [striped checkpoints]: bytes spread round-robin over several
+folders come back whole, through StripedHandle, striped checkpoints and the swapper."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_bytes
+from test_checkpoint import assert_same, mixed_state, random_tensor
+
+import nvmeswap
+from nvmeswap.checkpoint.stripes import StripedHandle
+from nvmeswap.training import TensorSwapper
+
+STRIPE = 64 << 10
+
+
+@pytest.fixture
+def folders(tmp_path):
+    made = [tmp_path / f"dev{k}" for k in range(3)]
+    for folder in made:
+        folder.mkdir()
+    return [str(f) for f in made]
+
+
+@pytest.mark.parametrize("nbytes,offset", [(1, 0), (4095, 0), (STRIPE, 0), (STRIPE + 1, 0),
+                                           (7 * STRIPE + 4097, 0), (5 * STRIPE, 12345),
+                                           (3 * STRIPE - 1, STRIPE - 7)])
+def test_striped_bytes_land_round_robin_and_come_back(folders, nbytes, offset):
+    data = random_bytes(nbytes)
+    with StripedHandle(folders, stripe_bytes=STRIPE) as handle:
+        logical = os.path.join(folders[0], "f.bin")
+        source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        assert handle.async_pwrite(source, logical, offset) == 0
+        assert handle.wait() == 1
+        locked = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+        assert handle.sync_pread(locked, logical, offset) == 1
+        assert bytes(locked.numpy()) == data
+        assert handle.size(logical) == offset + nbytes
+        handle.free_cpu_locked_tensor(locked)
+        # Each device's file holds exactly its stripes, densely.
+        parts = [Path(p).read_bytes() if os.path.exists(p) else b""
+                 for p in handle.paths(logical)]
+        whole = bytearray(offset + nbytes)
+        for stripe in range(-(-(offset + nbytes) // STRIPE)):
+            device, row = stripe % 3, stripe // 3
+            piece = parts[device][row * STRIPE:(row + 1) * STRIPE]
+            whole[stripe * STRIPE:stripe * STRIPE + len(piece)] = piece
+        assert bytes(whole[offset:]) == data
+        handle.remove(logical)
+        assert not any(os.path.exists(p) for p in handle.paths(logical))
+
+
+def test_striped_handle_refuses_bad_arguments(folders, tmp_path):
+    with pytest.raises(FileNotFoundError) as raised:
+        StripedHandle([folders[0], str(tmp_path / "missing")])
+    assert raised.value.filename == str(tmp_path / "missing")
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        StripedHandle(folders, stripe_bytes=1000)
+    with pytest.raises(ValueError, match="named twice"):
+        StripedHandle([folders[0], folders[0]])
+    with StripedHandle(folders) as handle, pytest.raises(ValueError, match="not inside"):
+        handle.sync_pwrite(torch.zeros(10), str(tmp_path / "elsewhere"))
+
+
+def test_a_striped_checkpoint_round_trips_and_replaces_its_stripes(folders):
+    state = mixed_state()
+    path = os.path.join(folders[0], "state.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save(state, path)
+        layout = json.loads(Path(path).read_text())
+        assert layout["folders"] == folders and layout["stripe_bytes"] == STRIPE
+        first = layout["name"]
+        assert all(os.path.getsize(os.path.join(f, first)) > 0 for f in folders)
+        loaded = checkpointer.load(path)
+        assert_same(state, loaded)
+        checkpointer.handle.free_cpu_locked_tensor(loaded["big"])
+        checkpointer.async_save(state, path).result()
+        second = json.loads(Path(path).read_text())["name"]
+        assert second != first
+        assert sorted(os.listdir(folders[1])) == [second]     # the old stripes are gone
+        into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        checkpointer.load_into(path, into, strict=False)
+        assert_same(dict(state["model"]), into["model"])
+    # Any loader finds the layout from the one path.
+    assert_same(state, nvmeswap.load(path))
+
+
+def test_the_swapper_stripes_over_folders(folders):
+    tensors = {f"t{k}": random_tensor((n,), torch.float32, k)
+               for k, n in enumerate([10, 100_000, 333_333])}
+    with TensorSwapper(folders, stripe_bytes=STRIPE, pack_below=1024) as swapper:
+        for key, tensor in tensors.items():
+            swapper.swap_out(key, tensor)
+        assert swapper.synchronize_writes() >= 2
+        sub = os.path.basename(swapper.directory)
+        assert all(os.listdir(os.path.join(f, sub)) for f in folders)
+        back = {key: swapper.swap_in(key) for key in tensors}
+        swapper.synchronize_reads()
+        assert_same(tensors, back)
+    assert all(os.listdir(f) == [] for f in folders)
