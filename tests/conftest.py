@@ -59,14 +59,17 @@ def _resources():
     gc.collect()
     with open("/proc/self/maps") as maps:
         shared = sum("memfd:nvmeswap" in line for line in maps)
+    children = sorted(p.pid for p in psutil.Process().children(recursive=True))
     return {
-        "child processes": sorted(p.pid for p in psutil.Process().children(recursive=True)),
+        "child processes": children,
         "file descriptors": sorted(os.listdir("/proc/self/fd")),
         "shared mappings": shared,
-        # What this test added: other processes on the machine add and remove their own
-        # (multiprocessing's semaphores), and nvmeswap uses no multiprocessing.
+        # Only what this test's own process tree can have made: other processes (another
+        # run of the suite under pytest -n, say) add and remove their own. nvmeswap makes
+        # none (its memory is memfds); torch names its own after the process.
         "/dev/shm entries": sorted(name for name in os.listdir("/dev/shm")
-                                   if not name.startswith("sem.mp-")),
+                                   if name.startswith("nvmeswap") or any(
+                                       f"_{pid}_" in name for pid in [os.getpid(), *children])),
     }
 
 

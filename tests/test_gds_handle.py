@@ -31,6 +31,10 @@ def fake_libraries(tmp_path_factory):
 @pytest.fixture
 def gds(fake_libraries, monkeypatch, gds_factory):
     """Make gds_handles that see stand-in device tensors and use the fake libraries."""
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is here, and test_gpu.py moves real CUDA tensors: the fake "
+                    "CUDA driver, once loaded, would stand in for the real one for the rest "
+                    "of this process")
     cufile, cuda = map(str, fake_libraries)
     ok, why = _cuda.load(cuda)
     assert ok, why
