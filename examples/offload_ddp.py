@@ -46,6 +46,8 @@ def train(rank, world_size, folder, offload, steps, init_method="env://"):
             losses.append(loss.item())
         if offload:
             optimizer.close()
+        # Neither rank tears its process group down while the other still talks to it.
+        dist.barrier()
         return losses
     finally:
         dist.destroy_process_group()
