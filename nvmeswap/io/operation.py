@@ -9,6 +9,7 @@ from ..errors import error_from_code, os_error, short_file_error
 from .buffers import IoBuffer, io_buffer
 from .files import NO_ROOM, open_target
 from .process_state import shared
+from .regions import file_size_limit
 
 MAX_FILE_END = (1 << 63) - 1
 
@@ -87,7 +88,8 @@ class Operation:
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
             where += (f"; descriptors in flight to the workers ran out under RLIMIT_NOFILE "
                       f"{soft}: raise it with `ulimit -n`")
-        if not err and not self.is_read and _past_file_size_limit(at_offset + requested):
+        limit = file_size_limit()
+        if not err and not self.is_read and limit is not None and at_offset + requested > limit:
             err = errno.EFBIG   # the kernel writes up to the limit, then refuses
         if err in NO_ROOM:
             where += NO_ROOM[err]
@@ -106,11 +108,6 @@ class Operation:
         """
         return RuntimeError(f"copying the {self.describe()} through host memory failed: "
                             f"{type(error).__name__}: {error}")
-
-
-def _past_file_size_limit(end):
-    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    return soft != resource.RLIM_INFINITY and end > soft
 
 
 class ConcurrentWrites:
