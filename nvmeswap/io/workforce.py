@@ -133,15 +133,23 @@ class Workforce:
             pool.kill()
 
     def stop(self):
-        """Let the workers finish and exit (EOF, TERM, KILL); killed if interrupted."""
+        """Let the workers finish and exit (EOF, TERM, KILL), and close the caller queue
+        meanwhile: each waits for the kernel to retire an AIO context (~30 ms), so the
+        two waits overlap. The workers are killed if interrupted."""
         pool, self.pool = self.pool, None
-        if pool is None:
-            return
         try:
-            pool.stop()
-        except BaseException:
-            pool.kill()
-            raise
+            if pool is not None:
+                pool.ask_to_stop()
+        finally:
+            try:
+                self.close_queue()
+            finally:
+                if pool is not None:
+                    try:
+                        pool.reap()
+                    except BaseException:
+                        pool.kill()
+                        raise
 
     def send(self, op, index):
         """Send chunk ``index`` of ``op`` where its road goes (Note [roads]). Returns 0;

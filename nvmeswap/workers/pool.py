@@ -195,23 +195,37 @@ class WorkerPool:
             worker.close()
         self.workers = []
 
-    def stop(self):
-        """Ask every worker to finish (EOF on its socket), then TERM, then KILL."""
+    def ask_to_stop(self):
+        """Tell every worker to finish what it has and exit (EOF on its socket)."""
         for worker in self.workers:
             worker.sock.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + STOP_GRACE
-        for worker in self.workers:
-            try:
-                worker.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker.process.terminate()
-        for worker in self.workers:
-            try:
-                worker.process.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                pass
+
+    def reap(self):
+        """Wait for the workers asked to stop to exit; TERM, then KILL, the slow ones."""
+        lingering = self._exited_within(STOP_GRACE)
+        for worker in lingering:
+            worker.process.terminate()
+        if lingering:
+            self._exited_within(STOP_GRACE)
         self.kill()
 
+    def _exited_within(self, seconds):
+        """The workers still running after ``seconds``; woken by their pidfds as each
+        exits (a worker's exit waits ~30 ms for the kernel to retire its AIO context:
+        polling would add to that)."""
+        running = {worker.pidfd: worker for worker in self.workers}
+        poller = select.poll()
+        for fd in running:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + seconds
+        while running:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                del running[fd]
+        return list(running.values())
 
 def _death_message(process):
     status = process.returncode
