@@ -11,6 +11,7 @@ import platform
 import resource
 import shutil
 
+from .. import mounts
 from ..deepspeed import deepspeed_status
 from ..units import human_size
 from .options import check_output_path
@@ -227,7 +228,8 @@ def folder_checks(folder):
         return [_check(name, FAIL, "does not exist", f"mkdir -p {folder}")]
     if not os.access(folder, os.W_OK | os.X_OK):
         return [_check(name, FAIL, "not writable", f"chmod u+w {folder}, or pick another folder")]
-    fs_type, device = _mount_of(folder)
+    mount = mounts.of_folder(folder)
+    fs_type, device = (mount.fs_type, mount.source) if mount else ("unknown", "unknown")
     free = shutil.disk_usage(folder).free
     checks = [_check(name, OK, f"{fs_type} on {device}, {human_size(free)} free")]
     checks.append(_o_direct(folder))
@@ -291,24 +293,6 @@ def _o_direct(folder):
         os.close(fd)
         os.unlink(path)
     return _check(name, OK, "accepted")
-
-
-def _mount_of(folder):
-    """Filesystem type and source of the mount that holds ``folder``."""
-    target = os.path.realpath(folder)
-    best = ("unknown", "unknown", "")
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                point = fields[4]
-                fs_type, source = fields[fields.index("-") + 1:fields.index("-") + 3]
-                inside = target == point or target.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best[2]):
-                    best = (fs_type, source, point)
-    except OSError:
-        pass
-    return best[0], best[1]
 
 
 def _read(path):

@@ -5,6 +5,7 @@ See Note [device regions] in gpu/ipc.py.
 """
 import os
 
+from .. import mounts
 from ..errors import CudaError, CuFileError, GdsFallbackWarning, warn_once
 from ..gpu.copies import wait_for_queued_work
 from ..gpu.ipc import DeviceRegion
@@ -148,14 +149,8 @@ def warn_gds(key, message):
 
 def filesystem_of(device):
     """``"ext4 at /mnt/nvme"``: the type and mount point of the filesystem on ``device``
-    (an ``st_dev``), from /proc/self/mountinfo; or the device's numbers."""
-    wanted = f"{os.major(device)}:{os.minor(device)}"
-    try:
-        with open("/proc/self/mountinfo") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if fields[2] == wanted and "-" in fields:
-                    return f"{fields[fields.index('-') + 1]} at {fields[4]}"
-    except OSError:
-        pass
-    return f"device {wanted}"
+    (an ``st_dev``); or the device's numbers."""
+    mount = mounts.of_device(device)
+    if mount is None:
+        return f"device {os.major(device)}:{os.minor(device)}"
+    return f"{mount.fs_type} at {mount.point}"
