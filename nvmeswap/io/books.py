@@ -3,6 +3,7 @@ road goes, fed through the staging space, held for the ones they must follow, co
 from the responses, failed when workers die. Called with the scheduler's lock held
 (``cond``), but for ``wait_until``, which takes it.
 """
+import collections
 import errno
 import threading
 
@@ -25,6 +26,7 @@ class Books:
         self.workers = workers
         self.cond = cond
         self.ops = {}
+        self._in_flight_by = collections.Counter()   # starter thread -> its ops in self.ops
         self.async_ops = []
         self.held = []          # booked operations that wait for earlier ones, in order
         self.staged_ops = []    # staged operations in flight, oldest first
@@ -55,6 +57,8 @@ class Books:
         if op.road is Road.INLINE:
             return
         self.ops[op.op_id] = op
+        if op.starter is not None:
+            self._in_flight_by[op.starter] += 1
         if op.road is Road.QUICK_READ:
             op.waits_for = set()    # checked before it was booked
             self.ordering.track(op)
@@ -84,7 +88,7 @@ class Books:
         """Whether an operation ``thread`` started is still in flight: an asynchronous
         one, whoever's ``wait()`` took it, or a synchronous one whose call Ctrl-C
         interrupted."""
-        return any(op.starter == thread for op in self.ops.values())
+        return self._in_flight_by[thread] > 0
 
     def _go(self, op):
         if op.staged is None:
@@ -307,6 +311,10 @@ class Books:
             self._redo_staged(op)
             return
         if self.ops.pop(op.op_id, None) is not None:
+            if op.starter is not None:
+                self._in_flight_by[op.starter] -= 1
+                if not self._in_flight_by[op.starter]:
+                    del self._in_flight_by[op.starter]
             self.ordering.remove(op)
             if op in self.held:
                 self.held.remove(op)
