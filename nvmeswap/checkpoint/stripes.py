@@ -181,8 +181,7 @@ class StripedHandle:
                 submit = handle.submit_pread if is_read else handle.submit_pwrite
                 parts.append(submit(piece, paths[device], device_offset))
             if not parts and not is_read:
-                for path in paths:          # a write of 0 bytes still makes the files
-                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+                _create(paths)          # a write of 0 bytes still makes the files
         except BaseException:
             for part in parts:
                 with contextlib.suppress(BaseException):
@@ -318,8 +317,7 @@ def write_striped(handle: StripedHandle, size: int, path: str, write: Any) -> No
     logical = os.path.join(folder, name)
     parts = handle.paths(logical)
     try:
-        for part in parts:
-            os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        _create(parts, exclusive=True)
         write(logical)
         expected = [0] * len(parts)
         for device, device_offset, _, length in handle.pieces(size, 0):
@@ -340,18 +338,27 @@ def write_striped(handle: StripedHandle, size: int, path: str, write: Any) -> No
             commit.abandon(temporary)
             raise
     except BaseException:
-        for part in parts:
-            with contextlib.suppress(OSError):
-                os.unlink(part)
+        _unlink_quietly(parts)
         raise
     if old is not None and old.get("name") != name:
         _remove_stripes(old)
 
 
 def _remove_stripes(layout):
-    for folder in layout.get("folders", []):
+    _unlink_quietly(os.path.join(folder, layout["name"]) for folder in layout.get("folders", []))
+
+
+def _create(paths, exclusive=False):
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+    for path in paths:
+        os.close(os.open(path, flags, 0o644))
+
+
+def _unlink_quietly(paths):
+    # Clean-up after a failure or of a replaced layout: what cannot go stays, unreferenced.
+    for path in paths:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(folder, layout["name"]))
+            os.unlink(path)
 
 
 def _remove_orphans(handle, base, current):
