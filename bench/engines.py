@@ -21,12 +21,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import peers
+import small_async
+from small_async import BATCH, OP
 
 from nvmeswap.units import parse_size
 
 ENGINES = ("aio", "uring")
-BATCH = 256
-OP = 4096
 SEQUENTIAL = ("fresh write", "overwrite", "read", "read again")
 MEASUREMENTS = (*SEQUENTIAL, "4 KiB async reads")
 
@@ -59,13 +59,7 @@ def contender_run(engine, path, size, ops, parallelism, seed):
         buffer = handle.new_cpu_locked_tensor(BATCH * OP, torch.empty(0, dtype=torch.uint8))
         offsets = np.random.default_rng(seed).integers(0, size // OP, ops) * OP
         peers.drop_page_cache()
-        started = time.perf_counter()
-        for first in range(0, ops, BATCH):
-            batch = offsets[first:first + BATCH]
-            for k, offset in enumerate(batch):
-                handle.async_pread(buffer[k * OP:(k + 1) * OP], path, int(offset))
-            assert handle.wait() == len(batch)
-        rates["4 KiB async reads"] = ops / (time.perf_counter() - started)
+        rates["4 KiB async reads"] = small_async.timed_async_reads(handle, buffer, path, offsets)
         assert handle.free_cpu_locked_tensor(buffer) and handle.free_cpu_locked_tensor(tensor)
     os.unlink(path)
     return rates
