@@ -10,6 +10,7 @@ from .checkpoint import (
     load,
     load_into,
     load_safetensors,
+    load_safetensors_into,
     save,
     save_safetensors,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "load",
     "load_into",
     "load_safetensors",
+    "load_safetensors_into",
     "save",
     "save_safetensors",
 ]

@@ -15,7 +15,7 @@ from .checkpointer import Checkpointer
 from .stripes import StripedHandle
 
 __all__ = ["Checkpointer", "StripedHandle", "async_save", "load", "load_into",
-           "load_safetensors", "save", "save_safetensors"]
+           "load_safetensors", "load_safetensors_into", "save", "save_safetensors"]
 
 
 def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
@@ -88,3 +88,13 @@ def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
     into a dict of CPU tensors in locked memory (as ``load``'s)."""
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_safetensors(path)
+
+
+def load_safetensors_into(path: str | os.PathLike, into: dict, *, handle: Any = None,
+                          strict: bool = True) -> dict:
+    """Read each tensor of a safetensors file (ours or the package's) straight into the
+    tensor of the same name in ``into`` (a flat dict: a model's ``state_dict()``, say),
+    CPU or CUDA, with no new memory. Every name (``strict``: both ways), dtype, shape and
+    contiguity is checked before any read. Returns ``into``."""
+    with Checkpointer(handle) as checkpointer:
+        return checkpointer.load_safetensors_into(path, into, strict=strict)

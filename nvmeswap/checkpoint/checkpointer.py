@@ -171,6 +171,14 @@ class Checkpointer:
         path = checked_path(path, writing=False)
         return safetensors_format.load_locked(path, self.handle)
 
+    def load_safetensors_into(self, path: str | os.PathLike, into: dict, *,
+                              strict: bool = True) -> dict:
+        """Read each tensor of a safetensors file straight into the tensor of the same
+        name in ``into``; returns ``into``."""
+        self._check_open()
+        path = checked_path(path, writing=False)
+        return safetensors_format.load_into(path, into, self.handle, strict)
+
     # -- asynchronous --------------------------------------------------------------------
     def async_save(self, obj: Any, path: str | os.PathLike, *, one_off: bool = False) -> Future:
         """Snapshot ``obj``'s tensors into locked memory, then write in the background.

@@ -156,6 +156,45 @@ def load_locked(path: str, handle: Any) -> dict:
     return result
 
 
+def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
+    """``load_safetensors_into``: each tensor of the file read straight into the tensor of
+    the same name in ``into`` (a flat dict), every match checked before any read."""
+    import torch
+
+    if not isinstance(into, dict):
+        raise TypeError(f"load_safetensors_into needs a dict of tensors, got "
+                        f"{type(into).__name__}")
+    header = Header(path)
+    missing = [name for name in header.tensors if name not in into]
+    extra = [name for name in into if name not in header.tensors]
+    if strict and (missing or extra):
+        raise KeyError(f"load_safetensors_into: {path} and the target differ: in the file "
+                       f"only {missing}, in the target only {extra}")
+    reads = []
+    for name, (dtype, shape, start, end) in header.tensors.items():
+        if name not in into:
+            continue
+        target = into[name]
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(f"load_safetensors_into: {name} is a "
+                            f"{type(target).__name__} in memory, not a tensor")
+        if target.dtype != dtype or tuple(target.shape) != shape:
+            raise ValueError(f"{path}: {name} is {dtype} {shape} in the file, "
+                             f"{target.dtype} {tuple(target.shape)} in memory")
+        if not target.is_contiguous():
+            raise ValueError(f"load_safetensors_into: the tensor for {name} is not "
+                             "contiguous")
+        if end - start != target.numel() * target.element_size():
+            raise ValueError(f"{path}: {name} has {end - start} bytes for shape {list(shape)}")
+        if end > start:
+            reads.append((target, start))
+    for target, start in reads:
+        handle.async_pread(target, path, start)
+    if reads:
+        handle.wait()
+    return into
+
+
 def _numel(shape):
     count = 1
     for dim in shape:
