@@ -100,3 +100,16 @@ def test_the_swapper_stripes_over_folders(folders):
         swapper.synchronize_reads()
         assert_same(tensors, back)
     assert all(os.listdir(f) == [] for f in folders)
+
+
+def test_a_striped_checkpointer_reads_a_plain_checkpoint(folders, tmp_path):
+    state = mixed_state()
+    path = tmp_path / "plain.pt"
+    torch.save(state, path)
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        loaded = checkpointer.load(path)
+        assert_same(state, loaded)
+        checkpointer.free(loaded)
+        into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        checkpointer.load_into(path, into, strict=False)
+        assert_same(dict(state["model"]), into["model"])

@@ -1,4 +1,9 @@
-"""load_safetensors_into: a safetensors file read straight into tensors the caller has."""
+"""load_safetensors_into: a safetensors file read straight into tensors the caller has;
+and safetensors checkpoints striped over several folders."""
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from stand_in_device import copied, device_tensor, use_stand_in_device
@@ -119,3 +124,42 @@ def test_cuda_targets_through_the_staging_space(tmp_path, monkeypatch):
         nvmeswap.load_safetensors_into(path, {"w": target}, handle=handle)
         assert bytes(target.numpy()) == raw(saved["w"]).numpy().tobytes()
         assert copied(target) == (3 << 20) + 5     # through the copier, as CUDA memory
+
+
+def test_a_striped_safetensors_checkpoint_round_trips(tmp_path):
+    folders = [str(tmp_path / f"dev{k}") for k in range(3)]
+    for folder in folders:
+        os.mkdir(folder)
+    saved = state()
+    path = os.path.join(folders[0], "s.safetensors")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=64 << 10) as checkpointer:
+        checkpointer.save_safetensors(saved, path, metadata={"step": "7"})
+        layout = json.loads(Path(path).read_text())     # the path holds the layout
+        assert all(os.path.getsize(os.path.join(f, layout["name"])) > 0 for f in folders)
+        loaded = checkpointer.load_safetensors(path)
+        assert_bytes_equal(saved, loaded)
+        checkpointer.free(loaded)
+        into = zeros_like(saved)
+        checkpointer.load_safetensors_into(path, into)
+        assert_bytes_equal(saved, into)
+    # Any loader finds the layout from the one path.
+    into = zeros_like(saved)
+    nvmeswap.load_safetensors_into(path, into)
+    assert_bytes_equal(saved, into)
+    assert_bytes_equal(saved, nvmeswap.load_safetensors(path))
+
+
+def test_a_striped_checkpointer_reads_a_plain_file(tmp_path):
+    folders = [str(tmp_path / f"dev{k}") for k in range(2)]
+    for folder in folders:
+        os.mkdir(folder)
+    saved = state()
+    path = tmp_path / "plain.safetensors"
+    nvmeswap.save_safetensors(saved, path)
+    with nvmeswap.Checkpointer(stripe_folders=folders) as checkpointer:
+        loaded = checkpointer.load_safetensors(path)
+        assert_bytes_equal(saved, loaded)
+        checkpointer.free(loaded)
+        into = zeros_like(saved)
+        checkpointer.load_safetensors_into(path, into)
+        assert_bytes_equal(saved, into)

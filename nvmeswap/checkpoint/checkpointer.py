@@ -157,12 +157,11 @@ class Checkpointer:
     def save_safetensors(self, tensors: dict, path: str | os.PathLike,
                          metadata: dict | None = None) -> None:
         """Write a flat dict of tensors as a safetensors file (Note [aligned
-        safetensors]), crash-consistently; the ``safetensors`` package reads it."""
+        safetensors]), crash-consistently; the ``safetensors`` package reads it, unless
+        this checkpointer stripes (Note [striped checkpoints]: ``path`` then holds the
+        layout, which nvmeswap's loads follow)."""
         self._check_open()
         path = checked_path(path, writing=True)
-        if self.striped:
-            raise ValueError("striped checkpoints are torch.save archives; save_safetensors "
-                             "needs an unstriped Checkpointer")
         self.write_image(safetensors_format.layout(tensors, metadata), path)
 
     def load_safetensors(self, path: str | os.PathLike) -> dict:

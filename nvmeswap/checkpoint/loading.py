@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from ..units import ALIGNMENT
-from .stripes import read_layout, read_striped
+from .stripes import read_layout, read_striped, unstriped
 from .torch_zip import ZipEntries
 
 
@@ -171,7 +171,7 @@ def _read_archive(path, handle):
     entries = ZipEntries(path)
     ranges = [(start, start + size) for record, (start, size, _) in entries.records.items()
               if record.startswith("data/")]
-    return entries, read_ranges(handle, path, ranges)
+    return entries, read_ranges(unstriped(handle), path, ranges)
 
 
 def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
@@ -223,11 +223,16 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
             handle.free_cpu_locked_tensor(buffer)
         return into
     reads = _placed(path, ZipEntries(path), into, strict)
+    read_each(unstriped(handle), path, reads)
+    return into
+
+
+def read_each(handle: Any, path: str, reads: list[tuple[Any, int]]) -> None:
+    """Each ``(tensor, file offset)`` of ``reads`` read from ``path``, all at once."""
     for target, start in reads:
         handle.async_pread(target, path, start)
     if reads:
         handle.wait()
-    return into
 
 
 def _placed(path, entries, into, strict):

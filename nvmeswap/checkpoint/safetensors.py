@@ -17,6 +17,7 @@ from typing import Any
 
 from ..units import ALIGNMENT, round_up
 from .image import FileImage, uint8_view
+from .stripes import read_layout, read_striped, unstriped
 
 #: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
 _NAMES = {
@@ -93,19 +94,21 @@ def layout(tensors: Any, metadata: Any = None) -> FileImage:
 
 class Header:
     """The parsed header of a safetensors file: ``tensors`` (name -> (dtype, shape, start,
-    end) with absolute file offsets), ``metadata`` and ``data_start``."""
+    end) with absolute file offsets), ``metadata`` and ``data_start``. Read from the file
+    at ``path``, or from ``memory`` holding the whole file (a striped one, read whole)."""
 
-    def __init__(self, path: str) -> None:
-        with open(path, "rb") as file:
-            head = file.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{path}: too short for a safetensors file")
-            (length,) = struct.unpack("<Q", head)
-            if length > MAX_HEADER:
-                raise ValueError(f"{path}: a safetensors header of {length} bytes is too "
-                                 "large (not a safetensors file?)")
-            text = file.read(length)
-            size = file.seek(0, 2)
+    def __init__(self, path: str, memory: memoryview | None = None) -> None:
+        if memory is None:
+            with open(path, "rb") as file:
+                head = file.read(8)
+                length = self._length(path, head)
+                text = file.read(length)
+                size = file.seek(0, 2)
+        else:
+            head = bytes(memory[:8])
+            length = self._length(path, head)
+            text = bytes(memory[8:8 + length])
+            size = len(memory)
         if len(text) < length:
             raise ValueError(f"{path}: the safetensors header is cut short")
         try:
@@ -133,38 +136,95 @@ class Header:
             raise ValueError(f"{path}: {size} bytes, but its header describes "
                              f"{self.data_start + end_of_data}")
 
+    @staticmethod
+    def _length(path, head):
+        if len(head) < 8:
+            raise ValueError(f"{path}: too short for a safetensors file")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER:
+            raise ValueError(f"{path}: a safetensors header of {length} bytes is too "
+                             "large (not a safetensors file?)")
+        return length
+
+
+def _read(path, handle, header_only=False):
+    """``(header, pieces)``: a safetensors file's header and, unless ``header_only``, its
+    tensors' bytes in locked buffers (Note [checkpoint reads]); a striped file (Note
+    [striped checkpoints]) is read whole either way (its header is in the stripes)."""
+    from .loading import Pieces, read_ranges
+
+    layout = read_layout(path)
+    if layout is None:
+        header = Header(path)
+        if header_only:
+            return header, None
+        return header, read_ranges(unstriped(handle), path, [
+            (start, end) for _, _, start, end in header.tensors.values()])
+    pieces = Pieces()
+    pieces.add(0, read_striped(layout, handle, path))
+    try:
+        return Header(path, memory=pieces.views[0]), pieces
+    except BaseException:
+        pieces.free(handle)
+        raise
+
 
 def load_locked(path: str, handle: Any) -> dict:
     """``load_safetensors``: the data section read in large aligned operations into locked
     buffers (Note [checkpoint reads])."""
     import torch
 
-    from .loading import read_ranges
-
-    header = Header(path)
-    pieces = read_ranges(handle, path, [(start, end) for _, _, start, end
-                                        in header.tensors.values()])
-    result = {}
-    for name, (dtype, shape, start, end) in header.tensors.items():
-        if end == start:
-            result[name] = torch.empty(shape, dtype=dtype)
-            continue
-        tensor = torch.frombuffer(pieces.view(start, end - start), dtype=dtype)
-        if tensor.numel() != _numel(shape):
-            raise ValueError(f"{path}: {name} has {end - start} bytes for shape {list(shape)}")
-        result[name] = tensor.reshape(shape)
-    return result
+    header, pieces = _read(path, handle)
+    try:
+        result = {}
+        for name, (dtype, shape, start, end) in header.tensors.items():
+            if end == start:
+                result[name] = torch.empty(shape, dtype=dtype)
+                continue
+            tensor = torch.frombuffer(pieces.view(start, end - start), dtype=dtype)
+            if tensor.numel() != _numel(shape):
+                raise ValueError(f"{path}: {name} has {end - start} bytes for shape "
+                                 f"{list(shape)}")
+            result[name] = tensor.reshape(shape)
+        return result
+    except BaseException:
+        pieces.free(handle)
+        raise
 
 
 def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     """``load_safetensors_into``: each tensor of the file read straight into the tensor of
-    the same name in ``into`` (a flat dict), every match checked before any read."""
+    the same name in ``into`` (a flat dict), every match checked before any read; a
+    striped file is read whole, then copied."""
     import torch
+
+    from .loading import read_each
 
     if not isinstance(into, dict):
         raise TypeError(f"load_safetensors_into needs a dict of tensors, got "
                         f"{type(into).__name__}")
-    header = Header(path)
+    header, pieces = _read(path, handle, header_only=True)
+    try:
+        reads = _placed(header, into, strict)
+        if pieces is not None:
+            for target, start in reads:
+                nbytes = target.numel() * target.element_size()
+                source = torch.frombuffer(pieces.view(start, nbytes), dtype=target.dtype)
+                target.copy_(source.reshape(target.shape))
+            return into
+    finally:
+        if pieces is not None:
+            pieces.free(handle)
+    read_each(unstriped(handle), path, reads)
+    return into
+
+
+def _placed(header, into, strict):
+    """``(target tensor, file offset of its bytes)`` for each non-empty tensor of the file
+    with a place in ``into``, every match checked first."""
+    import torch
+
+    path = header.path
     missing = [name for name in header.tensors if name not in into]
     extra = [name for name in into if name not in header.tensors]
     if strict and (missing or extra):
@@ -188,11 +248,7 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
             raise ValueError(f"{path}: {name} has {end - start} bytes for shape {list(shape)}")
         if end > start:
             reads.append((target, start))
-    for target, start in reads:
-        handle.async_pread(target, path, start)
-    if reads:
-        handle.wait()
-    return into
+    return reads
 
 
 def _numel(shape):

@@ -387,6 +387,11 @@ def _gone(pid):
     return False
 
 
+def unstriped(handle: Any) -> Any:
+    """The handle to read a file that is not striped with: a StripedHandle's first own."""
+    return handle.handles[0] if isinstance(handle, StripedHandle) else handle
+
+
 def read_striped(layout: dict, handle: Any, path: str) -> Any:
     """The whole logical file of a striped checkpoint in one locked uint8 tensor, read
     with ``handle`` if it stripes over the same folders, else with one made for it."""
