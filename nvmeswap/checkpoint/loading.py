@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from ..units import ALIGNMENT
-from .stripes import read_layout, read_striped, unstriped
+from .stripes import StripedFile, layout_file, read_layout, striped_reader, unstriped
 from .torch_zip import ZipEntries
 
 
@@ -157,21 +157,21 @@ def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces
 
 def _read_archive(path, handle):
     """``(entries, pieces)``: the archive's records and the bytes of every storage (Note
-    [checkpoint reads]); a striped checkpoint (Note [striped checkpoints]) is read whole."""
+    [checkpoint reads]); a striped checkpoint's (Note [striped checkpoints]) through every
+    device at once."""
     layout = read_layout(path)
-    if layout is not None:
-        buffer = read_striped(layout, handle, path)
-        pieces = Pieces()
-        pieces.add(0, buffer)
-        try:
-            return ZipEntries(path, memory=pieces.views[0]), pieces
-        except BaseException:
-            pieces.free(handle)
-            raise
-    entries = ZipEntries(path)
-    ranges = [(start, start + size) for record, (start, size, _) in entries.records.items()
-              if record.startswith("data/")]
-    return entries, read_ranges(unstriped(handle), path, ranges)
+    if layout is None:
+        entries = ZipEntries(path)
+        return entries, read_ranges(unstriped(handle), path, _data_ranges(entries))
+    with StripedFile(layout) as file:
+        entries = ZipEntries(path, file=file)
+    with striped_reader(layout, handle) as reader:
+        return entries, read_ranges(reader, layout_file(layout), _data_ranges(entries))
+
+
+def _data_ranges(entries):
+    return [(start, start + size) for record, (start, size, _) in entries.records.items()
+            if record.startswith("data/")]
 
 
 def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
@@ -206,24 +206,15 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
 def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     """``nvmeswap.load_into``: each saved tensor read straight into the matching tensor of
     ``into``; every match checked before any read."""
-    import torch
 
     layout = read_layout(path)
-    if layout is not None:
-        buffer = read_striped(layout, handle, path)
-        view = memoryview(buffer.numpy())
-        try:
-            entries = ZipEntries(path, memory=view)
-            for target, start in _placed(path, entries, into, strict):
-                nbytes = target.numel() * target.element_size()
-                source = torch.frombuffer(view[start:start + nbytes], dtype=target.dtype)
-                target.copy_(source.reshape(target.shape))
-        finally:
-            view.release()
-            handle.free_cpu_locked_tensor(buffer)
+    if layout is None:
+        read_each(unstriped(handle), path, _placed(path, ZipEntries(path), into, strict))
         return into
-    reads = _placed(path, ZipEntries(path), into, strict)
-    read_each(unstriped(handle), path, reads)
+    with StripedFile(layout) as file:
+        reads = _placed(path, ZipEntries(path, file=file), into, strict)
+    with striped_reader(layout, handle) as reader:
+        read_each(reader, layout_file(layout), reads)
     return into
 
 

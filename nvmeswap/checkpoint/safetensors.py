@@ -11,13 +11,15 @@ tensor a view of its part (Note [checkpoint reads]).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from typing import Any
 
 from ..units import ALIGNMENT, round_up
 from .image import FileImage, uint8_view
-from .stripes import read_layout, read_striped, unstriped
+from .loading import read_each, read_ranges
+from .stripes import StripedFile, layout_file, read_layout, striped_reader, unstriped
 
 #: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
 _NAMES = {
@@ -94,21 +96,16 @@ def layout(tensors: Any, metadata: Any = None) -> FileImage:
 
 class Header:
     """The parsed header of a safetensors file: ``tensors`` (name -> (dtype, shape, start,
-    end) with absolute file offsets), ``metadata`` and ``data_start``. Read from the file
-    at ``path``, or from ``memory`` holding the whole file (a striped one, read whole)."""
+    end) with absolute file offsets), ``metadata`` and ``data_start``. Read from ``file``
+    (an open binary file) where given, else from ``path``."""
 
-    def __init__(self, path: str, memory: memoryview | None = None) -> None:
-        if memory is None:
-            with open(path, "rb") as file:
-                head = file.read(8)
-                length = self._length(path, head)
-                text = file.read(length)
-                size = file.seek(0, 2)
-        else:
-            head = bytes(memory[:8])
+    def __init__(self, path: str, file: Any = None) -> None:
+        with open(path, "rb") if file is None else contextlib.nullcontext(file) as raw:
+            raw.seek(0)
+            head = raw.read(8)
             length = self._length(path, head)
-            text = bytes(memory[8:8 + length])
-            size = len(memory)
+            text = raw.read(length)
+            size = raw.seek(0, 2)
         if len(text) < length:
             raise ValueError(f"{path}: the safetensors header is cut short")
         try:
@@ -147,26 +144,19 @@ class Header:
         return length
 
 
-def _read(path, handle, header_only=False):
-    """``(header, pieces)``: a safetensors file's header and, unless ``header_only``, its
-    tensors' bytes in locked buffers (Note [checkpoint reads]); a striped file (Note
-    [striped checkpoints]) is read whole either way (its header is in the stripes)."""
-    from .loading import Pieces, read_ranges
-
+@contextlib.contextmanager
+def _opened(path, handle):
+    """``(header, reader, name)``: the file's header, and the handle and file name to
+    read its bytes with (a striped file's, Note [striped checkpoints], through every
+    device at once)."""
     layout = read_layout(path)
     if layout is None:
-        header = Header(path)
-        if header_only:
-            return header, None
-        return header, read_ranges(unstriped(handle), path, [
-            (start, end) for _, _, start, end in header.tensors.values()])
-    pieces = Pieces()
-    pieces.add(0, read_striped(layout, handle, path))
-    try:
-        return Header(path, memory=pieces.views[0]), pieces
-    except BaseException:
-        pieces.free(handle)
-        raise
+        yield Header(path), unstriped(handle), path
+        return
+    with StripedFile(layout) as file:
+        header = Header(path, file=file)
+    with striped_reader(layout, handle) as reader:
+        yield header, reader, layout_file(layout)
 
 
 def load_locked(path: str, handle: Any) -> dict:
@@ -174,7 +164,9 @@ def load_locked(path: str, handle: Any) -> dict:
     buffers (Note [checkpoint reads])."""
     import torch
 
-    header, pieces = _read(path, handle)
+    with _opened(path, handle) as (header, reader, file_name):
+        pieces = read_ranges(reader, file_name, [(start, end) for _, _, start, end
+                                                 in header.tensors.values()])
     try:
         result = {}
         for name, (dtype, shape, start, end) in header.tensors.items():
@@ -196,26 +188,11 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     """``load_safetensors_into``: each tensor of the file read straight into the tensor of
     the same name in ``into`` (a flat dict), every match checked before any read; a
     striped file is read whole, then copied."""
-    import torch
-
-    from .loading import read_each
-
     if not isinstance(into, dict):
         raise TypeError(f"load_safetensors_into needs a dict of tensors, got "
                         f"{type(into).__name__}")
-    header, pieces = _read(path, handle, header_only=True)
-    try:
-        reads = _placed(header, into, strict)
-        if pieces is not None:
-            for target, start in reads:
-                nbytes = target.numel() * target.element_size()
-                source = torch.frombuffer(pieces.view(start, nbytes), dtype=target.dtype)
-                target.copy_(source.reshape(target.shape))
-            return into
-    finally:
-        if pieces is not None:
-            pieces.free(handle)
-    read_each(unstriped(handle), path, reads)
+    with _opened(path, handle) as (header, reader, file_name):
+        read_each(reader, file_name, _placed(header, into, strict))
     return into
 
 

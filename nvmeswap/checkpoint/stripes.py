@@ -18,7 +18,9 @@ beside the data, so that ``nvmeswap.load`` finds it from the one path.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..aio import aio_handle
@@ -392,25 +394,75 @@ def unstriped(handle: Any) -> Any:
     return handle.handles[0] if isinstance(handle, StripedHandle) else handle
 
 
-def read_striped(layout: dict, handle: Any, path: str) -> Any:
-    """The whole logical file of a striped checkpoint in one locked uint8 tensor, read
-    with ``handle`` if it stripes over the same folders, else with one made for it."""
-    import torch
+def layout_file(layout: dict) -> str:
+    """The logical file of a striped checkpoint, as a StripedHandle names it."""
+    return os.path.join(layout["folders"][0], layout["name"])
 
+
+@contextlib.contextmanager
+def striped_reader(layout: dict, handle: Any) -> Iterator[StripedHandle]:
+    """A StripedHandle over the layout's folders and stripe size: ``handle`` if it is
+    one, else one made for the read (closed after; what it locked stays valid)."""
     folders, stripe_bytes = layout["folders"], layout["stripe_bytes"]
-    same = isinstance(handle, StripedHandle) and handle.folders == folders \
-        and handle.stripe_bytes == stripe_bytes
-    reader = handle if same else StripedHandle(folders, stripe_bytes=stripe_bytes,
-                                               intra_op_parallelism=2)
-    try:
-        buffer = reader.new_cpu_locked_tensor(layout["size"], torch.empty(0, dtype=torch.uint8))
+    if isinstance(handle, StripedHandle) and handle.folders == folders \
+            and handle.stripe_bytes == stripe_bytes:
+        yield handle
+        return
+    with StripedHandle(folders, stripe_bytes=stripe_bytes, intra_op_parallelism=2) as reader:
+        yield reader
+
+
+class StripedFile(io.RawIOBase):
+    """The logical bytes of a striped checkpoint as a read-only file, through ordinary
+    reads of its stripe files: for the small reads of its headers. (Its tensors' bytes
+    go through a StripedHandle, every device at once.)"""
+
+    def __init__(self, layout: dict) -> None:
+        super().__init__()
+        self.size, self.stripe_bytes = layout["size"], layout["stripe_bytes"]
+        self.position = 0
+        self._fds: list[int] = []
         try:
-            if layout["size"]:
-                reader.sync_pread(buffer, os.path.join(folders[0], layout["name"]))
+            for folder in layout["folders"]:
+                self._fds.append(os.open(os.path.join(folder, layout["name"]), os.O_RDONLY))
         except BaseException:
-            reader.free_cpu_locked_tensor(buffer)
+            self.close()
             raise
-        return buffer
-    finally:
-        if not same:
-            reader.close()
+        self._name = layout_file(layout)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        origin = {0: 0, 1: self.position, 2: self.size}[whence]
+        self.position = max(0, origin + offset)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view) and self.position < self.size:
+            stripe, within = divmod(self.position, self.stripe_bytes)
+            device = stripe % len(self._fds)
+            count = min(len(view) - done, self.stripe_bytes - within, self.size - self.position)
+            data = os.pread(self._fds[device], count,
+                            stripe // len(self._fds) * self.stripe_bytes + within)
+            if not data:
+                raise ValueError(f"{self._name}: the stripe in folder {device} is shorter "
+                                 "than its layout says")
+            view[done:done + len(data)] = data
+            done += len(data)
+            self.position += len(data)
+        return done
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        super().close()

@@ -16,6 +16,7 @@ file torch would have written with ``storage_alignment = 4096``; ``torch.load`` 
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -172,40 +173,18 @@ class _Slice(io.RawIOBase):
         return got
 
 
-class _Memory:
-    """The part of a binary file ``_Slice`` uses, over a memoryview (no copy)."""
-
-    def __init__(self, view):
-        self.view, self.position = view, 0
-
-    def seek(self, offset, whence=0):
-        self.position = offset if whence == 0 else len(self.view) + offset
-        return self.position
-
-    def readinto(self, buffer):
-        count = max(0, min(len(buffer), len(self.view) - self.position))
-        memoryview(buffer)[:count] = self.view[self.position:self.position + count]
-        self.position += count
-        return count
-
-    def read(self, size):
-        data = bytes(self.view[self.position:self.position + size])
-        self.position += len(data)
-        return data
-
-
 class ZipEntries:
     """Where each record of a torch.save archive is: ``records`` maps the record name
     (``data.pkl``, ``data/0``, ...) to ``(file offset of its bytes, size, crc)``. The
-    archive may be ``length`` bytes from ``base`` inside a larger file (DCP's files)."""
+    archive may be ``length`` bytes from ``base`` inside a larger file (DCP's files); it
+    is read from ``file`` (an open binary file) where given, else from ``path``."""
 
     def __init__(self, path: str, base: int = 0, length: int | None = None, *,
-                 memory: Any = None) -> None:
+                 file: Any = None) -> None:
         self.path = path
         self.records: dict[str, tuple[int, int, int]] = {}
-        opened = open(path, "rb") if memory is None else io.BytesIO()  # noqa: SIM115
-        with opened:
-            raw = opened if memory is None else _Slice(_Memory(memory), 0, len(memory))
+        opened = open(path, "rb") if file is None else contextlib.nullcontext(file)  # noqa: SIM115
+        with opened as raw:
             if length is None:
                 length = raw.seek(0, 2) - base
             view = _Slice(raw, base, length)
