@@ -223,6 +223,9 @@ def main():
         wanted = tuple(args.only.split(","))
         savers = [name for name in savers if name.startswith(wanted)]
         loaders = [name for name in loaders if name.startswith(wanted)]
+        if loaders and not savers:
+            parser.error("--only: the loads read what the saves wrote; name a save too "
+                         "(nvmeswap.save, torch.save, ...)")
     times = {name: [] for name in savers + loaders}
     cold = True
     identical = True
