@@ -84,7 +84,8 @@ class GdsFallbackWarning(RuntimeWarning):
 
 
 class BufferedIOWarning(RuntimeWarning):
-    """The filesystem refused O_DIRECT, so I/O goes through the page cache."""
+    """I/O goes through the page cache: the filesystem refused O_DIRECT, or what is
+    asked for (DCP's stream extensions) needs the buffered road."""
 
 
 class EngineFallbackWarning(RuntimeWarning):

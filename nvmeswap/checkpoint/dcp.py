@@ -11,6 +11,12 @@ checkpoint (Note [streamed checkpoint writes]), crash-consistently; a load reads
 saved tensor's bytes straight into the tensor being loaded when the two have the same
 layout, and through one locked scratch buffer otherwise. Everything else (planning,
 metadata, the ``.metadata`` file, staging for ``async_save``) is DCP's.
+
+Stream extensions (``_extensions``: compression, say) and DCP's safetensors
+serialization change what a file holds, byte by byte, as it streams; for those the
+writer hands the files to ``FileSystemWriter`` itself (and the reader, items saved with
+extensions to ``FileSystemReader``), warning once with a ``BufferedIOWarning``: the
+checkpoint is DCP's to the byte, moved the buffered way.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..errors import BufferedIOWarning, warn_once
 from ..units import ALIGNMENT
 from .checkpointer import Checkpointer
 from .image import FileImage
@@ -67,20 +74,26 @@ class NvmeFileSystemWriter(FileSystemWriter):
     ``nvmeswap.Checkpointer`` to reuse across saves) or ``handle`` (an ``aio_handle``);
     with neither, each save makes and closes its own. ``thread_count`` only splits the
     items over files, as in DCP; nvmeswap's workers move the bytes.
-    ``serialization_format`` must be ``TORCH_SAVE`` and ``_extensions`` None.
+    With ``_extensions`` or ``serialization_format=SAFETENSORS`` DCP's own writer writes
+    the files (Note [DCP files]).
     """
 
     def __init__(self, path: str | os.PathLike, *args: Any,
                  checkpointer: Checkpointer | None = None, handle: Any = None,
                  **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
-        if self.serialization_format != SerializationFormat.TORCH_SAVE:
-            raise ValueError("NvmeFileSystemWriter writes DCP's torch_save format only")
-        if self.transforms.extensions:
-            raise ValueError("NvmeFileSystemWriter does not apply stream extensions")
         self._session = _Session(checkpointer, handle)
+        self._dcp_writes = None     # why DCP's own writer writes the files, if it does
+        if self.serialization_format != SerializationFormat.TORCH_SAVE:
+            self._dcp_writes = f"the {self.serialization_format.value} serialization"
+        elif self.transforms.extensions:
+            self._dcp_writes = "stream extensions " + ", ".join(
+                extension.get_descriptor() for extension in self.transforms.extensions)
 
     def write_data(self, plan: Any, planner: Any) -> Future:
+        if self._dcp_writes is not None:
+            _warn_dcp_moves(f"NvmeFileSystemWriter: {self._dcp_writes}")
+            return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
         if self.single_file_per_rank:
             groups = _split_by_size_and_type(self.thread_count, plan.items)
@@ -136,12 +149,15 @@ class NvmeFileSystemReader(FileSystemReader):
         self._session = _Session(checkpointer, handle)
 
     def read_data(self, plan: Any, planner: Any) -> Future:
+        transformed = {descriptor for request in plan.items for descriptor in
+                       self.storage_data[request.storage_index].transform_descriptors or ()}
+        if transformed:
+            _warn_dcp_moves(f"NvmeFileSystemReader: stream extensions "
+                            f"{', '.join(sorted(transformed))}")
+            return super().read_data(plan, planner)
         by_file: dict[str, list] = {}
         for request in plan.items:
             info = self.storage_data[request.storage_index]
-            if info.transform_descriptors:
-                raise ValueError(f"{info.relative_path}: stream extensions "
-                                 f"{list(info.transform_descriptors)} are not supported")
             by_file.setdefault(info.relative_path, []).append(request)
         with self._session as checkpointer:
             for relative_path, requests in by_file.items():
@@ -189,6 +205,11 @@ class NvmeFileSystemReader(FileSystemReader):
             handle.wait()
         for request, target in direct:
             planner.commit_tensor(request, target)
+
+
+def _warn_dcp_moves(what):
+    warn_once(("dcp", what), f"{what}: DCP's own file I/O moves these checkpoint files "
+              "(buffered, not through nvmeswap; Note [DCP files])", BufferedIOWarning)
 
 
 def _saved_tensor(path, info):
