@@ -1,4 +1,5 @@
 import gc
+import importlib.util
 import os
 import resource
 import shutil
@@ -17,6 +18,23 @@ import nvmeswap
 #: run where NVMESWAP_TEST_SLOW=1, as .ci/run does; skipped, saying so, elsewhere.
 SLOW_TIER = os.environ.get("NVMESWAP_TEST_SLOW") == "1"
 SLOW_TIER_REASON = "the slow tier: set NVMESWAP_TEST_SLOW=1 to run it (CI does)"
+
+#: torch is optional (the package moves numpy arrays and other buffers without it): modules
+#: that need it throughout begin with ``pytest.importorskip("torch", reason=...)``; single
+#: tests of the others carry ``needs_torch`` and import it inside. Looked up, not imported,
+#: so that a torch-free module does not pay for loading it.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="needs torch (pip install torch)")
+
+
+def torch_sees_a_gpu():
+    """Whether torch is installed and sees a CUDA GPU: without torch the command line
+    refuses GPU options as it does on a machine without a GPU."""
+    if not importlib.util.find_spec("torch"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -174,6 +192,18 @@ def stopped_workers(h):
 def in_flight(h):
     """Whether requests of ``h`` are with its workers or its caller queue now."""
     return h._scheduler.workers.chunks_in_flight > 0
+
+
+def submitting_threads():
+    """How many of this process's threads are CallerQueue submitters (Note [submitter])."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except FileNotFoundError:
+            pass    # ended meanwhile
+    return names.count("nvmeswap-submit")
 
 
 def random_bytes(n, seed=0):

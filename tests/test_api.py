@@ -4,7 +4,9 @@ import json
 import os
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes
 
 import nvmeswap

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import random_bytes
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
+from conftest import random_bytes, submitting_threads
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -224,17 +226,6 @@ def _exit_code(pid, within):
     pytest.fail(f"child {pid} still running after {within} s")
 
 
-def _submitting_threads():
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
-        except FileNotFoundError:
-            pass    # ended meanwhile
-    return names.count("nvmeswap-submit")
-
-
 def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
     """Note [submitter]: one thread, started by the first post, ended by close() after it
     has submitted what was posted; a forked child drops its copy of the queue without
@@ -247,21 +238,21 @@ def test_the_submitting_thread_lives_from_the_first_post_to_close(tmp_path):
     memory = mmap.mmap(-1, 256 * KiB)
     address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    before = _submitting_threads()
+    before = submitting_threads()
     queue = CallerQueue(64)
     try:
-        assert _submitting_threads() == before
+        assert submitting_threads() == before
         for k in range(64):
             assert queue.post(k, 0, True, direct, address + k * 4 * KiB, 4 * KiB,
                               (63 - k) * 4 * KiB)
-        assert _submitting_threads() == before + 1
+        assert submitting_threads() == before + 1
         pid = os.fork()
         if pid == 0:
             del queue       # a join here would wait forever
             os._exit(0)
         assert _exit_code(pid, within=30) == 0
         queue.close()       # before reaping: close submits and waits for what is posted
-        assert _submitting_threads() == before
+        assert submitting_threads() == before
         data = Path(path).read_bytes()
         for k in range(64):
             got, offset = memory[k * 4 * KiB:(k + 1) * 4 * KiB], (63 - k) * 4 * KiB

@@ -14,7 +14,8 @@ import zipfile
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 import nvmeswap
 from nvmeswap.checkpoint.commit import TEMPORARY

@@ -7,7 +7,10 @@ import sys
 import zipfile
 from pathlib import Path
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from checkpoint_crash_child import make_state
 from test_checkpoint import assert_same
 

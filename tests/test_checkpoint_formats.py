@@ -3,7 +3,9 @@ import json
 import struct
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from test_checkpoint import DTYPES, assert_same, random_tensor
 
 import nvmeswap

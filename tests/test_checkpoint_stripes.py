@@ -5,7 +5,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes
 from test_checkpoint import assert_same, mixed_state, random_tensor
 

@@ -5,8 +5,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from conftest import without_file_privileges
+from conftest import needs_torch, torch_sees_a_gpu, without_file_privileges
 
 import nvmeswap
 
@@ -34,7 +33,7 @@ def test_bench_json_and_ds_io_lines(tmp_path):
     assert os.listdir(tmp_path) == ["bench.json"]       # its data files are gone
 
 
-@pytest.mark.parametrize("buffer", ["plain", "numpy"])
+@pytest.mark.parametrize("buffer", [pytest.param("plain", marks=needs_torch), "numpy"])
 def test_bench_two_ranks_read_only(tmp_path, buffer):
     out = tmp_path / "ranks.json"
     result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--read",
@@ -74,7 +73,7 @@ def test_bench_errors(tmp_path):
     too_big = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "64T")
     assert too_big.returncode == 2 and "free" in too_big.stderr
     assert os.listdir(tmp_path) == []
-    if not torch.cuda.is_available():
+    if not torch_sees_a_gpu():
         gpu = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--gpu")
         assert gpu.returncode == 2 and "need a CUDA GPU" in gpu.stderr
         pinned = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M",
@@ -95,6 +94,7 @@ def test_bench_and_tune_refuse_an_unwritable_folder(tmp_path):
     assert tune.returncode == 2 and "not writable" in tune.stderr
 
 
+@needs_torch
 def test_tune_json_feeds_from_config(tmp_path):
     out = tmp_path / "tune.json"
     result = nvmeswap_command("tune", "--folder", tmp_path, "--io-size", "2M", "--loops", 1,
@@ -138,6 +138,7 @@ def test_report_missing_folder_fails_with_a_fix(tmp_path):
     assert failed and failed[0]["fix"].startswith("mkdir")
 
 
+@needs_torch
 def test_tune_plot(tmp_path):
     png = tmp_path / "landscape.png"
     result = nvmeswap_command("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,

@@ -84,9 +84,13 @@ def test_report_prints_versions_and_build_tools(tmp_path):
     import platform
 
     import numpy
-    import torch
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
     assert versions["nvmeswap"] == nvmeswap.__version__
-    assert versions["torch"] == torch.__version__ and versions["numpy"] == numpy.__version__
+    assert versions["torch"] == torch_version and versions["numpy"] == numpy.__version__
     assert versions["Python"] == platform.python_version()
     assert versions["kernel"] == f"Linux {platform.release()}"
     assert re.fullmatch(r"\d+\.\d+\.\d+", versions["Cython"])

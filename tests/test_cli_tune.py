@@ -14,6 +14,7 @@ import termios
 import time
 
 import pytest
+from conftest import needs_torch
 
 from nvmeswap.cli import tune
 
@@ -23,6 +24,7 @@ def run_cli(*args):
                           capture_output=True, text=True, timeout=240, check=False)
 
 
+@needs_torch
 def test_json_alone_on_stdout_prose_on_stderr(tmp_path):
     result = run_cli("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
                      "--budget-seconds", 1)
@@ -52,6 +54,7 @@ def test_refusals_before_any_measuring(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["other"]
 
 
+@needs_torch
 def test_ctrl_c_keeps_the_best_so_far(tmp_path):
     """On a terminal the bar counts configurations with an ETA; once it shows one measured,
     Ctrl-C stops the tuner, which writes the best of what it measured and says so."""

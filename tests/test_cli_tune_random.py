@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+from conftest import needs_torch
+
 import nvmeswap
 from nvmeswap.cli import tune_random
 
+pytestmark = needs_torch      # tune measures the handle's locked tensors
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 
 

@@ -9,7 +9,9 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")

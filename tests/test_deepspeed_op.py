@@ -4,7 +4,9 @@ JIT-compiles for minutes on first load (then cached under TORCH_EXTENSIONS_DIR).
 import os
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")

@@ -11,7 +11,9 @@ import os
 import threading
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes, wait_until
 from stand_in_device import copied, device_tensor, use_stand_in_device
 

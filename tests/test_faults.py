@@ -10,7 +10,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import in_flight, random_bytes, stopped_workers, wait_until
 
 import nvmeswap

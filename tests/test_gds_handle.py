@@ -9,7 +9,9 @@ import os
 import warnings
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import device_round_trips, random_bytes
 from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
 from stand_in_device import StandInCuda, copied, device_tensor, use_stand_in_device

@@ -5,7 +5,9 @@ reason. Without a GPU the same roads are covered by test_device_pipeline.py and
 test_gds_handle.py with a stand-in device.
 """
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import device_round_trips, random_bytes
 
 import nvmeswap

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from conftest import needs_torch
 from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
 
 import nvmeswap
@@ -52,6 +53,7 @@ def test_report_says_cufile_is_hidden_and_by_what():
     assert "cuFile: hidden: NVMESWAP_GDS=0 hides cuFile" in result.stdout + result.stderr
 
 
+@needs_torch
 def test_locked_tensors_are_registered_with_cuda_only_where_it_is_in_use(monkeypatch):
     """Where CUDA is in use, a locked tensor is cudaHostRegister'ed (pinned-speed copies);
     never where it is not (no CUDA initialised for it); NVMESWAP_REGISTER_LOCKED=0 and

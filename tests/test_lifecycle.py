@@ -17,7 +17,9 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import in_flight, random_bytes, stopped_workers, wait_until
 
 import nvmeswap

@@ -13,7 +13,10 @@ import sys
 import textwrap
 
 import numpy as np
-import torch
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes
 
 import nvmeswap

@@ -7,7 +7,7 @@ import textwrap
 
 import numpy as np
 import pytest
-import torch
+from conftest import needs_torch
 
 import nvmeswap
 
@@ -17,6 +17,8 @@ LOCKED = 4 << 20
 
 def _buffer(kind, size, locked, rng):
     """A buffer of ``size`` bytes of the given kind, and a uint8 numpy view of it."""
+    import torch
+
     if kind == "bytearray":
         buffer = bytearray(size)
         return buffer, np.frombuffer(buffer, dtype=np.uint8)
@@ -31,8 +33,11 @@ def _buffer(kind, size, locked, rng):
     return buffer, buffer.numpy()
 
 
+@needs_torch
 @pytest.mark.parametrize("seed", range(4))
 def test_random_operations_match_a_model(handle_factory, tmp_path, seed):
+    import torch
+
     rng = np.random.default_rng(seed)
     h = handle_factory(block_size=int(rng.choice([4096, 65536, 1 << 20])),
                        queue_depth=int(rng.choice([1, 8, 128])),

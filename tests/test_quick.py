@@ -7,7 +7,9 @@ import sys
 import threading
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes, wait_until
 
 import nvmeswap

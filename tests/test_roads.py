@@ -1,7 +1,9 @@
 """Note [roads]: the router's table, row by row, with no workers; then each road forced
 through ``Limits.roads`` on a real handle, moving known bytes."""
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes
 
 import nvmeswap

@@ -5,7 +5,9 @@ import os
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from conftest import random_bytes, worker_processes
 
 import nvmeswap

@@ -3,7 +3,8 @@ import os
 import sys
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 from nvmeswap.training import OffloadedOptimizer
 from nvmeswap.training.swap import SwapBufferPool, SwapError, SwapState, TensorSwapper

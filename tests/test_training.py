@@ -8,7 +8,8 @@ import io
 import os
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 from nvmeswap.training import OffloadedOptimizer, SwapError, SwapState, TensorSwapper
 

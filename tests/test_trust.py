@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import random_bytes
+from conftest import needs_torch, random_bytes
 
 import nvmeswap
 
@@ -57,6 +57,7 @@ class _WriterThread(threading.Thread):
         self.content = self.path.read_bytes()
 
 
+@needs_torch
 def test_a_threads_wait_counts_its_own_whatever_another_threads_wait_does(handle_factory,
                                                                           tmp_path):
     """Thread A's write is held up (the workers stopped); the main thread's wait() for
@@ -290,6 +291,7 @@ def test_a_failed_write_never_cuts_a_file_that_replaced_its_own(handle_factory, 
 
 
 # -- the swapper's folders ----------------------------------------------------------------
+@needs_torch
 @pytest.mark.parametrize("async_op", [True, False], ids=["async", "sync"])
 def test_the_swapper_makes_its_folders_again_when_a_clean_up_removed_them(tmp_path, async_op):
     import torch
@@ -369,6 +371,7 @@ with open(folder + "/parent", "rb") as f:
 """
 
 
+@needs_torch
 def test_a_forked_child_is_refused_the_handle_and_its_locked_tensors_are_its_own(tmp_path):
     """fork() while another thread holds every lock of the handle: the child's use of
     the inherited handle raises naming the parent, its close() and exit return, and its
@@ -431,6 +434,7 @@ h.close()
 """
 
 
+@needs_torch
 def test_a_file_size_limit_leaves_transfers_below_it_working(tmp_path):
     """Under `ulimit -f` (16 MiB here) the handle's own shared memory fits the limit
     (it used to be sized past it: every transfer failed with a bare EFBIG); a write that
@@ -491,6 +495,7 @@ def test_too_few_processes_allowed_says_so_and_what_to_change():
 
 
 # -- Ctrl-C --------------------------------------------------------------------------------
+@needs_torch
 def test_wait_waits_for_a_synchronous_read_that_ctrl_c_interrupted(handle_factory, tmp_path):
     """An interrupted sync_pread goes on in the background; the thread's next wait()
     returns only once it has ended (counting it not), so the buffer is the caller's

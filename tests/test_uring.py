@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import may_lock, random_bytes
-from test_caller_queue import _submitting_threads
+from conftest import may_lock, needs_torch, random_bytes, submitting_threads
 from test_completion import by_caller, by_caller_queue, by_engine, by_worker
 from test_engine import _address, _file, fields
 
@@ -206,14 +205,14 @@ def test_a_forked_child_drops_its_copy_of_the_ring(tmp_path):
     memory = mmap.mmap(-1, 256 * KiB)
     address = _address(memory)
     direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    before = _submitting_threads()
+    before = submitting_threads()
     queue = UringQueue(64)
     try:
-        assert _submitting_threads() == before
+        assert submitting_threads() == before
         for k in range(64):
             assert queue.post(k, 0, True, direct, address + k * 4 * KiB, 4 * KiB,
                               (63 - k) * 4 * KiB)
-        assert _submitting_threads() == before + 1
+        assert submitting_threads() == before + 1
         pid = os.fork()
         if pid == 0:
             queue.close()
@@ -227,7 +226,7 @@ def test_a_forked_child_drops_its_copy_of_the_ring(tmp_path):
             time.sleep(0.01)
         assert sorted(c.op_id for c in queue.reap(wait_all=True)) == list(range(64))
         queue.close()
-        assert _submitting_threads() == before
+        assert submitting_threads() == before
         data = Path(path).read_bytes()
         for k in range(64):
             offset = (63 - k) * 4 * KiB
@@ -321,6 +320,7 @@ def _rings_of(pid):
     return count
 
 
+@needs_torch
 @pytest.mark.parametrize("engine", ["aio", "uring", "auto"])
 def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engine):
     """Workers and caller queue on the engine chosen; large, unaligned and small queued
@@ -465,6 +465,7 @@ def test_bench_runs_on_the_engine_asked_for_and_says_so(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@needs_torch
 def test_tune_tries_both_engines_and_report_says_what_auto_chooses(tmp_path):
     out = tmp_path / "tune.json"
     result = _nvmeswap("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,

@@ -8,8 +8,14 @@ import threading
 
 import psutil
 import pytest
-import torch
-from conftest import in_flight, random_bytes, stopped_workers, wait_until, worker_processes
+from conftest import (
+    in_flight,
+    needs_torch,
+    random_bytes,
+    stopped_workers,
+    wait_until,
+    worker_processes,
+)
 
 import nvmeswap
 
@@ -67,9 +73,12 @@ def big_file(tmp_path):
     return path
 
 
+@needs_torch
 @pytest.mark.parametrize("use_async", [False, True])
 def test_killed_worker_fails_the_operation_then_recovers(handle_factory, big_file, tmp_path,
                                                          use_async):
+    import torch
+
     h = handle_factory(block_size=4096, queue_depth=1, intra_op_parallelism=2)
     target = h.new_cpu_locked_tensor(16 << 20, torch.empty(0, dtype=torch.uint8))
     victim = _workers()[0]
@@ -172,12 +181,15 @@ def test_killed_parent_takes_its_workers_along(big_file):
         parent.wait()
 
 
+@needs_torch
 @pytest.mark.parametrize("use_async", [False, True])
 def test_worker_died_error_does_not_keep_locked_memory_mapped(handle_factory, big_file,
                                                               use_async):
     """Regression: the raised error's traceback held the operation (and the caller's
     tensor) in a reference cycle, so locked memory stayed mapped until a gc pass."""
     import gc
+
+    import torch
 
     def mappings():
         with open("/proc/self/maps") as maps:

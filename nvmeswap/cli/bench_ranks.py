@@ -125,8 +125,8 @@ def buffer_bytes(plan):
 
 def make_file(handle, buffer, path, size):
     """A file of ``size`` bytes for random requests to fall in, written with ``buffer``."""
-    view = buffer.view(-1) if hasattr(buffer, "view") else buffer
-    for start in range(0, size, view.numel() if hasattr(view, "numel") else view.size):
+    view = buffer.reshape(-1)       # a tensor or a numpy array (whose view() wants a dtype)
+    for start in range(0, size, len(view)):
         piece = view[: min(size - start, len(view))]
         handle.sync_pwrite(piece, path, start)
 
