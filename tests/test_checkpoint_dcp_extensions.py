@@ -6,8 +6,8 @@ import io
 import warnings
 
 import pytest
-import torch
 
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import (

@@ -5,7 +5,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
 from stand_in_device import copied, device_tensor, use_stand_in_device
 from test_checkpoint import DTYPES, random_tensor, raw
 
