@@ -122,7 +122,8 @@ def test_copies_overlap_the_workers_io(handle_factory, tmp_path, device):
 
 
 @pytest.mark.parametrize("parallelism", [1, 3])
-def test_reads_overlap_the_copies(handle_factory, tmp_path, device, parallelism):
+@pytest.mark.parametrize("use_async", [False, True])
+def test_reads_overlap_the_copies(handle_factory, tmp_path, device, parallelism, use_async):
     """Pipelined: the copy of each piece of a read (but the last) waits until the workers
     have read another piece, one not copied yet, into the staging space. That piece gets
     there only if its read went out before this copy, so the workers' reads and the
@@ -161,7 +162,11 @@ def test_reads_overlap_the_copies(handle_factory, tmp_path, device, parallelism)
             waited.append(start)
 
     target = device_tensor(h, len(data), before_copy=after_another_piece_is_read)
-    assert h.sync_pread(target, str(path)) == 1
+    if use_async:
+        h.async_pread(target, str(path))
+        assert h.wait() == 1
+    else:
+        assert h.sync_pread(target, str(path)) == 1
     assert not missed, missed[0]
     assert bytes(target.numpy()) == data
     assert len(waited) == len(copied_pieces) - 1 >= 20
