@@ -186,6 +186,12 @@ def run_child(args, contender, job, path):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def rotated(names, turn):
+    """``names`` starting at the ``turn``-th (each round another goes first)."""
+    turn = turn % len(names) if names else 0
+    return names[turn:] + names[:turn]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default=None, help="where the checkpoints go")
@@ -233,8 +239,7 @@ def main():
         nbytes = state_bytes(make_state(args.size))
         for round_number in range(args.rounds):
             # Each round starts with the next contender: none always goes first.
-            turn = round_number % len(savers)
-            for name in savers[turn:] + savers[:turn]:
+            for name in rotated(savers, round_number):
                 path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
                     else os.path.join(folder, paths[name])
                 if os.path.isdir(path):
@@ -244,8 +249,7 @@ def main():
                 os.sync()       # nobody's dirty pages are written back during the next one
                 times[name].append(run_child(args, name, "save", path)["seconds"])
                 os.sync()
-            turn = round_number % len(loaders)
-            for name in loaders[turn:] + loaders[:turn]:
+            for name in rotated(loaders, round_number):
                 path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
                     else os.path.join(folder, paths[name])
                 got = run_child(args, name, "load", path)
