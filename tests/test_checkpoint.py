@@ -70,6 +70,21 @@ def every_dtype_state(seed=0):
     return state
 
 
+#: The dtypes safetensors has no name for.
+UNNAMED_IN_SAFETENSORS = {torch.complex128}
+
+
+def flat_state():
+    """A flat dict of tensors safetensors can hold: every dtype it names, an empty
+    tensor, a scalar, and one of 3 MiB + 5 bytes."""
+    state = {f"t.{str(dtype).split('.')[1]}": random_tensor((5, 999), dtype, index)
+             for index, dtype in enumerate(DTYPES) if dtype not in UNNAMED_IN_SAFETENSORS}
+    state["empty"] = torch.empty(0, 4)
+    state["scalar"] = torch.tensor(1.5)
+    state["big"] = random_tensor(((3 << 20) + 5,), torch.uint8, 7)
+    return state
+
+
 def mixed_state():
     """Containers, scalars, views sharing storage, odd sizes, empty and 0-d tensors."""
     base = random_tensor((64, 33), torch.float32, 1)

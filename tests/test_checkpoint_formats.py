@@ -6,25 +6,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from test_checkpoint import DTYPES, assert_same, random_tensor
+from test_checkpoint import assert_same, flat_state, random_tensor
 
 import nvmeswap
 
 safetensors_torch = pytest.importorskip("safetensors.torch",
                                         reason="safetensors is not installed")
-
-# safetensors has no name for these.
-UNNAMED = {torch.complex128}
-
-
-def flat_state():
-    state = {f"t.{str(dtype).split('.')[1]}": random_tensor((5, 999), dtype, index)
-             for index, dtype in enumerate(DTYPES) if dtype not in UNNAMED}
-    state["empty"] = torch.empty(0, 4)
-    state["scalar"] = torch.tensor(1.5)
-    state["big"] = random_tensor(((3 << 20) + 5,), torch.uint8, 7)
-    return state
-
 
 def test_the_package_reads_what_we_wrote(tmp_path):
     state = flat_state()

@@ -9,20 +9,16 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 from stand_in_device import copied, device_tensor, use_stand_in_device
-from test_checkpoint import DTYPES, random_tensor, raw
+from test_checkpoint import flat_state, random_tensor, raw
 
 import nvmeswap
 
-UNNAMED = {torch.complex128}        # safetensors has no name for it
 
-
-def state():
-    tensors = {f"t.{str(dtype).split('.')[1]}": random_tensor((7, 1001), dtype, index)
-               for index, dtype in enumerate(DTYPES) if dtype not in UNNAMED}
-    tensors["empty"] = torch.empty(0, 4)
-    tensors["scalar"] = torch.tensor(2.5)
-    tensors["big"] = random_tensor(((2 << 20) + 3,), torch.uint8, 99)
-    return tensors
+def stripe_folders(tmp_path, count):
+    made = [str(tmp_path / f"dev{k}") for k in range(count)]
+    for folder in made:
+        os.mkdir(folder)
+    return made
 
 
 def zeros_like(tensors):
@@ -46,7 +42,7 @@ def writers():
 
 @pytest.mark.parametrize("writer", [name for name, _ in writers()])
 def test_every_dtype_lands_in_the_given_tensors(tmp_path, writer):
-    saved = state()
+    saved = flat_state()
     path = tmp_path / "s.safetensors"
     dict(writers())[writer](saved, path)
     into = zeros_like(saved)
@@ -71,7 +67,7 @@ def test_locked_targets_and_a_kept_handle(tmp_path):
 
 
 def test_strict_names_and_a_part_of_the_file(tmp_path):
-    saved = state()
+    saved = flat_state()
     path = tmp_path / "s.safetensors"
     nvmeswap.save_safetensors(saved, path)
     part = {"big": torch.zeros_like(saved["big"]), "t.int16": torch.zeros_like(saved["t.int16"])}
@@ -128,22 +124,26 @@ def test_cuda_targets_through_the_staging_space(tmp_path, monkeypatch):
         assert copied(target) == (3 << 20) + 5     # through the copier, as CUDA memory
 
 
+def assert_both_loads_read(checkpointer, path, saved):
+    """``load_safetensors`` and ``load_safetensors_into`` of ``checkpointer`` give back
+    ``saved``'s bytes."""
+    loaded = checkpointer.load_safetensors(path)
+    assert_bytes_equal(saved, loaded)
+    checkpointer.free(loaded)
+    into = zeros_like(saved)
+    checkpointer.load_safetensors_into(path, into)
+    assert_bytes_equal(saved, into)
+
+
 def test_a_striped_safetensors_checkpoint_round_trips(tmp_path):
-    folders = [str(tmp_path / f"dev{k}") for k in range(3)]
-    for folder in folders:
-        os.mkdir(folder)
-    saved = state()
+    folders = stripe_folders(tmp_path, 3)
+    saved = flat_state()
     path = os.path.join(folders[0], "s.safetensors")
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=64 << 10) as checkpointer:
         checkpointer.save_safetensors(saved, path, metadata={"step": "7"})
         layout = json.loads(Path(path).read_text())     # the path holds the layout
         assert all(os.path.getsize(os.path.join(f, layout["name"])) > 0 for f in folders)
-        loaded = checkpointer.load_safetensors(path)
-        assert_bytes_equal(saved, loaded)
-        checkpointer.free(loaded)
-        into = zeros_like(saved)
-        checkpointer.load_safetensors_into(path, into)
-        assert_bytes_equal(saved, into)
+        assert_both_loads_read(checkpointer, path, saved)
     # Any loader finds the layout from the one path.
     into = zeros_like(saved)
     nvmeswap.load_safetensors_into(path, into)
@@ -152,16 +152,9 @@ def test_a_striped_safetensors_checkpoint_round_trips(tmp_path):
 
 
 def test_a_striped_checkpointer_reads_a_plain_file(tmp_path):
-    folders = [str(tmp_path / f"dev{k}") for k in range(2)]
-    for folder in folders:
-        os.mkdir(folder)
-    saved = state()
+    folders = stripe_folders(tmp_path, 2)
+    saved = flat_state()
     path = tmp_path / "plain.safetensors"
     nvmeswap.save_safetensors(saved, path)
     with nvmeswap.Checkpointer(stripe_folders=folders) as checkpointer:
-        loaded = checkpointer.load_safetensors(path)
-        assert_bytes_equal(saved, loaded)
-        checkpointer.free(loaded)
-        into = zeros_like(saved)
-        checkpointer.load_safetensors_into(path, into)
-        assert_bytes_equal(saved, into)
+        assert_both_loads_read(checkpointer, path, saved)
