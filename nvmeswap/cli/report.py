@@ -119,6 +119,8 @@ def _aio_limit():
 
 
 CAP_IPC_LOCK = 14       # linux/capability.h
+#: The ulimit -l under which io_uring's rings may not fit (the test suite's mark too).
+URING_MEMLOCK = 8 << 20
 
 
 def has_cap_ipc_lock():
@@ -155,7 +157,16 @@ def _io_uring():
     from ..io.engines import uring_refusal
     refused = uring_refusal()
     if refused is None:
-        return _check("io_uring", OK, "works (engine='uring' or 'auto' may use it)")
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if has_cap_ipc_lock() or soft == resource.RLIM_INFINITY or soft >= URING_MEMLOCK:
+            return _check("io_uring", OK, "works (engine='uring' or 'auto' may use it)")
+        return _check("io_uring", WARN,
+                      f"works, but ulimit -l is {human_size(soft)} with no CAP_IPC_LOCK: "
+                      "a kernel that charges io_uring's rings to it leaves room for few (an "
+                      "ordinary user held two 256-entry rings at 64 KiB), and a handle on "
+                      "io_uring needs one per worker and one of its own; past the limit "
+                      "engine='uring' handles fail with ENOMEM (kernel AIO does not need it)",
+                      f"ulimit -l {URING_MEMLOCK >> 20}M or more (or unlimited)")
     err, why = refused
     try:
         disabled = int(_read("/proc/sys/kernel/io_uring_disabled"))
