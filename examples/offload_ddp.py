@@ -28,29 +28,37 @@ def train(rank, world_size, folder, offload, steps, init_method="env://"):
     """Train ``steps`` steps on this rank; return the losses it saw."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=init_method)
     try:
-        model = DistributedDataParallel(make_model())
-        layers = list(model.parameters())
-        # Two parameter groups, so one group's state is prefetched while the other steps.
-        optimizer = torch.optim.Adam([{"params": layers[:2]}, {"params": layers[2:]}], lr=1e-3)
-        if offload:
-            optimizer = OffloadedOptimizer(optimizer, os.path.join(folder, f"rank{rank}"))
-        generator = torch.Generator().manual_seed(1000 + rank)    # each rank its own shard
-        losses = []
-        for _ in range(steps):
-            inputs = torch.randn(32, 64, generator=generator)
-            targets = inputs[:, :1].sin()
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        if offload:
-            optimizer.close()
-        # Neither rank tears its process group down while the other still talks to it.
+        losses = _train(rank, folder, offload, steps)
+        # The DDP model is freed by now: it holds the process group, which then outlived
+        # destroy_process_group, and gloo's threads could still be releasing their last
+        # work (the barrier's) while the interpreter exited: an abort, 1 run in ~10.
+        # Neither rank tears the group down while the other still talks to it.
         dist.barrier()
         return losses
     finally:
         dist.destroy_process_group()
+
+
+def _train(rank, folder, offload, steps):
+    model = DistributedDataParallel(make_model())
+    layers = list(model.parameters())
+    # Two parameter groups, so one group's state is prefetched while the other steps.
+    optimizer = torch.optim.Adam([{"params": layers[:2]}, {"params": layers[2:]}], lr=1e-3)
+    if offload:
+        optimizer = OffloadedOptimizer(optimizer, os.path.join(folder, f"rank{rank}"))
+    generator = torch.Generator().manual_seed(1000 + rank)    # each rank its own shard
+    losses = []
+    for _ in range(steps):
+        inputs = torch.randn(32, 64, generator=generator)
+        targets = inputs[:, :1].sin()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    if offload:
+        optimizer.close()
+    return losses
 
 
 def main():
