@@ -28,15 +28,26 @@ def train(rank, world_size, folder, offload, steps, init_method="env://"):
     """Train ``steps`` steps on this rank; return the losses it saw."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=init_method)
     try:
-        losses = _train(rank, folder, offload, steps)
-        # The DDP model is freed by now: it holds the process group, which then outlived
-        # destroy_process_group, and gloo's threads could still be releasing their last
-        # work (the barrier's) while the interpreter exited: an abort, 1 run in ~10.
-        # Neither rank tears the group down while the other still talks to it.
-        dist.barrier()
+        losses = _train(rank, folder, offload, steps)   # the DDP model is freed on return
+        _all_ranks_done(rank, world_size)
         return losses
     finally:
         dist.destroy_process_group()
+
+
+def _all_ranks_done(rank, world_size):
+    """Wait until every rank is here, so that none tears the group down while another
+    still talks to it. Through the store, not ``dist.barrier()``: gloo's barrier holds
+    the collectives before it for gloo's own thread to free, which it may do while the
+    interpreter exits, an abort (seen about 1 run in 10). Rank 0, which may host the
+    store, leaves last."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"rank {rank} done", "1")
+    store.wait([f"rank {other} done" for other in range(world_size)])
+    if rank:
+        store.set(f"rank {rank} left", "1")
+    else:
+        store.wait([f"rank {other} left" for other in range(1, world_size)])
 
 
 def _train(rank, folder, offload, steps):
