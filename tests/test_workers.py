@@ -214,3 +214,30 @@ def test_worker_died_error_does_not_keep_locked_memory_mapped(handle_factory, bi
         assert mappings() == before
     finally:
         gc.enable()
+
+
+def test_ctrl_c_while_workers_are_reaped_closes_each_descriptor_once(handle_factory, tmp_path,
+                                                                   monkeypatch):
+    """A Ctrl-C between two workers' reaping waits until all are reaped, then raises: the
+    clean-up that follows must not close a worker's descriptors a second time (by then
+    the numbers may be someone else's)."""
+    from nvmeswap.workers.pool import Worker
+
+    h = handle_factory(intra_op_parallelism=2)
+    data = bytes(range(256)) * 64
+    assert h.sync_pwrite(bytearray(data), str(tmp_path / "f")) == 1     # the pool runs
+    pool = h._scheduler.workers.pool
+    processes = [worker.process for worker in pool.workers]
+    assert len(processes) == 2
+    close = Worker.close
+
+    def close_then_interrupt(worker):
+        close(worker)
+        os.kill(os.getpid(), signal.SIGINT)     # lands before the next worker's close
+
+    monkeypatch.setattr(Worker, "close", close_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        h.close()
+    monkeypatch.undo()
+    assert pool.workers == [] and all(p.returncode is not None for p in processes)
+    assert (tmp_path / "f").read_bytes() == data

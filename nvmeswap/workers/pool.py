@@ -10,6 +10,7 @@ import sys
 import time
 
 from ..errors import WorkerDied, os_error
+from ..io.interrupts import deferred_interrupts
 from . import protocol
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -193,12 +194,16 @@ class WorkerPool:
         return responses
 
     def kill(self):
-        """SIGKILL every worker and reap it; kernel AIO in flight ends with the process."""
-        for worker in self.workers:
-            worker.kill()
-        for worker in self.workers:
-            worker.close()
-        self.workers = []
+        """SIGKILL every worker and reap it; kernel AIO in flight ends with the process.
+        A Ctrl-C meanwhile waits until all are reaped (Note [deferred interrupts]): a
+        worker left half closed would have its descriptors closed twice by the caller's
+        clean-up."""
+        with deferred_interrupts():
+            for worker in self.workers:
+                worker.kill()
+            for worker in self.workers:
+                worker.close()
+            self.workers = []
 
     def ask_to_stop(self):
         """Tell every worker to finish what it has and exit (EOF on its socket)."""
