@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 import nvmeswap
+from nvmeswap.cli.report import URING_MEMLOCK
 
 #: The slow tier (the bench scripts' smoke runs, whole trainings in fresh processes):
 #: run where NVMESWAP_TEST_SLOW=1, as .ci/run does; skipped, saying so, elsewhere.
@@ -52,7 +53,7 @@ def pytest_configure(config):
     interpreters would never see a KeyboardInterrupt. A handled signal is reset to its
     default at exec."""
     config.addinivalue_line("markers", f"slow: {SLOW_TIER_REASON}")
-    if os.environ.get("NVMESWAP_ENGINE") == "uring" and not may_lock(8 << 20):
+    if os.environ.get("NVMESWAP_ENGINE") == "uring" and not may_lock(URING_MEMLOCK):
         # The kernel charges each io_uring ring's memory to its user's RLIMIT_MEMLOCK.
         raise pytest.UsageError(
             "NVMESWAP_ENGINE=uring needs ulimit -l of 8 MiB or more (or CAP_IPC_LOCK): the "
@@ -156,6 +157,21 @@ def may_lock(nbytes):
         return True
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return soft == resource.RLIM_INFINITY or soft >= nbytes
+
+
+def uring_unusable():
+    """Why handles on io_uring cannot be relied on here, or "": io_uring refused, or
+    ulimit -l under 8 MiB, to which the kernel may charge every ring (a handle has one
+    per worker and one of its own, and the suite's handles add up)."""
+    from nvmeswap._uring import probe
+
+    refused = probe()
+    if refused:
+        return f"io_uring: {refused}"
+    if not may_lock(URING_MEMLOCK):
+        return ("ulimit -l is under 8 MiB: the kernel may charge io_uring's rings to it, "
+                "and the suite's handles would not fit")
+    return ""
 
 
 def wait_until(condition, what, within=60.0):

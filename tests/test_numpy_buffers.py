@@ -5,15 +5,14 @@ import mmap
 
 import numpy as np
 import pytest
-from conftest import random_bytes
+from conftest import random_bytes, uring_unusable
 
 import nvmeswap
-from nvmeswap._uring import probe
 
 KiB, MiB = 1 << 10, 1 << 20
-URING_REFUSED = probe() or ""      # why io_uring cannot be used here, if it cannot
+URING_UNUSABLE = uring_unusable()
 ENGINES = ["aio", pytest.param("uring", marks=pytest.mark.skipif(
-    bool(URING_REFUSED), reason=f"io_uring: {URING_REFUSED}"))]
+    bool(URING_UNUSABLE), reason=URING_UNUSABLE))]
 
 
 def array_of(data):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import may_lock, needs_torch, random_bytes, submitting_threads
+from conftest import may_lock, needs_torch, random_bytes, submitting_threads, uring_unusable
 from test_completion import by_caller, by_caller_queue, by_engine, by_worker
 from test_engine import _address, _file, fields
 
@@ -467,6 +467,8 @@ def test_bench_runs_on_the_engine_asked_for_and_says_so(tmp_path):
 
 @needs_torch
 def test_tune_tries_both_engines_and_report_says_what_auto_chooses(tmp_path):
+    if uring_unusable():
+        pytest.skip(uring_unusable())
     out = tmp_path / "tune.json"
     result = _nvmeswap("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
                        "--budget-seconds", 1, "--json", out)
