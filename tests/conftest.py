@@ -212,14 +212,20 @@ def in_flight(h):
 
 def submitting_threads():
     """How many of this process's threads are CallerQueue submitters (Note [submitter])."""
-    names = []
+    return len(submitter_ids())
+
+
+def submitter_ids():
+    """The thread ids of this process's CallerQueue submitters (Note [submitter])."""
+    found = set()
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
+                if comm.read().strip() == "nvmeswap-submit":
+                    found.add(task)
         except FileNotFoundError:
             pass    # ended meanwhile
-    return names.count("nvmeswap-submit")
+    return found
 
 
 def random_bytes(n, seed=0):
