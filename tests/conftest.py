@@ -18,6 +18,9 @@ from nvmeswap.cli.report import URING_MEMLOCK
 #: The slow tier (the bench scripts' smoke runs, whole trainings in fresh processes):
 #: run where NVMESWAP_TEST_SLOW=1, as .ci/run does; skipped, saying so, elsewhere.
 SLOW_TIER = os.environ.get("NVMESWAP_TEST_SLOW") == "1"
+#: The folder that holds this checkout's nvmeswap, for child interpreters to import it.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
+
 SLOW_TIER_REASON = "the slow tier: set NVMESWAP_TEST_SLOW=1 to run it (CI does)"
 
 #: torch is optional (the package moves numpy arrays and other buffers without it): modules
@@ -36,6 +39,26 @@ def torch_sees_a_gpu():
     import torch
 
     return torch.cuda.is_available()
+
+
+def package_env(**extra):
+    """The environment for a child interpreter that imports this checkout's nvmeswap:
+    the checkout first on PYTHONPATH, whatever was there kept (peers installed outside
+    site-packages, as on a machine where nothing can be installed)."""
+    path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cuda_started_first():
+    """Where there is a GPU, CUDA starts before the first test: its device files and
+    helper descriptors live as long as the process, so the leak check of whichever test
+    first touched CUDA (through DeepSpeed's accelerator, say) would count them."""
+    if torch_sees_a_gpu():
+        import torch
+
+        torch.ones(1, device="cuda").sum().item()
+    yield
 
 
 def pytest_collection_modifyitems(config, items):

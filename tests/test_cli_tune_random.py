@@ -4,19 +4,17 @@ import os
 import subprocess
 import sys
 
-from conftest import needs_torch
+from conftest import needs_torch, package_env
 
-import nvmeswap
 from nvmeswap.cli import tune_random
 
 pytestmark = needs_torch      # tune measures the handle's locked tensors
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 
 
 def _tune(*args):
     return subprocess.run([sys.executable, "-m", "nvmeswap", "tune", *map(str, args)],
                           capture_output=True, text=True, timeout=300, check=False,
-                          env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+                          env=package_env())
 
 
 def test_tune_rand_measures_every_engine_and_batch_and_picks_the_fastest(tmp_path):

@@ -1,15 +1,12 @@
 """Every DeepSpeed accelerator hands out nvmeswap's builders once routed (on the CUDA
 accelerator ``get_op_builder`` used to answer with DeepSpeed's own, compiled ones)."""
-import os
 import subprocess
 import sys
 
 import pytest
-
-import nvmeswap
+from conftest import package_env
 
 pytest.importorskip("deepspeed")
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 
 _ASK = r"""
 import sys
@@ -47,7 +44,7 @@ print([(k, n) for k, n, f, m in before if f and f.startswith("deepspeed")])
 def test_every_accelerator_hands_out_our_builders_once_routed(order):
     result = subprocess.run([sys.executable, "-c", _ASK, order], capture_output=True, text=True,
                             timeout=300, check=False,
-                            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+                            env=package_env())
     assert result.returncode == 0, result.stderr
     routed, leaked, theirs_before = result.stdout.splitlines()[-3:]
     assert routed == "True"

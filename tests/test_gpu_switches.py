@@ -4,20 +4,18 @@ import os
 import subprocess
 import sys
 
-from conftest import needs_torch
+from conftest import needs_torch, package_env
 from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
 
 import nvmeswap
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 ASK = "import nvmeswap; print(nvmeswap.gds_available(), nvmeswap.gds_unavailable_reason())"
 
 
 def _answer(library_folder, **environment):
     """What a fresh process says of cuFile, with a loadable stand-in cuFile and driver
     where the dynamic loader looks by default."""
-    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, "LD_LIBRARY_PATH": str(library_folder),
-           **environment}
+    env = package_env(LD_LIBRARY_PATH=str(library_folder), **environment)
     for name in ("NVMESWAP_GDS", "NVMESWAP_CUFILE_LIBRARY", "NVMESWAP_CUDA_LIBRARY"):
         if name not in environment:
             env.pop(name, None)
@@ -47,7 +45,7 @@ def test_a_cufile_path_that_cannot_be_loaded_is_not_replaced_by_another(tmp_path
 
 
 def test_report_says_cufile_is_hidden_and_by_what():
-    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, "NVMESWAP_GDS": "0"}
+    env = package_env(NVMESWAP_GDS="0")
     result = subprocess.run([sys.executable, "-m", "nvmeswap", "report"], capture_output=True,
                             text=True, env=env, timeout=120, check=False)
     assert "cuFile: hidden: NVMESWAP_GDS=0 hides cuFile" in result.stdout + result.stderr
@@ -88,8 +86,7 @@ def test_report_says_whether_cufile_takes_files_in_the_folder(tmp_path):
     driver = build(libraries, "libcuda.so.1", FAKE_CUDA)
     folder = tmp_path / "data"
     folder.mkdir()
-    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, "NVMESWAP_CUFILE_LIBRARY": str(cufile),
-           "NVMESWAP_CUDA_LIBRARY": str(driver)}
+    env = package_env(NVMESWAP_CUFILE_LIBRARY=str(cufile), NVMESWAP_CUDA_LIBRARY=str(driver))
     env.pop("NVMESWAP_GDS", None)
 
     def report(**extra):
