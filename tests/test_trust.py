@@ -1,9 +1,11 @@
 """Promises kept when the world misbehaves: threads sharing a handle, full disks, files
 replaced while written, resource limits, fork, folders removed under the swapper."""
 import errno
+import fcntl
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -11,12 +13,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import needs_torch, random_bytes
-
-import nvmeswap
+from conftest import needs_torch, package_env, random_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 
 
 def _worker_pids(h):
@@ -204,6 +203,21 @@ def _fill(folder, spare):
         os.fsync(f.fileno())
 
 
+def _data_bytes(path):
+    """Bytes of data blocks the file holds, past its end too (FIEMAP: the blocks of the
+    data alone, not the filesystem's bookkeeping of them)."""
+    header, extent = struct.Struct("QQIIII"), struct.Struct("QQQ16xI12x")
+    count = 64
+    request = bytearray(header.pack(0, 2**64 - 1, 1, 0, count, 0)
+                        + bytes(count * extent.size))       # FIEMAP_FLAG_SYNC
+    with open(path, "rb") as f:
+        fcntl.ioctl(f.fileno(), 0xC020660B, request)         # FS_IOC_FIEMAP
+    mapped = header.unpack_from(request)[3]
+    assert mapped < count
+    return sum(extent.unpack_from(request, header.size + k * extent.size)[2]
+               for k in range(mapped))
+
+
 def _free(folder):
     info = os.statvfs(folder)
     return info.f_bavail * info.f_frsize
@@ -221,10 +235,11 @@ def test_a_write_the_full_disk_refuses_leaves_the_file_and_the_free_space_as_the
     h = handle_factory(intra_op_parallelism=2)
     folder = ext4
     _fill(folder, 200 * KiB)
+    empty = _free(folder)
     path = folder / "target"
     head = random_bytes(4096, seed=1)
     path.write_bytes(head)
-    free = _free(folder)
+    free, blocks = _free(folder), path.stat().st_blocks
     data = bytearray(random_bytes(nbytes, seed=2))
     with pytest.raises(OSError) as info:
         if is_async:
@@ -234,10 +249,17 @@ def test_a_write_the_full_disk_refuses_leaves_the_file_and_the_free_space_as_the
             h.sync_pwrite(data, path, 4096)
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
     assert path.read_bytes() == head
-    assert _free(folder) == free
-    # What fits still goes in, and the disk gives it back when it is removed.
+    # No data block stays; ext4 may keep an extent-tree block that the attempt added to
+    # the file (its own bookkeeping, counted in the file's blocks, freed with the file).
+    assert _data_bytes(path) == len(head)
+    grown = (path.stat().st_blocks - blocks) * 512
+    assert grown in (0, os.statvfs(folder).f_frsize)
+    assert _free(folder) == free - grown
+    # What fits still goes in, and the disk gives it all back when it is removed.
     h.sync_pwrite(data[:64 * KiB], path, 4096)
     assert path.read_bytes() == head + data[:64 * KiB]
+    path.unlink()
+    assert _free(folder) == empty
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
@@ -379,7 +401,7 @@ def test_a_forked_child_is_refused_the_handle_and_its_locked_tensors_are_its_own
     tensor, and the file the parent wrote from it)."""
     result = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(tmp_path)],
                             capture_output=True, text=True, timeout=60, check=False,
-                            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+                            env=package_env())
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     refused = [line for line in lines if "refused: this nvmeswap handle belongs to process" in line]
@@ -443,7 +465,7 @@ def test_a_file_size_limit_leaves_transfers_below_it_working(tmp_path):
     limit = 16 * MiB
     result = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, str(tmp_path), str(limit)],
                             capture_output=True, text=True, timeout=120, check=False,
-                            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+                            env=package_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "plain True", "locked 1 True",
@@ -464,7 +486,7 @@ def _unprivileged_python():
     for python in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
         command = [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python]
         probe = subprocess.run([*command, "-c", "import nvmeswap"], capture_output=True,
-                               check=False, cwd="/", env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+                               check=False, cwd="/", env=package_env())
         if probe.returncode == 0:
             return command
     return None
@@ -487,7 +509,7 @@ def test_too_few_processes_allowed_says_so_and_what_to_change():
         pytest.skip("no unprivileged user can run this Python and import nvmeswap")
     result = subprocess.run([*command, "-c", _PROCESS_LIMITED], capture_output=True, text=True,
                             timeout=60, check=False, cwd="/",
-                            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT))
+                            env=package_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("EAGAIN "), result.stdout
     assert "cannot start nvmeswap's I/O worker processes" in result.stdout
