@@ -19,13 +19,14 @@ import peers
 from peers import JOBS
 
 import nvmeswap
+from nvmeswap.cli import report
 from nvmeswap.units import parse_size
 
 BASELINES = ("nvmeswap aio host locked", "deepspeed aio cuda", "deepspeed gds pinned",
              "fio libaio")
 
 
-def contenders(size, running):
+def contenders(folder, size, running):
     made = {
         "nvmeswap aio host locked": lambda: peers.NvmeswapContender(size, "locked"),
         "nvmeswap aio cuda": lambda: peers.CudaTensorContender(nvmeswap.aio_handle(), size),
@@ -44,12 +45,22 @@ def contenders(size, running):
         made["deepspeed aio cuda"] = lambda: peers.CudaTensorContender(
             AsyncIOBuilder().load(verbose=False).aio_handle(), size)
     if "deepspeed" in running and peers.deepspeed_gds_available():
-        from deepspeed.ops.op_builder import GDSBuilder
-        made["deepspeed gds pinned"] = lambda: peers.CudaTensorContender(
-            GDSBuilder().load(verbose=False).gds_handle(), size, pin=True)
+        refusal = cufile_refusal(folder)
+        if refusal:     # DeepSpeed's gds_handle writes nothing to a file cuFile refuses
+            print(f"DeepSpeed's gds_handle left out: cuFile {refusal}", file=sys.stderr)
+        else:
+            from deepspeed.ops.op_builder import GDSBuilder
+            made["deepspeed gds pinned"] = lambda: peers.CudaTensorContender(
+                GDSBuilder().load(verbose=False).gds_handle(), size, pin=True)
     if "fio" in running:
         made["fio libaio"] = lambda: peers.FioContender(size)
     return {name: make() for name, make in made.items()}
+
+
+def cufile_refusal(folder):
+    """Why cuFile cannot take a file in ``folder``, or None where it can."""
+    check = report.cufile_takes_files(folder)
+    return None if check["status"] == report.OK else check["found"]
 
 
 def main():
@@ -61,7 +72,7 @@ def main():
         return 2
     os.makedirs(arguments.folder, exist_ok=True)
     size = parse_size(arguments.size)
-    everyone = contenders(size, peers.peers_to_run(arguments.peers))
+    everyone = contenders(arguments.folder, size, peers.peers_to_run(arguments.peers))
     try:
         seconds = peers.run_rounds(arguments.folder, size, arguments.rounds, everyone)
     finally:

@@ -246,11 +246,11 @@ def folder_checks(folder):
     checks.append(_o_direct(folder))
     from ..gpu.discovery import gds_available
     if gds_available():
-        checks.append(_cufile_takes_files(folder))
+        checks.append(cufile_takes_files(folder))
     return checks
 
 
-def _cufile_takes_files(folder):
+def cufile_takes_files(folder):
     """Whether cuFile registers a file here (Note [cuFile refusing a file]): a cloud VM
     without nvidia-fs loads cuFile and opens its driver, then refuses every file."""
     from .. import _cufile
