@@ -220,9 +220,8 @@ class Scheduler:
                     self.books.fail_all(WorkerDied("the handle was closed with operations "
                                                    "in flight"), everything=True)
             try:
-                self.workers.stop()
+                self.workers.stop()     # the caller queue closed too, whatever happens
             finally:
-                self.workers.close_queue()  # waits for its requests: memory is freed next
                 for region in self.placement.release():
                     region.close()
                 self._warn_uncollected()

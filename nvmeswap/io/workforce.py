@@ -135,21 +135,21 @@ class Workforce:
     def stop(self):
         """Let the workers finish and exit (EOF, TERM, KILL), and close the caller queue
         meanwhile: each waits for the kernel to retire an AIO context (~30 ms), so the
-        two waits overlap. The workers are killed if interrupted."""
+        two waits overlap. The queue is closed however this ends (it waits for its
+        requests: the memory they use may be freed next); the workers are killed if
+        interrupted."""
         pool, self.pool = self.pool, None
         try:
             if pool is not None:
                 pool.ask_to_stop()
-        finally:
-            try:
-                self.close_queue()
-            finally:
-                if pool is not None:
-                    try:
-                        pool.reap()
-                    except BaseException:
-                        pool.kill()
-                        raise
+            self.close_queue()
+            if pool is not None:
+                pool.reap()
+        except BaseException:
+            if pool is not None:
+                pool.kill()
+            self.close_queue()      # a no-op unless the interruption came before it
+            raise
 
     def send(self, op, index):
         """Send chunk ``index`` of ``op`` where its road goes (Note [roads]). Returns 0;
