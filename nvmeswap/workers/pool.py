@@ -13,13 +13,13 @@ from ..errors import WorkerDied, os_error
 from ..io.interrupts import deferred_interrupts
 from . import protocol
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PACKAGE_FOLDER = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The worker needs its own modules only: a bare module object stands for the package, so
 # that nvmeswap/__init__.py (the public API: the scheduler, checkpoints) does not load in
 # every worker; with -S no site-packages either (nothing there is the worker's). Half a
 # worker's start-up CPU, which every handle pays per worker.
 _BOOT = ("import sys, types; package = types.ModuleType('nvmeswap'); "
-         "package.__path__ = [sys.argv[1] + '/nvmeswap']; sys.modules['nvmeswap'] = package; "
+         "package.__path__ = [sys.argv[1]]; sys.modules['nvmeswap'] = package; "
          "from nvmeswap.workers.main import main; main(sys.argv[2:])")
 STARTUP_TIMEOUT = 60.0
 STOP_GRACE = 1.0
@@ -42,7 +42,7 @@ class Worker:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             # -I: the worker sees our nvmeswap, not whatever the current directory holds.
-            command = [sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_ROOT, str(child_end.fileno()),
+            command = [sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_FOLDER, str(child_end.fileno()),
                        str(os.getpid()), *engine_settings.to_argv()]
             self.process = subprocess.Popen(command, pass_fds=[child_end.fileno()],
                                             stdin=subprocess.DEVNULL)
