@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import nvmeswap
-from nvmeswap.cli.report import URING_MEMLOCK
+from nvmeswap.io.engines import URING_MEMLOCK
 
 #: The slow tier (the bench scripts' smoke runs, whole trainings in fresh processes):
 #: run where NVMESWAP_TEST_SLOW=1, as .ci/run does; skipped, saying so, elsewhere.

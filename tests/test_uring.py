@@ -8,6 +8,7 @@ import mmap
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -336,7 +337,7 @@ def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engin
     if engine == "uring" and uring_unusable():
         pytest.skip(uring_unusable())
     h = handle_factory(intra_op_parallelism=2, engine=engine)
-    ring = engine != "aio"
+    ring = engine == "uring" or engine == "auto" and engines.auto_choice()[0] == "uring"
     assert h.get_engine() == ("uring" if ring else "aio")
     path = str(tmp_path / "f")
     data = torch.frombuffer(bytearray(random_bytes(9 * MiB + 3, seed=2)), dtype=torch.uint8)
@@ -454,6 +455,47 @@ def test_where_io_uring_is_refused_auto_falls_back_and_uring_says_why(tmp_path):
                           f"used here ({reason}); using kernel AIO")]
 
 
+SMALL_MEMLOCK_SCRIPT = textwrap.dedent("""
+    import os, resource, sys, warnings
+    _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
+    sys.path.insert(0, sys.argv[1])
+    import nvmeswap, numpy as np
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for engine in ("auto", "auto"):
+            with nvmeswap.aio_handle(intra_op_parallelism=2, engine=engine) as h:
+                data = np.frombuffer(os.urandom(3 << 20), dtype=np.uint8)
+                h.sync_pwrite(data, sys.argv[2], 7)
+                back = np.zeros_like(data)
+                h.async_pread(back, sys.argv[2], 7)
+                h.wait()
+                print("moved:", h.get_engine(), np.array_equal(back, data))
+    for w in caught:
+        if issubclass(w.category, nvmeswap.EngineFallbackWarning):
+            print("warning:", w.message)
+""")
+
+
+def test_under_a_small_ulimit_l_auto_runs_on_kernel_aio_and_says_why(tmp_path):
+    """Where io_uring works but ``ulimit -l`` is the usual 64 KiB without CAP_IPC_LOCK (the
+    kernel may charge every ring to it: room for two), engine="auto" takes kernel AIO
+    after one EngineFallbackWarning that names the limit; it used to take io_uring."""
+    if probe():
+        pytest.skip(f"io_uring: {probe()}")
+    command = [sys.executable, "-c", SMALL_MEMLOCK_SCRIPT, str(ROOT), str(tmp_path / "f")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv is not installed")
+        command = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock"] + command
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "moved: aio True", "moved: aio True",
+        ("warning: engine='auto': ulimit -l is 64.0 KiB with no CAP_IPC_LOCK, and the "
+         "kernel may charge io_uring's rings to it; using kernel AIO")]
+
+
 # -- the command line ---------------------------------------------------------------------
 def _nvmeswap(*args, env=None):
     return subprocess.run([sys.executable, "-m", "nvmeswap", *map(str, args)], cwd=ROOT,
@@ -462,7 +504,8 @@ def _nvmeswap(*args, env=None):
 
 
 def test_bench_runs_on_the_engine_asked_for_and_says_so(tmp_path):
-    for engine, expected in (("uring", "uring"), ("auto", "uring"), ("aio", "aio")):
+    for engine, expected in (("uring", "uring"), ("auto", engines.auto_choice()[0]),
+                             ("aio", "aio")):
         result = _nvmeswap("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
                            "--engine", engine, "--json", "-")
         assert result.returncode == 0, result.stderr

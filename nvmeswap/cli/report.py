@@ -13,6 +13,7 @@ import shutil
 
 from .. import mounts
 from ..deepspeed import deepspeed_status
+from ..io.engines import URING_MEMLOCK, has_cap_ipc_lock
 from ..units import human_size
 from .options import check_output_path
 
@@ -118,24 +119,6 @@ def _aio_limit():
     return _check("aio-max-nr", OK, found)
 
 
-CAP_IPC_LOCK = 14       # linux/capability.h
-#: The ulimit -l under which io_uring's rings may not fit (the test suite's mark too).
-URING_MEMLOCK = 8 << 20
-
-
-def has_cap_ipc_lock():
-    """Whether this process holds CAP_IPC_LOCK (may lock beyond RLIMIT_MEMLOCK), read from
-    its effective capability set: being root is not enough inside many containers."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
 def _memlock():
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if has_cap_ipc_lock():
@@ -154,18 +137,19 @@ def _memlock():
 def _io_uring():
     """Whether io_uring works here (pyx/_uring.pyx's probe: a ring made, an eventfd
     registered, a request completed)."""
-    from ..io.engines import uring_refusal
+    from ..io.engines import rings_memlock_shortage, uring_refusal
     refused = uring_refusal()
     if refused is None:
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if has_cap_ipc_lock() or soft == resource.RLIM_INFINITY or soft >= URING_MEMLOCK:
+        if rings_memlock_shortage() is None:
             return _check("io_uring", OK, "works (engine='uring' or 'auto' may use it)")
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         return _check("io_uring", WARN,
                       f"works, but ulimit -l is {human_size(soft)} with no CAP_IPC_LOCK: "
                       "a kernel that charges io_uring's rings to it leaves room for few (an "
                       "ordinary user held two 256-entry rings at 64 KiB), and a handle on "
                       "io_uring needs one per worker and one of its own; past the limit "
-                      "engine='uring' handles fail with ENOMEM (kernel AIO does not need it)",
+                      "engine='uring' handles fail with ENOMEM (kernel AIO does not need it; "
+                      "engine='auto' chooses it)",
                       f"ulimit -l {URING_MEMLOCK >> 20}M or more (or unlimited)")
     err, why = refused
     try:
@@ -184,7 +168,7 @@ def _io_uring():
 
 def _engine():
     """Which engine handles run by default here, and what engine='auto' would choose."""
-    from ..io.engines import ENVIRONMENT, auto_choice, checked_engine
+    from ..io.engines import ENVIRONMENT, auto_choice, checked_engine, uring_refusal
     choice, why = auto_choice()
     try:
         default = checked_engine(None)
@@ -195,7 +179,7 @@ def _engine():
     runs = choice if default == "auto" else default
     found = (f"handles run on {'io_uring' if runs == 'uring' else 'kernel AIO'} by default "
              f"({source}); engine='auto' would choose {choice} ({why})")
-    if default == "uring" and choice != "uring":
+    if default == "uring" and uring_refusal() is not None:
         return _check("engine", FAIL, found, f"export {ENVIRONMENT}=auto (or aio)")
     return _check("engine", OK, found)
 

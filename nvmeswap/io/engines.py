@@ -14,6 +14,11 @@ knows which one ran.
 | "uring" | UringEngine   | UringQueue    | OSError at the handle's creation |
 | "auto"  | UringEngine   | UringQueue    | "aio", one EngineFallbackWarning |
 
+"auto" also runs on kernel AIO where io_uring works but ``ulimit -l`` is small (under
+``URING_MEMLOCK``, without CAP_IPC_LOCK): the kernel may charge every ring to it, and an
+ordinary user at the usual 64 KiB has room for two rings in all, while a handle wants
+one per worker and one of its own.
+
 Kernel AIO stays the default: on the machines measured (docs/performance.md, "Engines")
 io_uring has not been faster by enough to change what every user gets. io_uring is
 refused under many container seccomp profiles and by ``kernel.io_uring_disabled``;
@@ -40,13 +45,19 @@ CPU's share shows; docs/performance.md, "Engines"):
 """
 import errno
 import os
+import resource
 import threading
 
 from ..errors import EngineFallbackWarning, warn_once
+from ..units import human_size
 
 ENGINES = ("aio", "uring", "auto")
 ENVIRONMENT = "NVMESWAP_ENGINE"
 DEFAULT = "aio"
+
+CAP_IPC_LOCK = 14       # linux/capability.h
+#: The ulimit -l under which io_uring's rings may not fit.
+URING_MEMLOCK = 8 << 20
 
 _refusal_lock = threading.Lock()
 _refusal = {}   # pid -> None, or (errno, why io_uring cannot be used): probed once per process
@@ -80,29 +91,60 @@ def uring_refusal():
         return _refusal[pid]
 
 
+def has_cap_ipc_lock():
+    """Whether this process holds CAP_IPC_LOCK (may lock beyond RLIMIT_MEMLOCK), read from
+    its effective capability set: being root is not enough inside many containers."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def rings_memlock_shortage():
+    """Why io_uring's rings may not fit under this process's ``ulimit -l``, or None."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft >= URING_MEMLOCK or has_cap_ipc_lock():
+        return None
+    return (f"ulimit -l is {human_size(soft)} with no CAP_IPC_LOCK, and the kernel may charge "
+            "io_uring's rings to it")
+
+
 def auto_choice():
     """``(engine, why)``: what "auto" chooses here."""
     refused = uring_refusal()
-    if refused is None:
-        return "uring", "io_uring works here"
-    return "aio", f"io_uring cannot be used: {refused[1]}"
+    if refused is not None:
+        return "aio", f"io_uring cannot be used: {refused[1]}"
+    shortage = rings_memlock_shortage()
+    if shortage is not None:
+        return "aio", shortage
+    return "uring", "io_uring works here"
 
 
 def resolve(engine):
     """The engine a handle runs for the ``engine`` asked for (already checked): "aio" or
     "uring". "uring" refused here is an OSError with the refusal's errno; "auto" then
-    falls back to "aio", saying why in one EngineFallbackWarning per process."""
+    falls back to "aio", saying why in one EngineFallbackWarning per process (as it does
+    under a small ``ulimit -l``)."""
     if engine == "aio":
         return "aio"
     refused = uring_refusal()
-    if refused is None:
+    if refused is not None:
+        err, why = refused
+        if engine == "uring":
+            raise OSError(err or errno.ENOSYS, f"engine='uring': io_uring cannot be used "
+                                               f"here: {why}; use engine='aio' or 'auto'")
+        warn_once("engine-fallback", f"engine='auto': io_uring cannot be used here ({why}); "
+                                     "using kernel AIO", EngineFallbackWarning)
+        return "aio"
+    shortage = None if engine == "uring" else rings_memlock_shortage()
+    if shortage is None:
         return "uring"
-    err, why = refused
-    if engine == "uring":
-        raise OSError(err or errno.ENOSYS, f"engine='uring': io_uring cannot be used here: "
-                                           f"{why}; use engine='aio' or 'auto'")
-    warn_once("engine-fallback", f"engine='auto': io_uring cannot be used here ({why}); "
-                                 "using kernel AIO", EngineFallbackWarning)
+    warn_once("engine-fallback", f"engine='auto': {shortage}; using kernel AIO",
+              EngineFallbackWarning)
     return "aio"
 
 
