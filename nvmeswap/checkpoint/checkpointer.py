@@ -13,7 +13,8 @@ from ..units import ALIGNMENT, round_up
 from . import commit, loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
-from .stripes import STRIPE_BYTES, StripedHandle, write_striped
+from .striped_checkpoints import write_striped
+from .stripes import STRIPE_BYTES, StripedHandle
 from .torch_zip import layout
 
 #: The ring a synchronous save copies through (Note [streamed checkpoint writes]).

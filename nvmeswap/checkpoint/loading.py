@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from ..units import ALIGNMENT
-from .stripes import StripedFile, layout_file, read_layout, striped_reader, unstriped
+from .striped_checkpoints import StripedFile, layout_file, read_layout, striped_reader, unstriped
 from .torch_zip import ZipEntries
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from ..units import ALIGNMENT, round_up
 from .image import FileImage, uint8_view
 from .loading import read_each, read_ranges
-from .stripes import StripedFile, layout_file, read_layout, striped_reader, unstriped
+from .striped_checkpoints import StripedFile, layout_file, read_layout, striped_reader, unstriped
 
 #: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
 _NAMES = {

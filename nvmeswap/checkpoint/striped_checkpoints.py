@@ -1,0 +1,192 @@
+"""Striped checkpoints on disk: the layout file that names the stripes, written as the
+commit of a striped save and read back by the loads (Note [striped checkpoints]); the
+stripes themselves move through a StripedHandle (stripes.py)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from .stripes import StripedHandle, create_files, unlink_quietly
+
+# Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
+# is a small JSON file there, the layout: the folders, the stripe size, the logical size
+# and the name of the striped data, ``<name>.<pid>-<random>.stripe`` in every folder. A
+# save writes fresh stripe files under a new name, fsyncs each and each folder, then
+# replaces the layout file as any checkpoint is replaced (Note [crash-consistent
+# checkpoints]): that rename is the one commit point, so a save killed at any instant
+# leaves the old layout naming the old stripes, which are deleted only after the commit.
+# Stripes no layout names, left by killed saves, go at the next save of the same name.
+# ``nvmeswap.load`` knows the layout file by its first bytes and reads the data from it.
+LAYOUT_KEY = "nvmeswap_stripes"
+
+
+def read_layout(path: str) -> dict | None:
+    """The layout at ``path``, or None if ``path`` is not a striped checkpoint."""
+    import json
+
+    with open(path, "rb") as file:
+        head = file.read(64 << 10)
+    if not head.startswith(b'{"' + LAYOUT_KEY.encode()):
+        return None
+    try:
+        layout = json.loads(head)
+    except ValueError as error:
+        raise ValueError(f"{path}: a damaged stripe layout ({error})") from None
+    return layout
+
+
+def write_striped(handle: StripedHandle, size: int, path: str, write: Any) -> None:
+    """Make the checkpoint ``path`` striped over ``handle``'s folders: ``write(name)``
+    writes its ``size`` bytes to the logical file ``name`` through ``handle``."""
+    import json
+    import secrets
+
+    from . import commit
+
+    folder, base = os.path.split(os.path.abspath(path))
+    if folder != handle.folders[0]:
+        raise ValueError(f"{path}: a striped checkpoint lives in the first stripe folder, "
+                         f"{handle.folders[0]}")
+    old = read_layout(path) if os.path.isfile(path) else None
+    _remove_orphans(handle, base, old)
+    name = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.stripe"
+    logical = os.path.join(folder, name)
+    parts = handle.paths(logical)
+    try:
+        create_files(parts, exclusive=True)
+        write(logical)
+        expected = [0] * len(parts)
+        for device, device_offset, _, length in handle.pieces(size, 0):
+            expected[device] = max(expected[device], device_offset + length)
+        for part, part_size in zip(parts, expected):
+            commit.make_durable(part, part_size)
+        for other in handle.folders[1:]:
+            commit.sync_folder(other)
+        text = json.dumps({LAYOUT_KEY: 1, "name": name, "size": size,
+                           "stripe_bytes": handle.stripe_bytes,
+                           "folders": handle.folders}).encode()
+        temporary = commit.start(path)
+        try:
+            with open(temporary, "wb") as file:
+                file.write(text)
+            commit.finish(temporary, path, len(text))
+        except BaseException:
+            commit.abandon(temporary)
+            raise
+    except BaseException:
+        unlink_quietly(parts)
+        raise
+    if old is not None and old.get("name") != name:
+        _remove_stripes(old)
+
+
+def _remove_stripes(layout):
+    unlink_quietly(os.path.join(folder, layout["name"]) for folder in layout.get("folders", []))
+
+
+def _remove_orphans(handle, base, current):
+    """Delete stripe files of ``base`` that no layout names, left by saves whose process
+    is gone."""
+    keep = current.get("name") if current else None
+    for folder in handle.folders:
+        with contextlib.suppress(OSError):
+            for other in os.listdir(folder):
+                if not (other.startswith(base + ".") and other.endswith(".stripe")) \
+                        or other == keep:
+                    continue
+                pid = other[len(base) + 1:].split("-", 1)[0]
+                if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, other))
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def unstriped(handle: Any) -> Any:
+    """The handle to read a file that is not striped with: a StripedHandle's first own."""
+    return handle.handles[0] if isinstance(handle, StripedHandle) else handle
+
+
+def layout_file(layout: dict) -> str:
+    """The logical file of a striped checkpoint, as a StripedHandle names it."""
+    return os.path.join(layout["folders"][0], layout["name"])
+
+
+@contextlib.contextmanager
+def striped_reader(layout: dict, handle: Any) -> Iterator[StripedHandle]:
+    """A StripedHandle over the layout's folders and stripe size: ``handle`` if it is
+    one, else one made for the read (closed after; what it locked stays valid)."""
+    folders, stripe_bytes = layout["folders"], layout["stripe_bytes"]
+    if isinstance(handle, StripedHandle) and handle.folders == folders \
+            and handle.stripe_bytes == stripe_bytes:
+        yield handle
+        return
+    with StripedHandle(folders, stripe_bytes=stripe_bytes, intra_op_parallelism=2) as reader:
+        yield reader
+
+
+class StripedFile(io.RawIOBase):
+    """The logical bytes of a striped checkpoint as a read-only file, through ordinary
+    reads of its stripe files: for the small reads of its headers. (Its tensors' bytes
+    go through a StripedHandle, every device at once.)"""
+
+    def __init__(self, layout: dict) -> None:
+        super().__init__()
+        self.size, self.stripe_bytes = layout["size"], layout["stripe_bytes"]
+        self.position = 0
+        self._fds: list[int] = []
+        try:
+            for folder in layout["folders"]:
+                self._fds.append(os.open(os.path.join(folder, layout["name"]), os.O_RDONLY))
+        except BaseException:
+            self.close()
+            raise
+        self._name = layout_file(layout)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        origin = {0: 0, 1: self.position, 2: self.size}[whence]
+        self.position = max(0, origin + offset)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view) and self.position < self.size:
+            stripe, within = divmod(self.position, self.stripe_bytes)
+            device = stripe % len(self._fds)
+            count = min(len(view) - done, self.stripe_bytes - within, self.size - self.position)
+            data = os.pread(self._fds[device], count,
+                            stripe // len(self._fds) * self.stripe_bytes + within)
+            if not data:
+                raise ValueError(f"{self._name}: the stripe in folder {device} is shorter "
+                                 "than its layout says")
+            view[done:done + len(data)] = data
+            done += len(data)
+            self.position += len(data)
+        return done
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        super().close()
