@@ -17,9 +17,9 @@ from _check cimport errno_error
 from posix.types cimport off_t
 
 from includes.mman cimport (
-    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED,
+    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_FIXED, MAP_PRIVATE,
     PROT_READ, PROT_WRITE,
-    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, nvmeswap_mlock_on_fault,
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, nvmeswap_mlock_on_fault, nvmeswap_map_shared,
 )
 
 
@@ -39,6 +39,18 @@ cdef class Mapping:
     at the same address: the child's writes stay in the child, and nothing is copied
     until it writes. Unlike ordinary fork memory, a page the child has not written still
     shows what the parent writes there later.
+
+    Note [huge pages]: the kernel pins the pages of every direct transfer (kernel AIO's,
+    at each request; io_uring's fixed buffers once), and a worker builds a page-table
+    entry for each page it maps: with 4 KiB pages most of a worker's CPU per byte (perf:
+    ~47 % of its samples pinning pages, docs/performance.md). Memfd memory comes in
+    transparent huge pages of 2 MiB where the system allows it for shared memory
+    (/sys/kernel/mm/transparent_hugepage/shmem_enabled: ``advise``, with the
+    MADV_HUGEPAGE this mapping asks for, or ``always``; the default ``never`` keeps 4 KiB
+    pages). A mapping of 2 MiB or more is placed so that the file's 2 MiB boundaries
+    fall on the address space's (cdeps/huge_pages.h), in the parent and in every worker
+    alike: a huge page is then one entry and one pin. ``nvmeswap report`` says which
+    setting the machine has.
     """
     cdef char *base
     cdef readonly size_t size
@@ -55,7 +67,7 @@ cdef class Mapping:
         self.offset = offset
         cdef void *p
         with nogil:
-            p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
+            p = nvmeswap_map_shared(fd, size, offset)     # Note [huge pages]
         if p == MAP_FAILED:
             raise errno_error(errno, "mmap")
         self.base = <char *>p

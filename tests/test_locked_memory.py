@@ -312,3 +312,144 @@ def test_extents_first_fit_reuse_and_join():
         extents.give(start, 4096 * n)
     assert extents.all_free
     assert extents.take(16 * 4096) == 0
+
+
+def test_extents_on_a_boundary_leave_the_space_before_it_free():
+    extents = regions.Extents(16 * 4096, 4096)
+    assert extents.take(4096) == 0
+    assert extents.take(4 * 4096, boundary=8 * 4096) == 8 * 4096    # first fit on one
+    assert extents.take(7 * 4096) == 4096                            # the gap before it
+    assert extents.take(4 * 4096, boundary=8 * 4096) is None          # none left on one
+    assert extents.take(4 * 4096) == 12 * 4096
+    for start, n in ((0, 1), (4096, 7), (8 * 4096, 4), (12 * 4096, 4)):
+        extents.give(start, n * 4096)
+    assert extents.all_free
+
+
+# -- huge pages (Note [huge pages] in pyx/_memory.pyx) ------------------------------------
+SHMEM_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def memfd_mappings(pid="self"):
+    """``{start address: (file offset, VmFlags, ShmemPmdMapped kB)}`` of the process's
+    mappings of nvmeswap's memfds."""
+    mappings, current = {}, None
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+                current = None
+                if "memfd:nvmeswap" in line:
+                    current = int(fields[0].split("-")[0], 16)
+                    mappings[current] = [int(fields[2], 16), "", 0]
+            elif current is not None and fields[0] == "VmFlags:":
+                mappings[current][1] = " ".join(fields[1:])
+            elif current is not None and fields[0] == "ShmemPmdMapped:":
+                mappings[current][2] = int(fields[1])
+    return mappings
+
+
+def test_large_regions_are_placed_for_huge_pages_in_the_parent_and_its_workers(handle,
+                                                                              tmp_path):
+    """A region of 2 MiB or more is mapped, by the parent and by the worker that moves it,
+    where the memfd's 2 MiB boundaries fall on the address space's and marked for huge
+    pages (MADV_HUGEPAGE: VmFlags "hg"); a smaller one is left as it was."""
+    large = handle.new_cpu_locked_tensor(6 * MiB + 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    small = handle.new_cpu_locked_tensor(64 * KiB, torch.empty(0, dtype=torch.uint8))
+    for tensor, seed in ((large, 1), (small, 2)):
+        tensor.copy_(torch.frombuffer(bytearray(random_bytes(tensor.numel(), seed=seed)),
+                                      dtype=torch.uint8))
+        handle.sync_pwrite(tensor, str(tmp_path / f"f{seed}"))      # a worker maps it
+        assert (tmp_path / f"f{seed}").read_bytes() == bytes(tensor.numpy())
+    worker = handle._scheduler.workers.pool.workers[0].process.pid
+    for pid in ("self", worker):        # (the small write may not need the worker)
+        mappings = memfd_mappings(pid)
+        sizes = {start: size for start, size in _sizes(pid).items() if start in mappings}
+        large_ones = [start for start, size in sizes.items() if size == 6 * MiB + 4 * KiB]
+        small_ones = [start for start, size in sizes.items() if size == 64 * KiB]
+        assert large_ones and (small_ones or pid != "self"), (pid, sizes)
+        for start in large_ones:
+            offset, flags, _ = mappings[start]
+            # On a huge page boundary of the file and of the address space alike.
+            assert offset % (2 * MiB) == 0 and start % (2 * MiB) == 0, (pid, offset, start)
+            assert "hg" in flags.split(), (pid, flags)
+        for start in small_ones:
+            assert "hg" not in mappings[start][1].split()
+    assert handle.free_cpu_locked_tensor(large) and handle.free_cpu_locked_tensor(small)
+
+
+def _sizes(pid):
+    with open(f"/proc/{pid}/maps") as maps:
+        return {int(line.split("-")[0], 16): int(line.split()[0].split("-")[1], 16)
+                - int(line.split("-")[0], 16) for line in maps}
+
+
+@pytest.fixture
+def shmem_huge_pages_on():
+    """shmem_enabled=advise for the test (root only; not under pytest -n: it is the
+    whole machine's setting), then as it was."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("sets a system-wide setting: not beside other test processes (pytest -n)")
+    try:
+        with open(SHMEM_HUGE_PAGES) as f:
+            original = f.read().split("[")[1].split("]")[0]
+        with open(SHMEM_HUGE_PAGES, "w") as f:
+            f.write("advise")
+    except (OSError, IndexError) as error:
+        pytest.skip(f"cannot set {SHMEM_HUGE_PAGES}: {error}")
+    try:
+        yield
+    finally:
+        with open(SHMEM_HUGE_PAGES, "w") as f:
+            f.write(original)
+
+
+@pytest.mark.parametrize("engine", ["aio", "uring"])
+def test_with_shmem_huge_pages_locked_memory_is_in_huge_pages_and_moves_its_bytes(
+        shmem_huge_pages_on, handle_factory, tmp_path, engine):
+    """With shmem_enabled=advise a locked tensor's memory is mapped in 2 MiB pages in the
+    parent and in the worker (ShmemPmdMapped; all of it: its range of the memfd starts
+    on a huge page), and round trips move the right bytes, through slices at any offset
+    too."""
+    from conftest import uring_unusable
+    if engine == "uring" and uring_unusable():
+        pytest.skip(uring_unusable())
+    h = handle_factory(engine=engine)
+    tensor = h.new_cpu_locked_tensor(8 * MiB, torch.empty(0, dtype=torch.uint8))
+    data = random_bytes(8 * MiB, seed=3)
+    tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    path = str(tmp_path / "f")
+    for _ in range(2):      # io_uring registers a region at its second transfer
+        assert h.sync_pwrite(tensor, path) == 1
+    tensor.zero_()
+    assert h.sync_pread(tensor, path) == 1 and bytes(tensor.numpy()) == data
+    piece = tensor[4096 * 3 + 512:4096 * 700 + 512]
+    piece.zero_()
+    assert h.sync_pread(piece, path, 4096 * 3 + 512) == 1
+    assert bytes(tensor.numpy()) == data
+    worker = h._scheduler.workers.pool.workers[0].process.pid
+    for pid in ("self", worker):      # every byte of it, in the parent and in the worker
+        assert sum(pmd for _, _, pmd in memfd_mappings(pid).values()) == 8 * 1024, pid
+    assert h.free_cpu_locked_tensor(tensor)
+
+
+def test_report_says_whether_locked_memory_comes_in_huge_pages():
+    from nvmeswap.cli import report
+    check = next(c for c in report.machine_checks() if c["name"] == "huge pages")
+    try:
+        with open(SHMEM_HUGE_PAGES) as f:
+            setting = f.read().split("[")[1].split("]")[0]
+    except OSError:
+        setting = "absent"
+    if setting in ("advise", "always", "within_size", "force"):
+        assert check["status"] == "ok" and f"shmem_enabled={setting}" in check["found"]
+    else:
+        assert check["status"] == "warn" and "4 KiB pages" in check["found"]
+        assert setting == "absent" or f"echo advise > {SHMEM_HUGE_PAGES}" in check["fix"]
+
+
+def test_report_says_huge_pages_once_they_are_on(shmem_huge_pages_on):
+    from nvmeswap.cli import report
+    check = next(c for c in report.machine_checks() if c["name"] == "huge pages")
+    assert check == {"name": "huge pages", "status": "ok", "fix": None,
+                     "found": "locked memory comes in 2 MiB pages (shmem_enabled=advise)"}

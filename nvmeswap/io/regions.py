@@ -34,16 +34,17 @@ class Extents:
         self.alignment = alignment
         self._free = [(0, nbytes)]      # (start, length), sorted, never adjacent
 
-    def take(self, nbytes):
-        """The start of a free extent of at least ``nbytes`` (aligned), or None."""
+    def take(self, nbytes, boundary=1):
+        """The start of a free extent of at least ``nbytes`` (aligned) that starts on a
+        multiple of ``boundary``, or None."""
         nbytes = round_up(nbytes, self.alignment)
         for k, (start, length) in enumerate(self._free):
-            if length >= nbytes:
-                if length == nbytes:
-                    del self._free[k]
-                else:
-                    self._free[k] = (start + nbytes, length - nbytes)
-                return start
+            taken = round_up(start, boundary)
+            if taken + nbytes <= start + length:
+                rest = [(begin, end - begin) for begin, end in
+                        ((start, taken), (taken + nbytes, start + length)) if end > begin]
+                self._free[k:k + 1] = rest
+                return taken
         return None
 
     def fits(self, nbytes):
@@ -86,6 +87,11 @@ class Arena:
                               "or use smaller locked tensors") from None
             raise
         self.extents = Extents(nbytes, PAGE)
+
+
+#: Transparent huge pages of shared memory, where the system gives them (x86-64, arm64
+#: with 4 KiB base pages).
+HUGE_PAGE = 2 << 20
 
 
 def file_size_limit():
@@ -150,8 +156,11 @@ class Arenas:
             return len(self._arenas)
 
     def _carve_locked(self, size, arena_bytes):
+        # A range that can hold a huge page starts on one (Note [huge pages] in
+        # pyx/_memory.pyx), so that all of it can be in huge pages.
+        boundary = HUGE_PAGE if size >= HUGE_PAGE else PAGE
         for arena in self._arenas:
-            offset = arena.extents.take(size)
+            offset = arena.extents.take(size, boundary)
             if offset is not None:
                 return arena, offset
         limit = file_size_limit()
@@ -159,7 +168,7 @@ class Arenas:
             arena_bytes = min(arena_bytes, limit // PAGE * PAGE)
         arena = Arena(max(size, arena_bytes))
         self._arenas.append(arena)
-        return arena, arena.extents.take(size)
+        return arena, arena.extents.take(size, boundary)
 
     def _give_back(self, arena, offset, size):
         if os.getpid() != self.creator_pid:

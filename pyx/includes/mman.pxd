@@ -24,3 +24,7 @@ cdef extern from "<fcntl.h>" nogil:
 
 cdef extern from "memory_lock.h" nogil:
     int nvmeswap_mlock_on_fault(const void *addr, size_t length)
+
+
+cdef extern from "huge_pages.h" nogil:
+    void *nvmeswap_map_shared(int fd, size_t length, off_t offset)
