@@ -395,28 +395,33 @@ def test_the_environment_sets_the_default_engine(handle_factory, monkeypatch):
 
 
 # -- where io_uring is refused ------------------------------------------------------------
-BLOCKED_SCRIPT = textwrap.dedent("""
-    import ctypes, errno, os, platform, struct, sys, warnings
-    # A seccomp filter that fails io_uring_setup (425) with ENOSYS, as a container's does.
-    arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[platform.machine()]
-    ld_arch, ld_nr, jeq, ret = (0x20, 4), (0x20, 0), 0x15, 0x06
-    program = [(0x20, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x7FFF0000),
-               (0x20, 0, 0, 0), (jeq, 0, 1, 425), (ret, 0, 0, 0x00050000 | errno.ENOSYS),
-               (ret, 0, 0, 0x7FFF0000)]
-    code = b"".join(struct.pack("HBBI", *op) for op in program)
-    buffer = ctypes.create_string_buffer(code)
-    fprog = struct.pack("HxxxxxxQ", len(program), ctypes.addressof(buffer))
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(38, 1, 0, 0, 0) == 0                      # PR_SET_NO_NEW_PRIVS
-    assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0  # SECCOMP_MODE_FILTER
+AUTO_SCRIPT = textwrap.dedent("""
+    import ctypes, errno, os, platform, resource, struct, sys, warnings
+    if sys.argv[3] == "seccomp":
+        # A seccomp filter that fails io_uring_setup (425) with ENOSYS, as a container's does.
+        arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[platform.machine()]
+        ld_arch, ld_nr, jeq, ret = (0x20, 4), (0x20, 0), 0x15, 0x06
+        program = [(0x20, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x7FFF0000),
+                   (0x20, 0, 0, 0), (jeq, 0, 1, 425), (ret, 0, 0, 0x00050000 | errno.ENOSYS),
+                   (ret, 0, 0, 0x7FFF0000)]
+        code = b"".join(struct.pack("HBBI", *op) for op in program)
+        buffer = ctypes.create_string_buffer(code)
+        fprog = struct.pack("HxxxxxxQ", len(program), ctypes.addressof(buffer))
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.prctl(38, 1, 0, 0, 0) == 0                      # PR_SET_NO_NEW_PRIVS
+        assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0  # SECCOMP_MODE_FILTER
+    else:   # "memlock": the usual 64 KiB
+        _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
     sys.path.insert(0, sys.argv[1])
     import nvmeswap, numpy as np
     from nvmeswap._uring import probe
-    print("probe:", probe())
-    try:
-        nvmeswap.aio_handle(engine="uring")
-    except OSError as error:
-        print("uring:", errno.errorcode[error.errno], error)
+    if sys.argv[3] == "seccomp":
+        print("probe:", probe())
+        try:
+            nvmeswap.aio_handle(engine="uring")
+        except OSError as error:
+            print("uring:", errno.errorcode[error.errno], error)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for engine in ("auto", "auto", None):
@@ -433,6 +438,16 @@ BLOCKED_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _auto_child(tmp_path, why, prefix=()):
+    """AUTO_SCRIPT's output lines, in a child where ``why`` keeps io_uring out."""
+    done = subprocess.run([*prefix, sys.executable, "-c", AUTO_SCRIPT, str(ROOT),
+                           str(tmp_path / "f"), why],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "NVMESWAP_ENGINE": "auto"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 def test_where_io_uring_is_refused_auto_falls_back_and_uring_says_why(tmp_path):
     """In a child whose seccomp filter fails io_uring_setup with ENOSYS (x86-64 and
     aarch64): probe() says so, engine="uring" raises OSError(ENOSYS) at the call, and
@@ -440,11 +455,7 @@ def test_where_io_uring_is_refused_auto_falls_back_and_uring_says_why(tmp_path):
     one EngineFallbackWarning saying why."""
     if os.uname().machine not in ("x86_64", "aarch64"):
         pytest.skip("the seccomp filter is written for x86-64 and aarch64")
-    done = subprocess.run([sys.executable, "-c", BLOCKED_SCRIPT, str(ROOT), str(tmp_path / "f")],
-                          capture_output=True, text=True, timeout=120, check=False,
-                          env={**os.environ, "NVMESWAP_ENGINE": "auto"})
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    lines = _auto_child(tmp_path, "seccomp")
     reason = ("io_uring_setup is not available (ENOSYS: Function not implemented): the kernel "
               "was built without io_uring, or a seccomp profile (a container's) blocks it")
     assert lines[0] == f"probe: {reason}"
@@ -455,45 +466,20 @@ def test_where_io_uring_is_refused_auto_falls_back_and_uring_says_why(tmp_path):
                           f"used here ({reason}); using kernel AIO")]
 
 
-SMALL_MEMLOCK_SCRIPT = textwrap.dedent("""
-    import os, resource, sys, warnings
-    _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
-    sys.path.insert(0, sys.argv[1])
-    import nvmeswap, numpy as np
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for engine in ("auto", "auto"):
-            with nvmeswap.aio_handle(intra_op_parallelism=2, engine=engine) as h:
-                data = np.frombuffer(os.urandom(3 << 20), dtype=np.uint8)
-                h.sync_pwrite(data, sys.argv[2], 7)
-                back = np.zeros_like(data)
-                h.async_pread(back, sys.argv[2], 7)
-                h.wait()
-                print("moved:", h.get_engine(), np.array_equal(back, data))
-    for w in caught:
-        if issubclass(w.category, nvmeswap.EngineFallbackWarning):
-            print("warning:", w.message)
-""")
-
-
 def test_under_a_small_ulimit_l_auto_runs_on_kernel_aio_and_says_why(tmp_path):
     """Where io_uring works but ``ulimit -l`` is the usual 64 KiB without CAP_IPC_LOCK (the
     kernel may charge every ring to it: room for two), engine="auto" takes kernel AIO
     after one EngineFallbackWarning that names the limit; it used to take io_uring."""
     if probe():
         pytest.skip(f"io_uring: {probe()}")
-    command = [sys.executable, "-c", SMALL_MEMLOCK_SCRIPT, str(ROOT), str(tmp_path / "f")]
+    prefix = ()
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root and setpriv is not installed")
-        command = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock"] + command
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
-        "moved: aio True", "moved: aio True",
-        ("warning: engine='auto': ulimit -l is 64.0 KiB with no CAP_IPC_LOCK, and the "
-         "kernel may charge io_uring's rings to it; using kernel AIO")]
+        prefix = ("setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock")
+    assert _auto_child(tmp_path, "memlock", prefix) == ["moved: aio True"] * 3 + [
+        ("warning: EngineFallbackWarning engine='auto': ulimit -l is 64.0 KiB with no "
+         "CAP_IPC_LOCK, and the kernel may charge io_uring's rings to it; using kernel AIO")]
 
 
 # -- the command line ---------------------------------------------------------------------
