@@ -35,6 +35,8 @@
 
 #define NVMESWAP_IORING_SETUP_CQSIZE        (1U << 3)
 #define NVMESWAP_IORING_SETUP_COOP_TASKRUN  (1U << 8)   /* Linux 5.19 */
+#define NVMESWAP_IORING_SETUP_SINGLE_ISSUER (1U << 12)  /* Linux 6.0 */
+#define NVMESWAP_IORING_SETUP_DEFER_TASKRUN (1U << 13)  /* Linux 6.1 */
 #define NVMESWAP_IORING_FEAT_SINGLE_MMAP    (1U << 0)
 #define NVMESWAP_IORING_FEAT_NODROP         (1U << 1)
 #define NVMESWAP_IORING_FEAT_RW_CUR_POS     (1U << 3)   /* Linux 5.6: IORING_OP_READ/WRITE */
@@ -325,8 +327,10 @@ static inline void nvmeswap_uring_cq_advance(nvmeswap_uring *ring, unsigned n)
 static inline long nvmeswap_uring_enter(nvmeswap_uring *ring, unsigned to_submit,
                                         unsigned wait_nr)
 {
+    /* With DEFER_TASKRUN completions are posted only in an enter that gets events. */
+    int get = wait_nr || (ring->flags & NVMESWAP_IORING_SETUP_DEFER_TASKRUN);
     return nvmeswap_io_uring_enter(ring->fd, to_submit, wait_nr,
-                                   wait_nr ? NVMESWAP_IORING_ENTER_GETEVENTS : 0);
+                                   get ? NVMESWAP_IORING_ENTER_GETEVENTS : 0);
 }
 
 /* An empty table of ``nr`` registered buffers; 0 or -errno. */

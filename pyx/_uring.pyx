@@ -23,7 +23,8 @@ from nvmeswap._transfers cimport completion
 
 from includes.io_uring cimport (
     NVMESWAP_IORING_MAX_FIXED_BUFFER, NVMESWAP_IORING_OP_READ, NVMESWAP_IORING_OP_WRITE,
-    NVMESWAP_IORING_SETUP_COOP_TASKRUN, nvmeswap_io_uring_cqe, nvmeswap_io_uring_sqe,
+    NVMESWAP_IORING_SETUP_COOP_TASKRUN, NVMESWAP_IORING_SETUP_DEFER_TASKRUN,
+    NVMESWAP_IORING_SETUP_SINGLE_ISSUER, nvmeswap_io_uring_cqe, nvmeswap_io_uring_sqe,
     nvmeswap_uring, nvmeswap_uring_buffer_table, nvmeswap_uring_close,
     nvmeswap_uring_cq_advance, nvmeswap_uring_cq_ready, nvmeswap_uring_cqe, nvmeswap_uring_enter,
     nvmeswap_uring_next_sqe, nvmeswap_uring_open, nvmeswap_uring_prep_fixed,
@@ -130,7 +131,10 @@ cdef class UringEngine:
         for i in range(queue_depth):
             self.free_slots[i] = i
         self.n_free = queue_depth
-        _open_ring(&self.ring, queue_depth, 0)
+        # One thread uses a worker's ring: its completions are posted when it waits for
+        # them, instead of interrupting it (Note [engines] in io/engines.py).
+        _open_ring(&self.ring, queue_depth,
+                   NVMESWAP_IORING_SETUP_SINGLE_ISSUER | NVMESWAP_IORING_SETUP_DEFER_TASKRUN)
 
     def __dealloc__(self):
         # The kernel writes into the transfers' memory until their requests complete.

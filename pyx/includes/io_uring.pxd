@@ -6,6 +6,8 @@ cdef extern from "io_uring.h" nogil:
         NVMESWAP_IORING_OP_READ
         NVMESWAP_IORING_OP_WRITE
         NVMESWAP_IORING_SETUP_COOP_TASKRUN
+        NVMESWAP_IORING_SETUP_SINGLE_ISSUER
+        NVMESWAP_IORING_SETUP_DEFER_TASKRUN
         NVMESWAP_IORING_MAX_FIXED_BUFFER
 
     struct nvmeswap_io_uring_sqe:
