@@ -39,12 +39,17 @@ class Extents:
         multiple of ``boundary``, or None."""
         nbytes = round_up(nbytes, self.alignment)
         for k, (start, length) in enumerate(self._free):
-            taken = round_up(start, boundary)
-            if taken + nbytes <= start + length:
-                rest = [(begin, end - begin) for begin, end in
-                        ((start, taken), (taken + nbytes, start + length)) if end > begin]
-                self._free[k:k + 1] = rest
-                return taken
+            taken = -(-start // boundary) * boundary
+            left = start + length - taken - nbytes
+            if left < 0:
+                continue
+            if left:
+                self._free[k] = (taken + nbytes, left)
+            else:
+                del self._free[k]
+            if taken > start:       # the gap before the boundary stays free
+                self._free.insert(k, (start, taken - start))
+            return taken
         return None
 
     def fits(self, nbytes):
