@@ -48,6 +48,10 @@ def open_for_direct_read(path: bytes, end: int) -> tuple[int, int, int, int] | N
     """``(fd, size, device, inode)`` of ``path`` opened with O_DIRECT if it is a regular
     file of at least ``end`` bytes; else None."""
 
+def still_names(path: bytes, device: int, inode: int, end: int) -> bool:
+    """Whether ``path`` names the regular file ``device``/``inode`` now, at least ``end``
+    bytes long."""
+
 def preallocate(fd: int, offset: int, length: int) -> None:
     """fallocate(2) without glibc's fallback of writing zeros; OSError if refused."""
 

@@ -18,7 +18,7 @@ Results cross into Python one way, in this extension and in nvmeswap._queues:
 from posix.unistd cimport close
 from posix.fcntl cimport open as open_file, fcntl, F_SETFL, O_RDONLY, O_WRONLY, O_CLOEXEC
 from posix.fcntl cimport O_NONBLOCK
-from posix.stat cimport struct_stat, fstat, S_ISREG
+from posix.stat cimport struct_stat, fstat, stat, S_ISREG
 
 from _check cimport errno_error
 from _transfer_steps cimport Outcome, _move_edges, _plain_transfer, _split
@@ -111,6 +111,20 @@ def open_for_direct_read(bytes path, long long end):
     if fd < 0:
         return None
     return (fd, info.st_size, info.st_dev, info.st_ino)
+
+
+def still_names(bytes path, unsigned long long device, unsigned long long inode,
+                long long end):
+    """Whether ``path`` names the regular file ``device``/``inode`` now, at least ``end``
+    bytes long: one stat(2), where opening it again would take four system calls (Note
+    [shared read descriptors] in nvmeswap/io/quick.py)."""
+    cdef const char *name = path
+    cdef struct_stat info
+    cdef int ret
+    with nogil:
+        ret = stat(name, &info)
+    return (ret == 0 and S_ISREG(info.st_mode) and info.st_dev == device
+            and info.st_ino == inode and end <= info.st_size)
 
 
 cdef int _open_within(const char *name, bint is_read, long long end,

@@ -284,3 +284,49 @@ def test_what_the_quick_async_road_declines_names_its_cause(handle, tmp_path):
         assert handle.wait() == 2
         assert set(locked[4 * KiB:].tolist()) == {round_number}
     assert handle.free_cpu_locked_tensor(locked)
+
+
+def test_quick_reads_in_flight_share_a_descriptor_of_the_file_the_path_names(handle_factory,
+                                                                           tmp_path):
+    """Note [shared read descriptors]: quick reads of one path in flight hold one
+    descriptor, closed by the last to end; a name replaced, renamed away or truncated
+    between two reads is looked up again, so each read gets the bytes its path named
+    when it was started (or the error the ordinary road gives)."""
+    h = handle_factory()
+    path, other = tmp_path / "f", tmp_path / "g"
+    old, new = random_bytes(MiB, seed=5), random_bytes(MiB, seed=6)
+    path.write_bytes(old)
+    other.write_bytes(new)
+    locked = h.new_cpu_locked_tensor(64 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    h.sync_pread(locked[:4 * KiB], str(path))        # the caller queue is made
+    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(64)]
+
+    def descriptors_of(name):
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except FileNotFoundError:
+                pass    # the listing's own descriptor, closed since
+        return links.count(str(name))
+
+    for k in range(32):
+        h.async_pread(views[k], str(path), k * 4 * KiB)
+    assert descriptors_of(path) == 1
+    os.replace(other, path)     # the name now names the new file: the reads after, read it
+    for k in range(32, 64):
+        h.async_pread(views[k], str(path), k * 4 * KiB)
+    assert h.wait() == 64
+    assert descriptors_of(path) == 0
+    for k, view in enumerate(views):
+        want = (old if k < 32 else new)[k * 4 * KiB:(k + 1) * 4 * KiB]
+        assert bytes(view.numpy()) == want, k
+    h.async_pread(views[0], str(path), 0)
+    os.truncate(path, 8 * KiB)
+    with pytest.raises(nvmeswap.ShortFileError, match="8192 bytes long"):
+        h.async_pread(views[1], str(path), 8 * KiB)
+    os.rename(path, tmp_path / "moved")
+    with pytest.raises(FileNotFoundError):
+        h.async_pread(views[2], str(path), 0)
+    assert h.wait() == 1 and bytes(views[0].numpy()) == new[:4 * KiB]
+    assert h.free_cpu_locked_tensor(locked)

@@ -24,10 +24,21 @@ regular file long enough for it, into a locked region, up to the inline limit) i
 in one call into ``_transfers.open_for_direct_read`` and booked as the ordinary road would
 have booked it, so that everything after its submission (completion, ordering of later
 operations, failures, ``close()``) is the same. Anything else runs the ordinary way.
+
+Note [shared read descriptors]
+Opening a file for one 4 KiB read (open, fstat, fcntl, and close at its end) cost a
+quarter of the read's time on the calling thread. Quick reads of one path in flight at
+once share one O_DIRECT descriptor: a read of a path that has one open takes it after a
+single stat(2) shows that the path still names that file (the same device and inode,
+long enough for the read), and the last read to end closes it. A name replaced or
+renamed away between two reads is opened afresh, as a read started after that expects;
+only a permission taken away meanwhile is not seen (the descriptor was opened before),
+as it would not be by a read already in flight. Used under the scheduler's lock.
 """
 import os
 
 from .. import _transfers
+from .._transfers import open_for_direct_read, still_names
 from ..units import ALIGNMENT
 from .buffers import io_buffer
 from .files import TargetFile
@@ -69,18 +80,72 @@ def quick_transfer(buf, path, file_offset, is_read):
                                          info.st_dev, info.st_ino) is not None
 
 
-def open_quick_read(op_id, buf, region, target, path, file_offset):
+def open_quick_read(op_id, buf, region, target, path, file_offset, descriptors):
     """The operation of a read the caller queue can take as it is (``buf`` inside the
-    locked ``region``), opened and placed; None if its file does not qualify (Note
-    [quick asynchronous reads])."""
+    locked ``region``), its file taken from ``descriptors`` and placed; None if its file
+    does not qualify (Note [quick asynchronous reads])."""
     nbytes = buf.nbytes
-    opened = _transfers.open_for_direct_read(path, file_offset + nbytes)
-    if opened is None:
+    shared = descriptors.take(path, file_offset + nbytes)
+    if shared is None:
         return None
-    fd, size, device, inode = opened
     name = target if type(target) is str else os.fsdecode(target)
-    op = Operation(op_id, True, buf, TargetFile(name, name, fd, -1, ALIGNMENT, size,
-                                                (device, inode)), file_offset, False)
+    op = Operation(op_id, True, buf, SharedReadFile(name, shared), file_offset, False)
     op.region, op.region_offset = region, buf.address - region.address
     op.chunks = [(0, nbytes)]
     return op
+
+
+class ReadDescriptors:
+    """The O_DIRECT descriptors that quick reads in flight share, by path (Note [shared
+    read descriptors])."""
+
+    def __init__(self):
+        self._by_path = {}
+
+    def take(self, path, end):
+        """A ``SharedDescriptor`` of ``path`` for one more read ending at ``end``; None if
+        the path is not a regular file that long, or O_DIRECT is refused."""
+        shared = self._by_path.get(path)
+        if shared is not None and still_names(path, shared.identity[0], shared.identity[1],
+                                              end):
+            shared.users += 1
+            return shared
+        opened = open_for_direct_read(path, end)
+        if opened is None:
+            return None
+        fd, size, device, inode = opened
+        shared = self._by_path[path] = SharedDescriptor(self, path, fd, size, (device, inode))
+        return shared
+
+    def release(self, shared):
+        shared.users -= 1
+        if shared.users == 0:
+            os.close(shared.fd)
+            if self._by_path.get(shared.path) is shared:
+                del self._by_path[shared.path]
+
+
+class SharedDescriptor:
+    """One O_DIRECT read descriptor of a file, and how many reads in flight use it."""
+
+    __slots__ = ("fd", "identity", "owner", "path", "size", "users")
+
+    def __init__(self, owner, path, fd, size, identity):
+        self.owner, self.path, self.fd, self.size, self.identity = owner, path, fd, size, identity
+        self.users = 1
+
+
+class SharedReadFile(TargetFile):
+    """A quick read's file: its descriptor is shared, given back (not closed) at the end."""
+
+    __slots__ = ("_shared",)
+
+    def __init__(self, name, shared):
+        super().__init__(name, name, shared.fd, -1, ALIGNMENT, shared.size, shared.identity)
+        self._shared = shared
+
+    def close(self, keep_for_undo=False):
+        shared, self._shared = self._shared, None
+        self.direct_fd = -1
+        if shared is not None:
+            shared.owner.release(shared)

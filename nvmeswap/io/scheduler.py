@@ -23,7 +23,7 @@ from .files import open_target
 from .futures import Future
 from .interrupts import deferred_interrupts
 from .operation import open_operation, writes
-from .quick import candidate, open_quick_read, quick_transfer
+from .quick import ReadDescriptors, candidate, open_quick_read, quick_transfer
 from .roads import Facts, Memory, Road, route
 from .workforce import Workforce, chunks_in_flight_limit
 
@@ -44,6 +44,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self.books = Books(placement, self.workers, self._cond)
         self._op_ids = itertools.count(1)
+        self._read_descriptors = ReadDescriptors()     # Note [shared read descriptors]
         self._max_chunks = chunks_in_flight_limit(limits)
         self._inline = 0        # operations running in their callers' threads
         with self._cond:
@@ -270,18 +271,20 @@ class Scheduler:
 
     def _submit_quick_read(self, buf, region, target, path, file_offset):
         """True if the read was booked for the caller queue (Note [quick asynchronous
-        reads]). Its file is opened first; it is booked only if there is still room for it
-        and nothing in flight that it must follow, else it goes the ordinary way."""
-        with deferred_interrupts():
-            op = open_quick_read(next(self._op_ids), buf, region, target, path, file_offset)
+        reads]). It is booked only if there is room for it, its file qualifies and
+        nothing in flight is one it must follow; else it goes the ordinary way."""
+        with deferred_interrupts(), self._cond:
+            if self.closed or not self._queue_room():
+                return False
+            op = open_quick_read(next(self._op_ids), buf, region, target, path, file_offset,
+                                 self._read_descriptors)
             if op is None:
                 return False
-            with self._cond:
-                if self.closed or not self._queue_room() or self.books.ordering.conflicts(op):
-                    op.file.close()
-                    return False
-                op.road = Road.QUICK_READ
-                self.books.book(op, is_async=True)
+            if self.books.ordering.conflicts(op):
+                op.file.close()
+                return False
+            op.road = Road.QUICK_READ
+            self.books.book(op, is_async=True)
         return True
 
     def _begin(self, buffer, target, file_offset, is_read, validate, is_async,
