@@ -209,6 +209,8 @@ def main():
     if args.child:
         child(args)
         return
+    if args.folder:
+        os.makedirs(args.folder, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="nvmeswap-ckpt-", dir=args.folder or os.getcwd())
     savers, loaders = list(SAVERS), list(LOADERS)
     stripe_work = []
