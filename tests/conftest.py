@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import nvmeswap
-from nvmeswap.io.engines import URING_MEMLOCK
+from nvmeswap.io.engines import URING_MEMLOCK, has_cap_ipc_lock
 
 #: The slow tier (the bench scripts' smoke runs, whole trainings in fresh processes):
 #: run where NVMESWAP_TEST_SLOW=1, as .ci/run does; skipped, saying so, elsewhere.
@@ -173,13 +173,30 @@ def handle(handle_factory):
 def may_lock(nbytes):
     """Whether this process may page-lock ``nbytes`` (or have io_uring pin them): it has
     CAP_IPC_LOCK, or RLIMIT_MEMLOCK is that large (64 KiB or 8 MiB by default)."""
-    with open("/proc/self/status") as status:
-        effective = int(next(line for line in status if line.startswith("CapEff:")).split()[1],
-                        16)
-    if effective & (1 << 14):       # CAP_IPC_LOCK
+    if has_cap_ipc_lock():
         return True
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return soft == resource.RLIM_INFINITY or soft >= nbytes
+
+
+@contextmanager
+def system_setting(path, value, why):
+    """``value`` written to the system file ``path`` for the block, then what was there.
+    Skips where it cannot be written (not root), and under pytest -n, as the setting is
+    the whole machine's: ``why`` says what the suite's other processes would meet."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip(f"{why}: not beside the suite's other processes (pytest -n)")
+    original = Path(path).read_text()
+    if "[" in original:     # sysfs lists the choices, the one in force in brackets
+        original = original.split("[")[1].split("]")[0]
+    try:
+        Path(path).write_text(value)
+    except OSError as error:
+        pytest.skip(f"cannot set {path}: {error.strerror}")
+    try:
+        yield original
+    finally:
+        Path(path).write_text(original)
 
 
 def uring_unusable():

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from conftest import in_flight, random_bytes, stopped_workers, wait_until
+from conftest import in_flight, random_bytes, stopped_workers, system_setting, wait_until
 
 import nvmeswap
 
@@ -116,23 +116,11 @@ def test_ctrl_c_during_a_long_sync_pread(tmp_path):
 
 @pytest.fixture
 def low_aio_limit():
-    """Lower fs.aio-max-nr to just above what is in use now (root only), then restore it."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        pytest.skip("lowers a system-wide limit: the suite's other processes (pytest -n) "
-                    "would change what is in use meanwhile, and fail while it is low")
-    limit_file = "/proc/sys/fs/aio-max-nr"
-    original = Path(limit_file).read_text()
+    """fs.aio-max-nr lowered to just above what is in use now (root only), then restored."""
     used = int(Path("/proc/sys/fs/aio-nr").read_text())
-    try:
-        with open(limit_file, "w") as f:
-            f.write(str(used + 300))
-    except OSError as error:
-        pytest.skip(f"cannot lower {limit_file}: {error.strerror}")
-    try:
+    with system_setting("/proc/sys/fs/aio-max-nr", str(used + 300),
+                        "lowers a system-wide limit, which other handles would meet"):
         yield
-    finally:
-        with open(limit_file, "w") as f:
-            f.write(original)
 
 
 def test_aio_max_nr_exhausted_is_a_clear_error(low_aio_limit):

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from conftest import random_bytes
+from conftest import random_bytes, system_setting
 
 import nvmeswap
 from nvmeswap.io import regions
@@ -386,22 +386,9 @@ def _sizes(pid):
 
 @pytest.fixture
 def shmem_huge_pages_on():
-    """shmem_enabled=advise for the test (root only; not under pytest -n: it is the
-    whole machine's setting), then as it was."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        pytest.skip("sets a system-wide setting: not beside other test processes (pytest -n)")
-    try:
-        with open(SHMEM_HUGE_PAGES) as f:
-            original = f.read().split("[")[1].split("]")[0]
-        with open(SHMEM_HUGE_PAGES, "w") as f:
-            f.write("advise")
-    except (OSError, IndexError) as error:
-        pytest.skip(f"cannot set {SHMEM_HUGE_PAGES}: {error}")
-    try:
+    """shmem_enabled=advise for the test (root only), then as it was."""
+    with system_setting(SHMEM_HUGE_PAGES, "advise", "sets how all shared memory is paged"):
         yield
-    finally:
-        with open(SHMEM_HUGE_PAGES, "w") as f:
-            f.write(original)
 
 
 @pytest.mark.parametrize("engine", ["aio", "uring"])
