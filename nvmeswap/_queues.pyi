@@ -14,11 +14,10 @@ from collections.abc import Sequence
 
 from nvmeswap._transfers import Completion
 
-class AioEngine:
-    """One kernel AIO context running many transfers at once (a worker's)."""
+class TransferEngine:
+    """What both engines share: request slots and the transfers in progress, begun here
+    and ended by the engine's ``advance``."""
 
-    def __init__(self, block_size: int, queue_depth: int, single_submit: bool,
-                 overlap_events: bool, max_transfers: int = 256) -> None: ...
     @property
     def block_size(self) -> int: ...
     @property
@@ -42,6 +41,12 @@ class AioEngine:
     def begin(self, op_id: int, chunk: int, is_read: bool, direct_fd: int, buffered_fd: int,
               address: int, nbytes: int, offset: int, alignment: int) -> None:
         """Start a transfer; ``advance`` returns its Completion."""
+
+class AioEngine(TransferEngine):
+    """One kernel AIO context running many transfers at once (a worker's)."""
+
+    def __init__(self, block_size: int, queue_depth: int, single_submit: bool,
+                 overlap_events: bool, max_transfers: int = 256) -> None: ...
     def advance(self, block: bool) -> list[Completion]:
         """Start and reap requests; the Completions of the transfers that have ended."""
 

@@ -13,40 +13,18 @@ same results:
 """
 from collections.abc import Sequence
 
+from nvmeswap._queues import TransferEngine
 from nvmeswap._transfers import Completion
 
-class UringEngine:
+class UringEngine(TransferEngine):
     """One ring running many transfers at once (a worker's); ``AioEngine``'s interface."""
 
     def __init__(self, block_size: int, queue_depth: int, single_submit: bool,
                  overlap_events: bool, max_transfers: int = 256) -> None: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def queue_depth(self) -> int: ...
-    @property
-    def max_transfers(self) -> int: ...
-    @property
-    def single_submit(self) -> bool: ...
-    @property
-    def overlap_events(self) -> bool: ...
-    @property
-    def busy(self) -> bool:
-        """Whether transfers are in progress."""
-    @property
-    def full(self) -> bool:
-        """Whether ``begin`` must wait for a transfer to end."""
     def register_buffers(self, address: int, nbytes: int) -> bool:
         """Register memory as fixed buffers for the requests inside it; False if refused."""
     def unregister_buffers(self, address: int) -> None:
         """Undo ``register_buffers(address, ...)``, before the memory is unmapped."""
-    def transfer(self, op_id: int, chunk: int, is_read: bool, direct_fd: int,
-                 buffered_fd: int, address: int, nbytes: int, offset: int,
-                 alignment: int) -> Completion:
-        """Move the bytes and wait for them (an engine with nothing else in progress)."""
-    def begin(self, op_id: int, chunk: int, is_read: bool, direct_fd: int, buffered_fd: int,
-              address: int, nbytes: int, offset: int, alignment: int) -> None:
-        """Start a transfer; ``advance`` returns its Completion."""
     def advance(self, block: bool) -> list[Completion]:
         """Start and reap requests; the Completions of the transfers that have ended."""
 

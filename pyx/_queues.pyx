@@ -36,9 +36,10 @@ from includes.submitter cimport (
 )
 
 
-cdef class AioEngine:
-    """One kernel AIO context, its ``queue_depth`` request slots, and the transfers in
-    progress (at most ``max_transfers``).
+cdef class TransferEngine:
+    """What both engines keep the same way: ``queue_depth`` request slots and the
+    transfers in progress (at most ``max_transfers``), begun here and ended by the
+    engine's ``advance`` (``AioEngine`` below, ``UringEngine`` in pyx/_uring.pyx).
 
     Note [concurrent transfers]: a worker is handed one chunk after another (the pieces
     of a staged operation arrive as they are copied), and a chunk smaller than
@@ -48,60 +49,35 @@ cdef class AioEngine:
     free slots are refilled at every completion; without it (DeepNVMe's default) a new
     batch starts when the previous one has completed.
     """
-    cdef aio_context_t ctx
-    cdef iocb *slots
-    cdef iocb **batch
-    cdef io_event *events
-    cdef int *free_slots
-    cdef int n_free
-    cdef int in_flight
-    cdef int *owner             # slot -> index of its transfer
-    cdef TransferTable table    # the transfers in progress (_transfer_table.pxd)
-    cdef readonly size_t block_size
-    cdef readonly int queue_depth
-    cdef readonly int max_transfers
-    cdef readonly bint single_submit
-    cdef readonly bint overlap_events
 
-    def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
-                  bint overlap_events, int max_transfers=256):
-        self.ctx = 0
-        self.slots = NULL
-        self.batch = NULL
-        self.events = NULL
+    def __cinit__(self, *args, **kwargs):
         self.free_slots = NULL
         self.owner = NULL
         self.table.transfers = NULL
         self.table.used = NULL
         self.table.order = NULL
-        if block_size == 0 or queue_depth <= 0 or max_transfers <= 0:
-            raise ValueError("block_size, queue_depth and max_transfers must be positive")
+
+    cdef int _set_up(self, size_t block_size, int queue_depth, bint single_submit,
+                     bint overlap_events, int max_transfers) except -1:
+        """Take the settings (checked by the engine) and make the slots and the table."""
         self.block_size = block_size
         self.queue_depth = queue_depth
         self.max_transfers = max_transfers
         self.single_submit = single_submit
         self.overlap_events = overlap_events
-        self.slots = <iocb *>malloc(sizeof(iocb) * queue_depth)
-        self.batch = <iocb **>malloc(sizeof(iocb *) * queue_depth)
-        self.events = <io_event *>malloc(sizeof(io_event) * queue_depth)
         self.free_slots = <int *>malloc(sizeof(int) * queue_depth)
         self.owner = <int *>malloc(sizeof(int) * queue_depth)
-        if not (self.slots and self.batch and self.events and self.free_slots and self.owner
-                and _table_init(&self.table, max_transfers)):
+        if not (self.free_slots and self.owner and _table_init(&self.table, max_transfers)):
             raise MemoryError()
         cdef int i
         for i in range(queue_depth):
             self.free_slots[i] = i
         self.n_free = queue_depth
         self.in_flight = 0
-        self.ctx = _aio_context(queue_depth)
+        return 0
 
     def __dealloc__(self):
-        if self.ctx:
-            nvmeswap_io_destroy(self.ctx)   # waits for the requests still in flight
-        free(self.slots)
-        free(self.batch)
-        free(self.events)
+        # After the engine's own: its requests have completed by then.
         free(self.free_slots)
         free(self.owner)
         _table_free(&self.table)
@@ -142,7 +118,7 @@ cdef class AioEngine:
         keeps the memory mapped until then.
 
         The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
-        ``buffered_fd``; the aligned middle through kernel AIO in ``advance``.
+        ``buffered_fd``; the aligned middle through the engine's requests in ``advance``.
         """
         cdef int index = _table_add(&self.table)
         if index < 0:
@@ -150,6 +126,37 @@ cdef class AioEngine:
         _begin_transfer(&self.table.transfers[index], op_id, chunk, is_read, direct_fd,
                         buffered_fd, address, nbytes, offset, alignment,
                         <long long>self.block_size)
+
+
+cdef class AioEngine(TransferEngine):
+    """A ``TransferEngine`` on one kernel AIO context (a worker's)."""
+    cdef aio_context_t ctx
+    cdef iocb *slots
+    cdef iocb **batch
+    cdef io_event *events
+
+    def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
+                  bint overlap_events, int max_transfers=256):
+        self.ctx = 0
+        self.slots = NULL
+        self.batch = NULL
+        self.events = NULL
+        if block_size == 0 or queue_depth <= 0 or max_transfers <= 0:
+            raise ValueError("block_size, queue_depth and max_transfers must be positive")
+        self._set_up(block_size, queue_depth, single_submit, overlap_events, max_transfers)
+        self.slots = <iocb *>malloc(sizeof(iocb) * queue_depth)
+        self.batch = <iocb **>malloc(sizeof(iocb *) * queue_depth)
+        self.events = <io_event *>malloc(sizeof(io_event) * queue_depth)
+        if not (self.slots and self.batch and self.events):
+            raise MemoryError()
+        self.ctx = _aio_context(queue_depth)
+
+    def __dealloc__(self):
+        if self.ctx:
+            nvmeswap_io_destroy(self.ctx)   # waits for the requests still in flight
+        free(self.slots)
+        free(self.batch)
+        free(self.events)
 
     def advance(self, bint block):
         """Start requests while slots are free; with ``block``, wait for completions

@@ -20,6 +20,7 @@ from _check cimport errno_error
 from _transfer_steps cimport Transfer, _begin_transfer, _count_many, _fail
 from _transfer_table cimport TransferTable, _table_add, _table_ended, _table_free, _table_init
 from nvmeswap._transfers cimport completion
+from nvmeswap._queues cimport TransferEngine
 
 from includes.io_uring cimport (
     NVMESWAP_IORING_MAX_FIXED_BUFFER, NVMESWAP_IORING_OP_READ, NVMESWAP_IORING_OP_WRITE,
@@ -77,35 +78,24 @@ cdef long _settle(nvmeswap_uring *ring, int in_flight, unsigned wanted) noexcept
             return 0    # none taken now: the next enter offers them again
 
 
-cdef class UringEngine:
-    """One ring, its ``queue_depth`` request slots, and the transfers in progress (at most
-    ``max_transfers``): ``AioEngine`` (pyx/_queues.pyx) on io_uring, with its interface
-    and Note [concurrent transfers]. Without ``single_submit``, the requests of a batch
-    and the wait for the previous ones go to the kernel in one ``io_uring_enter``.
+cdef class UringEngine(TransferEngine):
+    """A ``TransferEngine`` (pyx/_queues.pyx) on one ring (a worker's): ``AioEngine`` on
+    io_uring. Without ``single_submit``, the requests of a batch and the wait for the
+    previous ones go to the kernel in one ``io_uring_enter``.
 
     ``register_buffers`` registers memory with the ring (io_uring's fixed buffers): the
     kernel pins it once, not at every request (IORING_OP_READ_FIXED/WRITE_FIXED); a
     worker registers a region it moves twice (workers/main.py, Note [engines]).
     """
     cdef nvmeswap_uring ring
-    cdef int *free_slots
-    cdef int n_free
-    cdef int in_flight          # requests published and not yet reaped
-    cdef int *owner             # slot -> index of its transfer
     cdef long long *slot_offset
     cdef unsigned *slot_nbytes
-    cdef TransferTable table    # the transfers in progress (_transfer_table.pxd)
     cdef pid_t creator
     cdef int buffer_table       # registered buffers: 0 no table yet, 1 made, -1 refused
     cdef size_t fixed_owner[FIXED_SLOTS]    # the address registered (0: a free slot)
     cdef char *fixed_start[FIXED_SLOTS]
     cdef char *fixed_end[FIXED_SLOTS]
     cdef int n_fixed, last_fixed    # slots in use; the slot the last request was found in
-    cdef readonly size_t block_size
-    cdef readonly int queue_depth
-    cdef readonly int max_transfers
-    cdef readonly bint single_submit
-    cdef readonly bint overlap_events
 
     def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
                   bint overlap_events, int max_transfers=256):
@@ -115,22 +105,11 @@ cdef class UringEngine:
                 or max_transfers <= 0:
             raise ValueError("block_size (at most 2 GiB - 4 KiB), queue_depth and "
                              "max_transfers must be positive")
-        self.block_size = block_size
-        self.queue_depth = queue_depth
-        self.max_transfers = max_transfers
-        self.single_submit = single_submit
-        self.overlap_events = overlap_events
-        self.free_slots = <int *>malloc(sizeof(int) * queue_depth)
-        self.owner = <int *>malloc(sizeof(int) * queue_depth)
+        self._set_up(block_size, queue_depth, single_submit, overlap_events, max_transfers)
         self.slot_offset = <long long *>malloc(sizeof(long long) * queue_depth)
         self.slot_nbytes = <unsigned *>malloc(sizeof(unsigned) * queue_depth)
-        if not (self.free_slots and self.owner and self.slot_offset and self.slot_nbytes
-                and _table_init(&self.table, max_transfers)):
+        if not (self.slot_offset and self.slot_nbytes):
             raise MemoryError()
-        cdef int i
-        for i in range(queue_depth):
-            self.free_slots[i] = i
-        self.n_free = queue_depth
         # One thread uses a worker's ring: its completions are posted when it waits for
         # them, instead of interrupting it (Note [engines] in io/engines.py).
         _open_ring(&self.ring, queue_depth,
@@ -142,11 +121,8 @@ cdef class UringEngine:
             with nogil:
                 _settle(&self.ring, self.in_flight, <unsigned>self.in_flight)
         nvmeswap_uring_close(&self.ring)
-        free(self.free_slots)
-        free(self.owner)
         free(self.slot_offset)
         free(self.slot_nbytes)
-        _table_free(&self.table)
 
     def register_buffers(self, size_t address, size_t nbytes):
         """Register ``nbytes`` at ``address`` with the ring (in pieces of at most 1 GiB):
@@ -200,49 +176,6 @@ cdef class UringEngine:
                 self.last_fixed = slot
                 return slot
         return -1
-
-    @property
-    def busy(self):
-        """Whether transfers are in progress."""
-        return self.table.n_order > 0
-
-    @property
-    def full(self):
-        """Whether ``begin`` must wait for a transfer to end."""
-        return self.table.n_order == self.max_transfers
-
-    def transfer(self, unsigned long long op_id, unsigned int chunk, bint is_read,
-                 int direct_fd, int buffered_fd, size_t address, size_t nbytes,
-                 long long offset, size_t alignment):
-        """Move the bytes and wait for them; return the transfer's ``Completion``. Only for
-        an engine with nothing else in progress; ``alignment`` as for ``begin``."""
-        if self.table.n_order:
-            raise RuntimeError("transfer needs an engine with nothing in progress")
-        self.begin(op_id, chunk, is_read, direct_fd, buffered_fd, address, nbytes, offset,
-                   alignment)
-        while True:
-            ended = self.advance(True)
-            if ended:
-                return ended[0]
-
-    def begin(self, unsigned long long op_id, unsigned int chunk, bint is_read,
-              int direct_fd, int buffered_fd, size_t address, size_t nbytes,
-              long long offset, size_t alignment):
-        """Start a transfer (Note [concurrent transfers]); ``advance`` returns its
-        ``Completion``, carrying ``op_id`` and ``chunk``, when it has ended. The caller
-        keeps the memory mapped until then.
-
-        The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
-        ``buffered_fd``; the aligned middle through the ring in ``advance``. ``alignment``
-        is 1 when ``direct_fd`` is not O_DIRECT; else ``address - offset`` is a multiple
-        of it.
-        """
-        cdef int index = _table_add(&self.table)
-        if index < 0:
-            raise RuntimeError("too many transfers in progress")
-        _begin_transfer(&self.table.transfers[index], op_id, chunk, is_read, direct_fd,
-                        buffered_fd, address, nbytes, offset, alignment,
-                        <long long>self.block_size)
 
     def advance(self, bint block):
         """Start requests while slots are free; with ``block``, wait for completions

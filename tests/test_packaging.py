@@ -136,6 +136,25 @@ def test_each_extension_has_a_stub_naming_what_python_may_use(extension):
     assert _public(stubbed) == defined
     for name in defined:
         if isinstance(stubbed[name], ast.ClassDef):
-            members = {node.name for node in ast.walk(stubbed[name])
-                       if isinstance(node, ast.FunctionDef)}
+            members = _stub_members(stubbed[name], stub)
             assert _public(members) == _public(dir(getattr(module, name))), name
+
+
+def _stub_members(class_node, stub):
+    """The methods and properties a stubbed class has, its stubbed bases' included (a base
+    from another extension is found in that extension's stub)."""
+    import ast
+
+    members = {node.name for node in ast.walk(class_node) if isinstance(node, ast.FunctionDef)}
+    for base in class_node.bases:
+        if not isinstance(base, ast.Name):
+            continue
+        home = stub
+        for node in stub.body:
+            if isinstance(node, ast.ImportFrom) and any(a.name == base.id for a in node.names):
+                home = ast.parse((ROOT / f"{node.module.replace('.', '/')}.pyi").read_text())
+        found = [node for node in home.body
+                 if isinstance(node, ast.ClassDef) and node.name == base.id]
+        if found:
+            members |= _stub_members(found[0], home)
+    return members
