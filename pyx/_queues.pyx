@@ -56,6 +56,9 @@ cdef class TransferEngine:
         self.table.transfers = NULL
         self.table.used = NULL
         self.table.order = NULL
+        if type(self) is TransferEngine:
+            raise TypeError("TransferEngine is the base of AioEngine and UringEngine; make one "
+                            "of those")
 
     cdef int _set_up(self, size_t block_size, int queue_depth, bint single_submit,
                      bint overlap_events, int max_transfers) except -1:
@@ -309,10 +312,12 @@ cdef class CallerQueue:
     cdef readonly int capacity
     cdef readonly int in_flight
     cdef readonly int eventfd
+    cdef bint started           # __cinit__'s body ran (see __dealloc__)
 
     def __cinit__(self, int capacity):
         self.ctx = 0
         self.eventfd = -1
+        self.started = True
         self.submitter = NULL
         self.creator = getpid()
         self.slots = <iocb *>malloc(sizeof(iocb) * capacity)
@@ -341,6 +346,8 @@ cdef class CallerQueue:
         self.ctx = _aio_context(capacity)
 
     def __dealloc__(self):
+        if not self.started:
+            return      # the arguments did not convert: the body never ran, eventfd is 0
         self._stop_submitter()
         if self.ctx:
             nvmeswap_io_destroy(self.ctx)   # waits for the requests still in flight

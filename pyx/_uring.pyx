@@ -17,8 +17,8 @@ from posix.types cimport pid_t
 from posix.unistd cimport close, getpid, read
 
 from _check cimport errno_error
-from _transfer_steps cimport Transfer, _begin_transfer, _count_many, _fail
-from _transfer_table cimport TransferTable, _table_add, _table_ended, _table_free, _table_init
+from _transfer_steps cimport Transfer, _count_many, _fail
+from _transfer_table cimport _table_ended
 from nvmeswap._transfers cimport completion
 from nvmeswap._queues cimport TransferEngine
 
@@ -96,10 +96,12 @@ cdef class UringEngine(TransferEngine):
     cdef char *fixed_start[FIXED_SLOTS]
     cdef char *fixed_end[FIXED_SLOTS]
     cdef int n_fixed, last_fixed    # slots in use; the slot the last request was found in
+    cdef bint started           # __cinit__'s body ran (see __dealloc__)
 
     def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
                   bint overlap_events, int max_transfers=256):
         self.ring.fd = -1
+        self.started = True
         self.creator = getpid()
         if block_size == 0 or block_size > MAX_REQUEST or queue_depth <= 0 \
                 or max_transfers <= 0:
@@ -116,6 +118,8 @@ cdef class UringEngine(TransferEngine):
                    NVMESWAP_IORING_SETUP_SINGLE_ISSUER | NVMESWAP_IORING_SETUP_DEFER_TASKRUN)
 
     def __dealloc__(self):
+        if not self.started:
+            return      # the arguments did not convert: the body never ran, ring.fd is 0
         # The kernel writes into the transfers' memory until their requests complete.
         if self.ring.fd >= 0 and self.in_flight and getpid() == self.creator:
             with nogil:
@@ -290,10 +294,12 @@ cdef class UringQueue:
     cdef readonly int capacity
     cdef readonly int in_flight
     cdef readonly int eventfd
+    cdef bint started           # __cinit__'s body ran (see __dealloc__)
 
     def __cinit__(self, int capacity):
         self.ring.fd = -1
         self.eventfd = -1
+        self.started = True
         self.creator = getpid()
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -320,6 +326,8 @@ cdef class UringQueue:
             raise errno_error(<int>-ret, "io_uring_register")
 
     def __dealloc__(self):
+        if not self.started:
+            return      # the arguments did not convert: the body never ran, the fds are 0
         self._release()
         free(self.free_slots)
         free(self.op_ids)

@@ -111,3 +111,38 @@ def test_a_full_engine_says_so_and_a_short_file_is_a_short_transfer(tmp_path, en
         os.close(direct)
     with pytest.raises(ValueError):
         engine_kind(0, 4, False, True)
+
+
+BAD_ARGUMENTS_SCRIPT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from nvmeswap._queues import AioEngine, CallerQueue, TransferEngine
+from nvmeswap._uring import UringEngine, UringQueue
+made = [lambda: AioEngine(-1, 4, True, True), lambda: UringEngine(-1, 4, True, True),
+        lambda: UringEngine(4096, 4, True, True, "x"), lambda: UringQueue("x"),
+        lambda: CallerQueue("x"), lambda: TransferEngine()]
+for make in made:
+    try:
+        make()
+    except (TypeError, OverflowError):
+        pass
+    os.fstat(0)     # EBADF if a half-made queue's finalizer closed descriptor 0
+print("kept")
+"""
+
+
+def test_arguments_refused_before_anything_is_made_close_nothing(tmp_path):
+    """Cython converts a constructor's arguments before its body runs, and the finalizer
+    runs all the same: it must not take the zeroed descriptors for open ones (it closed
+    the process's stdin). In a child, stdin a file of its own."""
+    import subprocess
+    import sys
+
+    from conftest import PACKAGE_ROOT
+
+    stdin = tmp_path / "stdin"
+    stdin.write_bytes(b"")
+    with open(stdin) as f:
+        done = subprocess.run([sys.executable, "-c", BAD_ARGUMENTS_SCRIPT, str(PACKAGE_ROOT)],
+                              check=False, stdin=f, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["kept"], done.stderr
