@@ -87,7 +87,7 @@ def main():
     timers.wrap(scheduler.Scheduler, "_try_quick", "  the quick road (check, route, book)")
     timers.wrap(quick, "io_buffer", "    io_buffer (the tensor's checks)")
     timers.wrap(scheduler, "route", "    route (Note [roads])")
-    timers.wrap(scheduler, "open_quick_read", "    open_quick_read (open, place)")
+    timers.wrap(quick.ReadDescriptors, "take", "    ReadDescriptors.take (stat, or open)")
     timers.wrap(Books, "book", "    Books.book (and the post)")
     timers.wrap(scheduler.Scheduler, "_begin", "  the ordinary road")
     timers.labels.append("  CallerQueue.post")

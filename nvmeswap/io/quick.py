@@ -20,8 +20,8 @@ to the caller queue (Note [caller queue] in io/workforce.py) one request each. T
 ordinary way - opened, placed, checked for order, handed through the workforce - each
 cost the caller several times what the kernel needs to start it, more than DeepSpeed's
 threads spend per read. One that the caller queue takes as it is (an aligned read of a
-regular file long enough for it, into a locked region, up to the inline limit) is opened
-in one call into ``_transfers.open_for_direct_read`` and booked as the ordinary road would
+regular file long enough for it, into a locked region, up to the inline limit) takes its
+file's descriptor (Note [shared read descriptors]) and is booked as the ordinary road would
 have booked it, so that everything after its submission (completion, ordering of later
 operations, failures, ``close()``) is the same. Anything else runs the ordinary way.
 
@@ -33,9 +33,10 @@ single stat(2) shows that the path still names that file (the same device and in
 long enough for the read), and the last read to end closes it. A name replaced or
 renamed away between two reads is opened afresh, as a read started after that expects;
 only a permission taken away meanwhile is not seen (the descriptor was opened before),
-as it would not be by a read already in flight. Used under the scheduler's lock.
+as it would not be by a read already in flight.
 """
 import os
+import threading
 
 from .. import _transfers
 from .._transfers import open_for_direct_read, still_names
@@ -80,49 +81,54 @@ def quick_transfer(buf, path, file_offset, is_read):
                                          info.st_dev, info.st_ino) is not None
 
 
-def open_quick_read(op_id, buf, region, target, path, file_offset, descriptors):
-    """The operation of a read the caller queue can take as it is (``buf`` inside the
-    locked ``region``), its file taken from ``descriptors`` and placed; None if its file
-    does not qualify (Note [quick asynchronous reads])."""
-    nbytes = buf.nbytes
-    shared = descriptors.take(path, file_offset + nbytes)
-    if shared is None:
-        return None
+def quick_read(op_id, buf, region, target, file_offset, shared):
+    """The operation of a read the caller queue can take as it is (Note [quick
+    asynchronous reads]): ``buf`` inside the locked ``region``, its file the one
+    ``shared`` holds open."""
     name = target if type(target) is str else os.fsdecode(target)
     op = Operation(op_id, True, buf, SharedReadFile(name, shared), file_offset, False)
     op.region, op.region_offset = region, buf.address - region.address
-    op.chunks = [(0, nbytes)]
+    op.chunks = [(0, buf.nbytes)]
     return op
 
 
 class ReadDescriptors:
     """The O_DIRECT descriptors that quick reads in flight share, by path (Note [shared
-    read descriptors])."""
+    read descriptors]). Its own lock guards the table; no system call runs under it."""
 
     def __init__(self):
         self._by_path = {}
+        self._lock = threading.Lock()
 
     def take(self, path, end):
         """A ``SharedDescriptor`` of ``path`` for one more read ending at ``end``; None if
         the path is not a regular file that long, or O_DIRECT is refused."""
-        shared = self._by_path.get(path)
-        if shared is not None and still_names(path, shared.identity[0], shared.identity[1],
-                                              end):
-            shared.users += 1
-            return shared
+        with self._lock:
+            shared = self._by_path.get(path)
+            if shared is not None:
+                shared.users += 1       # held while it is checked
+        if shared is not None:
+            if still_names(path, shared.identity[0], shared.identity[1], end):
+                return shared
+            self.release(shared)
         opened = open_for_direct_read(path, end)
         if opened is None:
             return None
         fd, size, device, inode = opened
-        shared = self._by_path[path] = SharedDescriptor(self, path, fd, size, (device, inode))
+        shared = SharedDescriptor(self, path, fd, size, (device, inode))
+        with self._lock:
+            # A descriptor this one replaces closes with its last read.
+            self._by_path[path] = shared
         return shared
 
     def release(self, shared):
-        shared.users -= 1
-        if shared.users == 0:
-            os.close(shared.fd)
+        with self._lock:
+            shared.users -= 1
+            if shared.users:
+                return
             if self._by_path.get(shared.path) is shared:
                 del self._by_path[shared.path]
+        os.close(shared.fd)
 
 
 class SharedDescriptor:

@@ -23,7 +23,7 @@ from .files import open_target
 from .futures import Future
 from .interrupts import deferred_interrupts
 from .operation import open_operation, writes
-from .quick import ReadDescriptors, candidate, open_quick_read, quick_transfer
+from .quick import ReadDescriptors, candidate, quick_read, quick_transfer
 from .roads import Facts, Memory, Road, route
 from .workforce import Workforce, chunks_in_flight_limit
 
@@ -271,20 +271,26 @@ class Scheduler:
 
     def _submit_quick_read(self, buf, region, target, path, file_offset):
         """True if the read was booked for the caller queue (Note [quick asynchronous
-        reads]). It is booked only if there is room for it, its file qualifies and
+        reads]). It is booked only if its file qualifies, there is room for it and
         nothing in flight is one it must follow; else it goes the ordinary way."""
-        with deferred_interrupts(), self._cond:
-            if self.closed or not self._queue_room():
+        with deferred_interrupts():
+            shared = self._read_descriptors.take(path, file_offset + buf.nbytes)
+            if shared is None:
                 return False
-            op = open_quick_read(next(self._op_ids), buf, region, target, path, file_offset,
-                                 self._read_descriptors)
-            if op is None:
-                return False
-            if self.books.ordering.conflicts(op):
-                op.file.close()
-                return False
-            op.road = Road.QUICK_READ
-            self.books.book(op, is_async=True)
+            op = None
+            try:
+                with self._cond:
+                    if self.closed or not self._queue_room():
+                        return False
+                    op = quick_read(next(self._op_ids), buf, region, target, file_offset,
+                                    shared)
+                    if self.books.ordering.conflicts(op):
+                        return False
+                    op.road = Road.QUICK_READ
+                    self.books.book(op, is_async=True)
+            finally:
+                if op is None or not op.started:    # once started, its end gives it back
+                    self._read_descriptors.release(shared)
         return True
 
     def _begin(self, buffer, target, file_offset, is_read, validate, is_async,
