@@ -186,10 +186,10 @@ def system_setting(path, value, why):
     the whole machine's: ``why`` says what the suite's other processes would meet."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         pytest.skip(f"{why}: not beside the suite's other processes (pytest -n)")
-    original = Path(path).read_text()
-    if "[" in original:     # sysfs lists the choices, the one in force in brackets
-        original = original.split("[")[1].split("]")[0]
     try:
+        original = Path(path).read_text()
+        if "[" in original:     # sysfs lists the choices, the one in force in brackets
+            original = original.split("[")[1].split("]")[0]
         Path(path).write_text(value)
     except OSError as error:
         pytest.skip(f"cannot set {path}: {error.strerror}")
