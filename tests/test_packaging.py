@@ -138,6 +138,9 @@ def test_each_extension_has_a_stub_naming_what_python_may_use(extension):
         if isinstance(stubbed[name], ast.ClassDef):
             members = _stub_members(stubbed[name], stub)
             assert _public(members) == _public(dir(getattr(module, name))), name
+            bases = [base.id for base in stubbed[name].bases if isinstance(base, ast.Name)]
+            assert bases == [base.__name__ for base in getattr(module, name).__bases__
+                             if base is not object], name
 
 
 def _stub_members(class_node, stub):
