@@ -14,6 +14,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from conftest import random_bytes
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
@@ -233,6 +234,53 @@ def test_async_save_snapshots_and_writes_in_the_background(tmp_path):
     assert_same({"x": torch.arange(10)}, torch.load(path))
     assert nvmeswap.async_save({"y": torch.arange(3)}, path).result() is None
     assert_same({"y": torch.arange(3)}, torch.load(path))
+
+
+def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch):
+    """Note [async checkpoint snapshot]: the one-call async_save's snapshot is plain memory
+    (locking a fresh buffer kept the caller longer than a whole synchronous save) and its
+    handle starts on the writing thread; a kept Checkpointer's snapshot is locked. Either
+    way the state may change once the call returns, and the file holds it as it was."""
+    from nvmeswap.checkpoint.checkpointer import Checkpointer
+    from nvmeswap.io.regions import locked_memory
+
+    made = []       # (bytes, whether the process's locked set holds them), as made
+    original = Checkpointer._snapshot_buffer
+
+    def recorded(self, nbytes, locked):
+        snapshot = original(self, nbytes, locked)
+        made.append((snapshot.numel(), locked_memory().table.containing(
+            snapshot.data_ptr(), snapshot.numel()) is not None))
+        return snapshot
+
+    monkeypatch.setattr(Checkpointer, "_snapshot_buffer", recorded)
+    import threading
+
+    import nvmeswap.checkpoint.checkpointer as checkpointer_module
+
+    started_on = []     # for each Checkpointer's own handle: started on the main thread?
+    make_handle = checkpointer_module.aio_handle
+    monkeypatch.setattr(checkpointer_module, "aio_handle", lambda **kwargs: started_on.append(
+        threading.get_ident() == threading.main_thread().ident) or make_handle(**kwargs))
+    state = {"w": torch.from_numpy(np.frombuffer(random_bytes(24 << 20, seed=31),
+                                                 np.uint8).copy()),
+             "b": torch.arange(1000, dtype=torch.float64)}
+    expected = {name: tensor.clone() for name, tensor in state.items()}
+    for path in (tmp_path / "one.pt", tmp_path / "kept.pt"):
+        if path.name == "one.pt":
+            future = nvmeswap.async_save(state, path)
+        else:
+            checkpointer = Checkpointer()
+            future = checkpointer.async_save(state, path)
+        state["w"].zero_()
+        state["b"].fill_(-1)
+        assert future.result() is None
+        assert_same(expected, torch.load(path))
+        state = {name: tensor.clone() for name, tensor in expected.items()}
+    checkpointer.close()
+    assert [locked for _, locked in made] == [False, True]
+    assert started_on == [False, True]      # the one-call save's on its writing thread
+    assert all(nbytes >= 24 << 20 for nbytes, _ in made)
 
 
 def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):

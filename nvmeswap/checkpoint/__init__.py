@@ -59,11 +59,12 @@ def load_into(path: str | os.PathLike, into: Any, *, handle: Any = None,
 
 def async_save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> Future:
     """Start saving ``obj`` to ``path``; returns a ``concurrent.futures.Future`` once the
-    tensors are copied to locked memory (``obj`` may change from then on).
+    tensors are copied (``obj`` may change from then on).
 
     ``.result()`` returns None once the file is durable under ``path``, or raises the
-    failure. Each call locks a buffer of the checkpoint's size for the time of the save;
-    ``Checkpointer.async_save`` keeps and reuses it across saves.
+    failure. Each call copies into a plain buffer of the checkpoint's size, held for the
+    time of the save; ``Checkpointer.async_save`` copies into a locked one, kept and
+    reused across saves (faster from the second save on).
     """
     checkpointer = Checkpointer(handle)
     try:
