@@ -39,7 +39,7 @@ class Extents:
         multiple of ``boundary``, or None."""
         nbytes = round_up(nbytes, self.alignment)
         for k, (start, length) in enumerate(self._free):
-            taken = -(-start // boundary) * boundary
+            taken = round_up(start, boundary)
             left = start + length - taken - nbytes
             if left < 0:
                 continue
