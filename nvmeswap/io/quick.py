@@ -39,7 +39,6 @@ import os
 import threading
 
 from .. import _transfers
-from .._transfers import open_for_direct_read, still_names
 from ..units import ALIGNMENT
 from .buffers import io_buffer
 from .files import TargetFile
@@ -108,10 +107,10 @@ class ReadDescriptors:
             if shared is not None:
                 shared.users += 1       # held while it is checked
         if shared is not None:
-            if still_names(path, shared.identity[0], shared.identity[1], end):
+            if _transfers.still_names(path, shared.identity[0], shared.identity[1], end):
                 return shared
             self.release(shared)
-        opened = open_for_direct_read(path, end)
+        opened = _transfers.open_for_direct_read(path, end)
         if opened is None:
             return None
         fd, size, device, inode = opened
