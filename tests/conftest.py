@@ -97,15 +97,22 @@ def without_file_privileges():
             "--inh-caps", "-dac_override,-dac_read_search")
 
 
+def open_descriptors(pid="self"):
+    """``{descriptor: what it points at}`` of a process (a removed file's ends in
+    " (deleted)")."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            pass        # the listing's own descriptor, closed by now
+    return found
+
+
 def _resources():
     """What this process (tree) holds, each thing by an identity that a new one of its
     kind would not share: descriptors by what they point at, mappings by range and inode."""
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
-        except FileNotFoundError:
-            pass        # the listing's own descriptor, closed by now
+    fds = {f"{fd} -> {target}" for fd, target in open_descriptors().items()}
     with open("/proc/self/maps") as maps:
         shared = {" ".join(line.split()[:5]) for line in maps if "memfd:nvmeswap" in line}
     children = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from conftest import random_bytes, system_setting
+from conftest import open_descriptors, random_bytes, system_setting
 
 import nvmeswap
 from nvmeswap.io import regions
@@ -37,14 +37,7 @@ def run_child(script, *args, timeout=180):
 
 
 def memfd_descriptors(pid="self"):
-    folder = f"/proc/{pid}/fd"
-    found = []
-    for name in os.listdir(folder):
-        try:
-            found.append(os.readlink(os.path.join(folder, name)))
-        except FileNotFoundError:
-            pass    # the listing's own descriptor
-    return sum("memfd:nvmeswap" in target for target in found)
+    return sum("memfd:nvmeswap" in target for target in open_descriptors(pid).values())
 
 
 def tensor_bytes(t):

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from conftest import random_bytes, wait_until
+from conftest import open_descriptors, random_bytes, wait_until
 
 import nvmeswap
 from nvmeswap._transfers import quick_transfer
@@ -302,14 +302,9 @@ def test_quick_reads_in_flight_share_a_descriptor_of_the_file_the_path_names(han
     views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(64)]
 
     def descriptors_of(name):
-        links = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                links.append(os.readlink(f"/proc/self/fd/{fd}"))
-            except FileNotFoundError:
-                pass    # the listing's own descriptor, closed since
         # A replaced or removed file's link reads "<name> (deleted)": counted too.
-        return sum(link == str(name) or link == f"{name} (deleted)" for link in links)
+        return sum(link in (str(name), f"{name} (deleted)")
+                   for link in open_descriptors().values())
 
     for k in range(32):
         h.async_pread(views[k], str(path), k * 4 * KiB)
