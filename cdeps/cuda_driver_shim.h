@@ -3,7 +3,9 @@
  * gds_handle's workers reach the caller's CUDA tensors through CUDA IPC: the parent
  * exports the allocation holding a tensor, each worker maps it into its own context.
  * The unaligned head and tail of a transfer (under a block each) are copied with
- * cuMemcpy and go through the file's buffered descriptor (Note [O_DIRECT tail]).
+ * cuMemcpy and go through the file's buffered descriptor (Note [O_DIRECT tail]); a copy
+ * to the device from pageable memory may return before its bytes land, so the context is
+ * synchronized after it (pyx/_cuda.pyx, copy_to_device).
  * Our own declarations of the few types used, and a table filled from libcuda.so.1
  * with dlopen, so that nothing here is needed to build or import nvmeswap.
  */
@@ -38,6 +40,7 @@ typedef struct {
     nvmeswap_CUresult (*get_error_name)(nvmeswap_CUresult, const char **);
     nvmeswap_CUresult (*memcpy_dtoh)(void *, nvmeswap_CUdeviceptr, size_t);
     nvmeswap_CUresult (*memcpy_htod)(nvmeswap_CUdeviceptr, const void *, size_t);
+    nvmeswap_CUresult (*ctx_synchronize)(void);
 } nvmeswap_cuda_table;
 
 /* Fill ``table`` from the library at ``path``; 0 on success, else -1 with ``why`` set. */
@@ -49,14 +52,15 @@ static inline int nvmeswap_cuda_load(const char *path, nvmeswap_cuda_table *tabl
                            "cuCtxSetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
                            "cuMemGetAddressRange_v2", "cuIpcGetMemHandle",
                            "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle", "cuGetErrorName",
-                           "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"};
+                           "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2", "cuCtxSynchronize"};
     void **slots[] = {(void **)&table->init, (void **)&table->device_get,
                       (void **)&table->primary_ctx_retain, (void **)&table->ctx_set_current,
                       (void **)&table->ctx_push_current, (void **)&table->ctx_pop_current,
                       (void **)&table->mem_get_address_range,
                       (void **)&table->ipc_get_mem_handle, (void **)&table->ipc_open_mem_handle,
                       (void **)&table->ipc_close_mem_handle, (void **)&table->get_error_name,
-                      (void **)&table->memcpy_dtoh, (void **)&table->memcpy_htod};
+                      (void **)&table->memcpy_dtoh, (void **)&table->memcpy_htod,
+                      (void **)&table->ctx_synchronize};
     memset(table, 0, sizeof(*table));
     table->library = nvmeswap_dlopen_table(path, names, slots, sizeof(names) / sizeof(names[0]),
                                            why, why_len);

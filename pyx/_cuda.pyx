@@ -115,13 +115,21 @@ def copy_to_host(size_t address, size_t nbytes):
 
 
 def copy_to_device(size_t address, const unsigned char[::1] data):
-    cdef nvmeswap_CUresult result
+    """Copy ``data`` to device memory at ``address``; returns once the bytes are there.
+
+    From pageable memory, cuMemcpyHtoD may return once the bytes are staged for DMA,
+    before they land: another process (the parent that reads the tensor after ``wait()``)
+    could see the old bytes. Synchronizing the context waits for the DMA."""
+    cdef nvmeswap_CUresult result, synced = 0
     _require()
     if data.shape[0] == 0:
         return
     with nogil:
         result = table.memcpy_htod(address, &data[0], data.shape[0])
+        if result == 0:
+            synced = table.ctx_synchronize()
     _check(result, "cuMemcpyHtoD")
+    _check(synced, "cuCtxSynchronize")
 
 
 def error_name(int code):

@@ -31,6 +31,17 @@ FAKE_CUDA = textwrap.dedent("""
     typedef struct { char reserved[64]; } ipc_t;
     typedef struct { int pid, fd; ptr_t start, end, offset; } exported_t;
     static struct { ptr_t address; size_t size; } opened[64];
+    /* A copy to the device from pageable memory may return before its bytes land (the
+       driver's documented behaviour): the fake keeps the last one pending until the
+       context is synchronized or the next copy starts behind it. */
+    static struct { ptr_t device; void *bytes; size_t n; } pending;
+    static void land_pending(void) {
+        if (pending.bytes) {
+            memcpy((void *)pending.device, pending.bytes, pending.n);
+            free(pending.bytes);
+            pending.bytes = NULL;
+        }
+    }
 
     int cuInit(unsigned flags) { (void)flags; return 0; }
     int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
@@ -122,6 +133,7 @@ FAKE_CUDA = textwrap.dedent("""
         int i;
         for (i = 0; i < 64; i++) {
             if (opened[i].address == p) {
+                land_pending();
                 munmap((void *)p, opened[i].size);
                 opened[i].address = 0;
                 return 0;
@@ -129,12 +141,19 @@ FAKE_CUDA = textwrap.dedent("""
         }
         return 1;
     }
+    int cuCtxSynchronize(void) { land_pending(); return 0; }
     int cuMemcpyDtoH_v2(void *host, ptr_t device, size_t n) {
+        land_pending();
         memcpy(host, (const void *)device, n);
         return 0;
     }
     int cuMemcpyHtoD_v2(ptr_t device, const void *host, size_t n) {
-        memcpy((void *)device, host, n);
+        land_pending();
+        pending.bytes = malloc(n);
+        if (!pending.bytes) return 2;               /* CUDA_ERROR_OUT_OF_MEMORY */
+        memcpy(pending.bytes, host, n);
+        pending.device = device;
+        pending.n = n;
         return 0;
     }
     int cuGetErrorName(int error, const char **name) {

@@ -93,6 +93,24 @@ def test_gds_round_trips(gds_factory, tmp_path, parallelism, pin):
 
 
 @needs_gds
+def test_gds_small_reads_are_in_the_tensor_when_wait_returns(gds_factory, tmp_path):
+    """A read under a block goes around cuFile: the worker copies the bytes to the device
+    with cuMemcpyHtoD from pageable memory, which may return before they land. wait() must
+    not return before they are in the tensor (on an H200 about one read in a hundred
+    showed the tensor's old bytes before the worker synchronized its context)."""
+    h = gds_factory()
+    data = random_bytes(1 << 16)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    for k in range(400):
+        size = 1 + k * 97 % 4095
+        offset = k * 131 % (len(data) - size)
+        target = torch.zeros(size, dtype=torch.uint8, device="cuda")
+        assert h.async_pread(target, str(path), offset) == 0 and h.wait() == 1
+        assert host_bytes(target) == data[offset:offset + size], f"read {k}"
+
+
+@needs_gds
 def test_gds_pinned_tensors_and_their_slices(gds_factory, tmp_path):
     h = gds_factory(intra_op_parallelism=2)
     whole = h.new_pinned_device_tensor(8 * MiB, torch.empty(0, dtype=torch.uint8, device="cuda"))

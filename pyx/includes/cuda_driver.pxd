@@ -27,6 +27,7 @@ cdef extern from "cuda_driver_shim.h" nogil:
         nvmeswap_CUresult (*get_error_name)(nvmeswap_CUresult, const char **)
         nvmeswap_CUresult (*memcpy_dtoh)(void *, nvmeswap_CUdeviceptr, size_t) noexcept nogil
         nvmeswap_CUresult (*memcpy_htod)(nvmeswap_CUdeviceptr, const void *, size_t) noexcept nogil
+        nvmeswap_CUresult (*ctx_synchronize)() noexcept nogil
 
     int nvmeswap_cuda_load(const char *path, nvmeswap_cuda_table *table, char *why,
                            size_t why_len)
