@@ -19,7 +19,7 @@ def extension(name, libraries=()):
 setup(
     ext_modules=cythonize(
         [extension("queues", libraries=["pthread"]), extension("uring"), extension("transfers"),
-         extension("memory"),
+         extension("memory", libraries=["pthread"]),
          extension("cufile", libraries=["dl"]), extension("cuda", libraries=["dl"])],
         include_path=["pyx"],
         compiler_directives={"language_level": "3"},

@@ -17,9 +17,10 @@ from _check cimport errno_error
 from posix.types cimport off_t
 
 from includes.mman cimport (
-    mmap, munmap, mlock, fallocate, MAP_FAILED, MAP_FIXED, MAP_PRIVATE,
+    mmap, munmap, mlock, munlock, fallocate, MAP_FAILED, MAP_FIXED, MAP_PRIVATE,
     PROT_READ, PROT_WRITE,
     FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, nvmeswap_mlock_on_fault, nvmeswap_map_shared,
+    nvmeswap_populate,
 )
 
 
@@ -91,11 +92,28 @@ cdef class Mapping:
     def lock(self, bint on_fault=False):
         """Page-lock the mapping; ``OSError`` with the errno that refused it (ENOMEM,
         EPERM: over RLIMIT_MEMLOCK). ``on_fault``: lock each page as it is first touched
-        instead of all of them now."""
+        instead of all of them now.
+
+        Note [parallel population]: locking all of a fresh mapping now means making every
+        page, and a shared memory page costs ~2.5 us to allocate, zero and insert (0.6 s a
+        GiB here); mlock(2) makes them one by one in the calling thread. So the range is
+        locked on fault (the limit checked for all of it at once) and then faulted in
+        from one thread per CPU, 32 MiB or more each (MADV_POPULATE_WRITE): the same
+        locked, present pages, in 0.32 s a GiB on 2 CPUs
+        (bench/studies/locked_allocation.py). Where the kernel lacks either call,
+        mlock(2) does it all as before.
+        """
         cdef int err
+        cdef int threads = len(os.sched_getaffinity(0))
         with nogil:
-            err = nvmeswap_mlock_on_fault(self.base, self.size) if on_fault else ENOSYS
-            if err == ENOSYS or err == EINVAL:     # no mlock2 here: lock it all now
+            err = nvmeswap_mlock_on_fault(self.base, self.size)
+            if err == 0 and not on_fault:
+                err = nvmeswap_populate(self.base, self.size, threads)
+                if err == EINVAL:       # no MADV_POPULATE_WRITE: mlock(2) faults them in
+                    err = 0 if mlock(self.base, self.size) == 0 else errno
+                if err != 0:            # not locked after all, as the error says
+                    munlock(self.base, self.size)
+            elif err == ENOSYS or err == EINVAL:     # no mlock2 here: lock it all now
                 err = 0 if mlock(self.base, self.size) == 0 else errno
         if err != 0:
             raise errno_error(err, "mlock")

@@ -17,13 +17,15 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from conftest import open_descriptors, random_bytes, system_setting
+from conftest import may_lock, open_descriptors, random_bytes, system_setting
 
 import nvmeswap
+from nvmeswap._memory import Mapping
 from nvmeswap.io import regions
 from nvmeswap.io.limits import Limits
 
 KiB, MiB = 1 << 10, 1 << 20
+PAGE = 4096
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
 
 
@@ -433,3 +435,49 @@ def test_report_says_huge_pages_once_they_are_on(shmem_huge_pages_on):
     check = next(c for c in report.machine_checks() if c["name"] == "huge pages")
     assert check == {"name": "huge pages", "status": "ok", "fix": None,
                      "found": "locked memory comes in 2 MiB pages (shmem_enabled=advise)"}
+
+
+def _resident_pages(address, nbytes):
+    """How many pages of ``[address, address + nbytes)`` are in memory (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (ctypes.c_ubyte * (nbytes // PAGE))()
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(page & 1 for page in pages)
+
+
+def _locked_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmLck"))
+
+
+@pytest.mark.skipif(not may_lock(200 * MiB), reason="needs RLIMIT_MEMLOCK >= 200 MiB")
+@pytest.mark.parametrize("cpus", ["one", "all"])
+def test_locking_a_mapping_makes_every_page_by_parts(cpus):
+    """Note [parallel population]: locked now, every page is present and locked, however
+    the range is cut into parts (one per CPU, ends not on a part's boundary), and the
+    bytes are zeros."""
+    size = 100 * MiB + 3 * PAGE
+    fd = os.memfd_create("populate-test")
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.ftruncate(fd, size)
+        mapping = Mapping(fd, size)
+        assert _resident_pages(mapping.address, size) == 0
+        before = _locked_kib()
+        if cpus == "one":
+            os.sched_setaffinity(0, {min(allowed)})
+        try:
+            mapping.lock()
+        finally:
+            os.sched_setaffinity(0, allowed)
+        assert mapping.locked
+        assert _resident_pages(mapping.address, size) == size // PAGE
+        assert _locked_kib() - before == size // KiB
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        assert not view.any()
+        del view, mapping
+    finally:
+        os.close(fd)

@@ -13,6 +13,7 @@ cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)
     int munmap(void *addr, size_t length)
     int mlock(const void *addr, size_t length)
+    int munlock(const void *addr, size_t length)
 
 
 cdef extern from "<fcntl.h>" nogil:
@@ -24,6 +25,7 @@ cdef extern from "<fcntl.h>" nogil:
 
 cdef extern from "memory_lock.h" nogil:
     int nvmeswap_mlock_on_fault(const void *addr, size_t length)
+    int nvmeswap_populate(void *addr, size_t length, int threads)
 
 
 cdef extern from "huge_pages.h" nogil:
