@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SLOW_TIER, SLOW_TIER_REASON
+from conftest import SLOW_TIER, SLOW_TIER_REASON, may_lock
 
 from nvmeswap._uring import probe
 
@@ -109,6 +109,11 @@ CASES = {case.name or case.script: case for case in [
     Case("studies/first_touch.py", ["--samples", "1", "--pause", "0"],
          [(r"64 MiB: first fill +\d+\.\d ms, second +\d+\.\d ms, first fill of pages made "
            r"elsewhere +\d+\.\d ms$")]),
+    Case("studies/locked_allocation.py", ["--size", "64M", "--rounds", "1"],
+         [r"^mlock\(2\) +\d+\.\d{3} s a GiB \(1\.00x mlock\(2\)\)$",
+          r"^Mapping\.lock, 1 CPU +\d+\.\d{3} s a GiB \(\d+\.\d\dx mlock\(2\)\)$",
+          r"^Mapping\.lock, every CPU \(\d+\) +\d+\.\d{3} s a GiB"],
+         skip="" if may_lock(64 << 20) else "needs RLIMIT_MEMLOCK >= 64 MiB"),
     Case("studies/control_path.py", ["--folder", "{folder}", "--count", "100"],
          [r"^sync_pread, whole call in this thread: +\d+\.\d us$",
           r"control path round trip +-?\d+\.\d us$", r"control path per chunk +-?\d+\.\d us$"]),

@@ -56,14 +56,14 @@ def main():
     size = parse_size(arguments.size)
     cpus = sorted(os.sched_getaffinity(0))
     ways = {"mlock(2)": set(cpus), "Mapping.lock, 1 CPU": {cpus[0]},
-            f"Mapping.lock, {len(cpus)} CPUs": set(cpus)}
+            f"Mapping.lock, every CPU ({len(cpus)})": set(cpus)}
     best = {way: float("inf") for way in ways}
     for _ in range(arguments.rounds):
         for way, allowed in ways.items():
             best[way] = min(best[way], timed(size, way, allowed))
     gib = size / (1 << 30)
     for way, seconds in best.items():
-        print(f"{way:<24} {seconds / gib:6.3f} s a GiB "
+        print(f"{way:<28} {seconds / gib:6.3f} s a GiB "
               f"({best['mlock(2)'] / seconds:4.2f}x mlock(2))")
 
 
