@@ -28,7 +28,9 @@ from types import SimpleNamespace
 import torch
 
 import nvmeswap.gds as gds_module
+import nvmeswap.io.batch as batch_module
 import nvmeswap.io.operation as operation_module
+import nvmeswap.io.quick as quick_module
 from nvmeswap.gpu import copies
 from nvmeswap.io.buffers import IoBuffer, io_buffer
 
@@ -207,7 +209,7 @@ def use_stand_in_device(monkeypatch):
             return IoBuffer(buf.owner, buf.address, buf.nbytes, device=torch.device("cuda", 0))
         return buf
 
-    for module in (operation_module, gds_module):
+    for module in (operation_module, batch_module, quick_module, gds_module):
         monkeypatch.setattr(module, "io_buffer", buffer_of)
     monkeypatch.setattr(copies, "runtime", cuda)
     monkeypatch.setattr(StandInCuda, "active", cuda)

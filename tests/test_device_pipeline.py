@@ -57,6 +57,31 @@ def test_round_trip_through_ring(handle_factory, tmp_path, device, parallelism, 
         assert copied(source) == copied(target) == size     # every byte via the copier
 
 
+@pytest.mark.parametrize("is_read", [False, True])
+def test_a_batch_of_slices_of_one_device_tensor(handle_factory, tmp_path, device, is_read):
+    """Each request of a batch cut from one device tensor by ``lengths`` moves its own
+    bytes, not the tensor's first ones (the copier starts at the request's address)."""
+    h = handle_factory()
+    length, count = 64 * KiB + 512, 4
+    data = random_bytes(length * count, seed=3)
+    path = tmp_path / "f"
+    offsets = [k * 80 * KiB for k in reversed(range(count))]    # out of order on purpose
+    expected = bytearray(offsets[0] + length)
+    for k, offset in enumerate(offsets):
+        expected[offset:offset + length] = data[k * length:(k + 1) * length]
+    if is_read:
+        path.write_bytes(bytes(expected))
+        target = device_tensor(h, len(data))
+        h.async_pread_many(target, str(path), offsets, lengths=[length] * count)
+        assert h.wait() == count
+        assert bytes(target.numpy()) == data
+    else:
+        source = device_tensor(h, data)
+        h.async_pwrite_many(source, str(path), offsets, lengths=[length] * count)
+        assert h.wait() == count
+        assert path.read_bytes() == bytes(expected)
+
+
 def test_staging_stays_at_ring_size(handle_factory, tmp_path, device):
     """Four slots, not a bounce buffer as large as the tensor; the staging space is
     registered with CUDA once (Note [registered staging]) and unregistered at close."""

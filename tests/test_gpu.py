@@ -92,6 +92,28 @@ def test_gds_round_trips(gds_factory, tmp_path, parallelism, pin):
     _round_trips(gds_factory(intra_op_parallelism=parallelism), tmp_path, pin=pin)
 
 
+@pytest.mark.parametrize("make", ["aio", "gds"])
+def test_batches_of_slices_of_one_cuda_tensor(handle_factory, gds_factory, tmp_path, make):
+    """Each request of a batch cut from one CUDA tensor moves its own bytes."""
+    if make == "gds" and not nvmeswap.gds_available():
+        pytest.skip(f"no cuFile here: {nvmeswap.gds_unavailable_reason()}")
+    h = handle_factory() if make == "aio" else gds_factory()
+    length, count = 64 * 1024 + 512, 4
+    data = random_bytes(length * count, seed=5)
+    offsets = [k * 80 * 1024 for k in reversed(range(count))]
+    expected = bytearray(offsets[0] + length)
+    for k, offset in enumerate(offsets):
+        expected[offset:offset + length] = data[k * length:(k + 1) * length]
+    path = tmp_path / "f"
+    h.async_pwrite_many(gpu_bytes(data), str(path), offsets, lengths=[length] * count)
+    assert h.wait() == count
+    assert path.read_bytes() == bytes(expected)
+    target = torch.zeros(len(data), dtype=torch.uint8, device="cuda")
+    h.async_pread_many(target, str(path), offsets, lengths=[length] * count)
+    assert h.wait() == count
+    assert host_bytes(target) == data
+
+
 @needs_gds
 def test_gds_small_reads_are_in_the_tensor_when_wait_returns(gds_factory, tmp_path):
     """A read under a block goes around cuFile: the worker copies the bytes to the device

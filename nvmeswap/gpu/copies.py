@@ -32,26 +32,33 @@ def cuda():
 
 
 class CudaCopier:
-    """Copies between one CUDA tensor and staging regions (Note [stream order])."""
+    """Copies between the CUDA memory of an IoBuffer and staging regions (Note [stream
+    order]). The buffer may be part of its tensor (a batch's request): its bytes start
+    at its address, not at the tensor's."""
 
-    __slots__ = ("_bytes", "_cuda", "_stream", "_torch")
+    __slots__ = ("_buffer", "_bytes", "_cuda", "_stream", "_torch")
 
-    def __init__(self, tensor, stream):
+    def __init__(self, buffer, stream):
         import torch
 
+        tensor = buffer.owner
         self._torch = torch
         self._cuda = cuda()
-        self._bytes = tensor.detach().reshape(-1).view(torch.uint8)
+        start = buffer.address - tensor.data_ptr()
+        self._bytes = tensor.detach().reshape(-1).view(torch.uint8)[start:start + buffer.nbytes]
+        self._buffer = buffer
         self._stream = stream
         stream.wait_stream(self._cuda.current_stream(tensor.device))
 
     def to_region(self, start, length, region, region_offset):
+        self._buffer.check_alive()
         host = self._host(region, region_offset, length)
         with self._cuda.stream(self._stream):
             host.copy_(self._bytes[start:start + length], non_blocking=True)
         self._stream.synchronize()
 
     def from_region(self, start, length, region, region_offset):
+        self._buffer.check_alive()
         host = self._host(region, region_offset, length)
         with self._cuda.stream(self._stream):
             self._bytes[start:start + length].copy_(host, non_blocking=True)

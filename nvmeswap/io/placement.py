@@ -49,7 +49,7 @@ class HostPlacement:
         else:
             register_for_device_copies(op.region)
             # Made in the caller's call: it orders the copies after the work queued so far.
-            op.copier = CudaCopier(buf.owner, copy_stream(buf.device, self._copy_streams))
+            op.copier = CudaCopier(buf, copy_stream(buf.device, self._copy_streams))
         op.chunks = op.staged.pieces
 
     def give_back(self, op):
@@ -64,7 +64,7 @@ class HostPlacement:
         if op.copier is not None:
             return op.copier
         if op.buffer.device is not None:
-            return CudaCopier(op.buffer.owner, copy_stream(op.buffer.device, self._copy_streams))
+            return CudaCopier(op.buffer, copy_stream(op.buffer.device, self._copy_streams))
         return HostCopier(op.buffer.address)
 
     def release(self):
