@@ -352,8 +352,14 @@ class Books:
         op.region = op.copier = op.staged = None
         op.owns_region = False
         op.error, op.failures = None, 0
-        self.placement.place(op)
-        op.road = Road.WORKERS
+        op.road = Road.WORKERS      # never refused again, whatever happens next
+        try:
+            self.placement.place(op)
+        except Exception as error:  # no staging memory, a CUDA error: it ends with that
+            op.error = error
+            op.chunks, op.remaining = [], 0
+            self._finish(op)
+            return
         op.remaining = len(op.chunks)
         self._go(op)
 
