@@ -5,6 +5,7 @@ fakes of fake_gpu.py: the parent exports "device" memory, the workers map it by 
 fake IPC, register it and move the bytes with the fake cuFile, and the tests check the
 bytes in the files and in the tensors. Real CUDA and cuFile are tested in test_gpu.py.
 """
+import errno
 import os
 import warnings
 
@@ -20,6 +21,7 @@ import nvmeswap
 import nvmeswap.gds as gpudirect
 from nvmeswap import _cuda, errors
 from nvmeswap.io import cufile_placement
+from nvmeswap.io.placement import HostPlacement
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -204,6 +206,62 @@ def test_workers_let_go_of_device_memory(gds, tmp_path):
     assert worker_maps_device_memory()
     assert h.unpin_device_tensor(pinned) and not h.unpin_device_tensor(pinned)
     assert not worker_maps_device_memory()
+
+
+def test_unpinned_while_held_the_workers_still_let_go(gds, tmp_path):
+    """A read into a pinned tensor held behind a write (Note [ordering]), the tensor
+    unpinned before it is sent: the worker maps it for the read and unmaps it after."""
+    h = gds()
+    worker = h._scheduler.workers.pool.workers[0].process.pid
+    path = str(tmp_path / "f")
+    data = random_bytes(MiB, seed=2)
+    h.sync_pwrite(torch.frombuffer(bytearray(data), dtype=torch.uint8), path)
+
+    def worker_maps_device_memory():
+        h.sync_pwrite(torch.ones(2 * MiB, dtype=torch.uint8), str(tmp_path / "sync"))
+        with open(f"/proc/{worker}/maps") as maps:
+            return "stand-in-device" in maps.read()
+
+    pinned = device_tensor(h, MiB, shared=True)
+    assert h.pin_device_tensor(pinned)
+    h.async_pwrite(torch.frombuffer(bytearray(data * 64), dtype=torch.uint8), path, MiB)
+    h.async_pread(pinned, path)     # overlaps nothing of the write: not held ...
+    held = device_tensor(h, MiB, shared=True)
+    assert h.pin_device_tensor(held)
+    h.async_pread(held, path, MiB)  # ... this one is, behind the write
+    assert h._scheduler.books.held
+    assert h.unpin_device_tensor(held) and h.unpin_device_tensor(pinned)
+    assert h.wait() == 3
+    assert bytes(pinned.numpy()) == data and bytes(held.numpy()) == data
+    assert not worker_maps_device_memory()
+
+
+def test_a_refused_operation_that_cannot_be_staged_fails_and_ends(gds, tmp_path, monkeypatch):
+    """Note [cuFile refusing a file]: where the staging road cannot take the operation
+    again (no staging memory, say), it fails with that error; nothing is left in the
+    books, and the handle goes on."""
+    monkeypatch.setenv("FAKE_CUFILE_REFUSE_FILES", "5027")
+    monkeypatch.setenv("FAKE_CUFILE_REFUSE_MATCHING", "refused")
+    h = gds()
+    data = random_bytes(MiB, seed=1)
+    real = HostPlacement.place
+
+    def place(self, op):
+        if op.buffer.device is not None:
+            raise OSError(errno.EMFILE, "no staging memory (simulated)")
+        return real(self, op)
+
+    monkeypatch.setattr(HostPlacement, "place", place)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nvmeswap.GdsFallbackWarning)
+        with pytest.raises(OSError, match="simulated"):
+            h.sync_pwrite(device_tensor(h, data, shared=True), str(tmp_path / "refused"))
+    assert not h._scheduler.books.ops and h.wait() == 0
+    monkeypatch.setattr(HostPlacement, "place", real)
+    back = device_tensor(h, len(data), shared=True)
+    h.sync_pwrite(device_tensor(h, data, shared=True), str(tmp_path / "refused"))
+    h.sync_pread(back, str(tmp_path / "refused"))
+    assert bytes(back.numpy()) == data
 
 
 def test_pin_takes_device_tensors_only(gds):

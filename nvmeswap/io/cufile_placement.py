@@ -115,7 +115,14 @@ class CufilePlacement:
         return True
 
     def give_back(self, op):
-        return self.host.give_back(op)
+        regions = self.host.give_back(op)
+        region = op.region
+        if (region is not None and region.on_device and not op.owns_region
+                and region.region_id not in self.pinned):
+            # Unpinned while ``op`` was held: sending it mapped the region in a worker
+            # again, and nothing else will unmap it there.
+            regions.append(region)
+        return regions
 
     def bytes_reader(self, op):
         return self.host.bytes_reader(op)
