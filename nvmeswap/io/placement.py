@@ -49,6 +49,8 @@ class HostPlacement:
         else:
             register_for_device_copies(op.region)
             # Made in the caller's call: it orders the copies after the work queued so far.
+            # (Made again on another thread when cuFile refused the file, Note [cuFile
+            # refusing a file]: cuFile's placement had already waited for that work.)
             op.copier = CudaCopier(buf, copy_stream(buf.device, self._copy_streams))
         op.chunks = op.staged.pieces
 
