@@ -15,6 +15,19 @@ from .roads import WORKER_ROADS, Road
 from .validate import validate
 from .workforce import GONE
 
+_TAKEN = object()   # a claim's pool when another thread reads responses
+
+
+class _Claim:
+    """Whether this thread reads responses now, and from which pool (Note [pumping
+    claims])."""
+
+    __slots__ = ("held", "pool")
+
+    def __init__(self):
+        self.held = False
+        self.pool = None
+
 
 class Books:
     """What is in flight: operations by id, the asynchronous ones nobody has collected,
@@ -208,41 +221,65 @@ class Books:
 
     # -- responses ---------------------------------------------------------------------
     def wait_until(self, finished):
-        """Block (GIL released) until ``finished()``; one thread at a time reads responses."""
+        """Block (GIL released) until ``finished()``; one thread at a time reads responses
+        (Note [pumping claims])."""
         while True:
-            with deferred_interrupts(), self.cond:
-                if finished():
-                    return
-                pumping = self.pumping_thread is None
-                if pumping:
-                    pool = self.workers.pool
-                    self.pumping_thread = threading.get_ident()
-            if not pumping:
-                with self.cond:
-                    if self.pumping_thread is not None:
-                        self.cond.wait()   # where an interrupt loses nothing
-                continue
+            claim = _Claim()
             try:
-                self._pump(pool)
+                if self._claim_pumping(claim, finished):
+                    return
+                if claim.pool is _TAKEN:
+                    with self.cond:
+                        if self.pumping_thread is not None:
+                            self.cond.wait()   # where an interrupt loses nothing
+                    continue
+                self._pump(claim.pool)
             finally:
-                with deferred_interrupts(), self.cond:
-                    self.pumping_thread = None
-                    self.cond.notify_all()
+                if claim.held:
+                    self._release_pumping()
 
     def progress(self):
         """Complete what has ended, without waiting: unless another thread is reading
         responses (then it does)."""
-        with deferred_interrupts(), self.cond:
-            if self.pumping_thread is not None:
-                return
-            self.pumping_thread = threading.get_ident()
-            pool = self.workers.pool    # read under the lock, as wait_until reads it
+        claim = _Claim()
         try:
-            self._pump(pool, wait=False)
+            self._claim_pumping(claim)
+            if claim.held:
+                self._pump(claim.pool, wait=False)
         finally:
-            with deferred_interrupts(), self.cond:
-                self.pumping_thread = None
-                self.cond.notify_all()
+            if claim.held:
+                self._release_pumping()
+
+    def _claim_pumping(self, claim, finished=None):
+        """Become the thread that reads responses, unless another one is: ``claim`` says
+        which, and the pool to read. True if ``finished()`` holds (nothing claimed).
+
+        Note [pumping claims]: a Ctrl-C held back while the claim is made is raised as
+        the section ends, so the claim is recorded inside it, in ``claim``, for the
+        caller's ``finally`` to give back. A claim this thread holds when it asks again
+        (left by a second Ctrl-C within that ``finally``) is taken up again, not waited
+        for: this thread is not reading responses while it asks.
+        """
+        me = threading.get_ident()
+        with deferred_interrupts(), self.cond:
+            if self.pumping_thread == me:
+                self._release_pumping_locked()
+            if finished is not None and finished():
+                return True
+            if self.pumping_thread is not None:
+                claim.pool = _TAKEN
+                return False
+            self.pumping_thread = me
+            claim.pool, claim.held = self.workers.pool, True    # the pool read under the lock
+            return False
+
+    def _release_pumping(self):
+        with deferred_interrupts(), self.cond:
+            self._release_pumping_locked()
+
+    def _release_pumping_locked(self):
+        self.pumping_thread = None
+        self.cond.notify_all()
 
     def _pump(self, pool, wait=True):
         """Read the workers' responses and complete their chunks (Note [deferred interrupts])."""
