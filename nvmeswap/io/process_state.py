@@ -17,6 +17,9 @@ _lock = threading.Lock()
 # Host and device regions share one numbering: a worker's UNMAP names either. (A forked
 # child going on with its parent's count is harmless: ids stay unique in each process.)
 region_ids = itertools.count(1)
+#: This process's id, kept by the fork hook below: every call of a handle checks it, and
+#: os.getpid() is a system call.
+pid = os.getpid()
 
 
 def shared(kind):
@@ -31,7 +34,8 @@ def shared(kind):
 
 
 def _forget_in_child():
-    global _lock
+    global _lock, pid
+    pid = os.getpid()
     _lock = threading.Lock()
     _instances.clear()
 

@@ -17,6 +17,7 @@ import warnings
 
 from .._transfers import transfer_in_caller
 from ..errors import WorkerDied, caller_stacklevel
+from . import process_state
 from .batch import SLICE, BatchOperation, checked_requests
 from .books import Books
 from .files import open_target
@@ -188,7 +189,7 @@ class Scheduler:
     def check_usable(self):
         if self.closed:
             raise ValueError("I/O operation on a closed nvmeswap handle")
-        if os.getpid() != self.creator_pid:
+        if process_state.pid != self.creator_pid:
             raise RuntimeError(f"this nvmeswap handle belongs to process {self.creator_pid}; "
                                "after fork() create a new handle in the child")
 
