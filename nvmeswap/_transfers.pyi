@@ -8,7 +8,7 @@ Results cross the Cython edge one way, here and in nvmeswap._queues and nvmeswap
   got than requested) included;
 - ``None`` means "not taken here": the caller runs the operation the ordinary way.
 """
-from typing import Literal
+from typing import Any, Literal
 
 class Completion:
     """The outcome of one transfer: chunk ``chunk`` of operation ``op_id``, whichever road
@@ -51,6 +51,9 @@ def open_for_direct_read(path: bytes, end: int) -> tuple[int, int, int, int] | N
 def still_names(path: bytes, device: int, inode: int, end: int) -> bool:
     """Whether ``path`` names the regular file ``device``/``inode`` now, at least ``end``
     bytes long."""
+def post_to_run(queue: Any, run: Any, buffer: Any, offset: int) -> bool:
+    """Post one more read of a quick read run to the caller queue and count it in the
+    same call; False if the queue took none."""
 
 def preallocate(fd: int, offset: int, length: int) -> None:
     """fallocate(2) without glibc's fallback of writing zeros; OSError if refused."""

@@ -329,6 +329,89 @@ def test_quick_reads_in_flight_share_a_descriptor_of_the_file_the_path_names(han
     assert h.free_cpu_locked_tensor(locked)
 
 
+def _runs(h):
+    """The quick read runs in flight (Note [quick read runs])."""
+    from nvmeswap.io.quick import QuickReadRun
+
+    return [op for op in h._scheduler.books.ops.values() if isinstance(op, QuickReadRun)]
+
+
+def test_a_threads_quick_reads_of_one_file_are_one_operation(handle_factory, tmp_path):
+    """Note [quick read runs]: a thread's quick reads of one file join one operation in
+    the books until its wait(), which counts each read; another thread's reads are
+    another run, counted by that thread; every read gets its own bytes."""
+    import numpy as np
+
+    h = handle_factory()
+    path = tmp_path / "f"
+    data = random_bytes(4 * MiB, seed=8)
+    path.write_bytes(data)
+    locked = h.new_cpu_locked_tensor(2 * 64 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    h.sync_pread(locked[:4 * KiB], str(path))        # the caller queue is made
+    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(128)]
+    rng = np.random.default_rng(2)
+
+    def read(first, count):
+        offsets = [int(o) * 4 * KiB for o in rng.integers(0, MiB // KiB, count)]
+        for k, offset in enumerate(offsets):
+            assert h.async_pread(views[first + k], str(path), offset) == 0
+        return offsets
+
+    offsets = read(0, 64)
+    runs = _runs(h)
+    assert len(runs) == 1 and runs[0].count == 64 and len(h._scheduler.books.ops) == 1
+    other = {}
+
+    def other_thread():
+        other["offsets"] = read(64, 64)
+        other["runs"] = len(_runs(h))
+        other["waited"] = h.wait()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert other["runs"] == 2 and other["waited"] == 64
+    assert h.wait() == 64 and not h._scheduler.books.ops
+    assert not h._scheduler.books.open_runs
+    for k, offset in enumerate(offsets + other["offsets"]):
+        assert bytes(views[k].numpy()) == data[offset:offset + 4 * KiB], k
+    read(0, 8)                              # after wait(): a new run
+    assert len(_runs(h)) == 1 and _runs(h)[0].count == 8
+    assert h.wait() == 8
+    assert h.free_cpu_locked_tensor(locked)
+
+
+def test_a_write_after_a_run_follows_all_of_its_reads(handle_factory, tmp_path):
+    """Note [ordering] with runs: a write of bytes a run reads waits for the run, so the
+    run's reads return the old bytes; reads started after the write return the new ones,
+    and do not join the run."""
+    h = handle_factory()
+    path = tmp_path / "f"
+    old = random_bytes(MiB, seed=9)
+    path.write_bytes(old)
+    locked = h.new_cpu_locked_tensor(20 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    h.sync_pread(locked[:4 * KiB], str(path))
+    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(20)]
+    for k in range(16):
+        h.async_pread(views[k], str(path), k * 4 * KiB)
+    (run,) = _runs(h)
+    new = random_bytes(8 * KiB, seed=10)
+    views[16].copy_(torch.frombuffer(bytearray(new[:4 * KiB]), dtype=torch.uint8))
+    views[17].copy_(torch.frombuffer(bytearray(new[4 * KiB:]), dtype=torch.uint8))
+    h.async_pwrite(locked[16 * 4 * KiB:18 * 4 * KiB], str(path), 4 * KiB)
+    assert any(op.waits_for == {run} for op in h._scheduler.books.held)
+    h.async_pread(views[18], str(path), 4 * KiB)      # after the write: its bytes
+    h.async_pread(views[19], str(path), 32 * KiB)     # not the write's: still not the run
+    assert run.count == 16
+    assert h.wait() == 19
+    for k in range(16):
+        assert bytes(views[k].numpy()) == old[k * 4 * KiB:(k + 1) * 4 * KiB], k
+    assert bytes(views[18].numpy()) == new[:4 * KiB]
+    assert bytes(views[19].numpy()) == old[32 * KiB:36 * KiB]
+    assert path.read_bytes() == old[:4 * KiB] + new + old[12 * KiB:]
+    assert h.free_cpu_locked_tensor(locked)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signals reach the main thread only")
 def test_ctrl_c_among_quick_reads_leaves_every_started_read_counted(handle_factory,

@@ -44,6 +44,7 @@ class Books:
         self.held = []          # booked operations that wait for earlier ones, in order
         self.staged_ops = []    # staged operations in flight, oldest first
         self.ordering = Ordering()
+        self.open_runs = {}     # (thread, path) -> the run its reads join (Note [quick read runs])
         self.pumping_thread = None  # the thread reading responses, if any
         self._driving = False
 
@@ -95,7 +96,15 @@ class Books:
         if not taken:
             taken, left = left, []
         self.async_ops = left
+        for op in taken:    # a run counted now takes no more reads
+            if op.road is Road.QUICK_READ:
+                self.close_run(op)
         return taken
+
+    def close_run(self, op):
+        """Let the run ``op`` take no more reads (Note [quick read runs])."""
+        if self.open_runs.get(op.key) is op:
+            del self.open_runs[op.key]
 
     def in_flight_for(self, thread):
         """Whether an operation ``thread`` started is still in flight: an asynchronous
@@ -297,20 +306,28 @@ class Books:
             self.complete(responses)
 
     def complete(self, completions):
+        ops = self.ops
         for done in completions:
-            op = self.ops.get(done.op_id)
-            if op is not None:
+            op = ops.get(done.op_id)
+            if op is None:
+                continue
+            if op.staged is None and op.copier is None and not done.failed:
+                # Zero-copy and done (most small reads): nothing to copy or give back.
+                op.remaining -= 1
+                if op.remaining == 0 and not op.done:
+                    self._finish(op)
+            else:
                 self.complete_chunk(op, done)
 
     def complete_chunk(self, op, done):
         """One request of ``op`` has ended (a ``Completion``)."""
         chunk = done.chunk
-        start, length = op.chunks[chunk]
         if done.failed:
             op.failures += 1
             if op.error is None:
                 op.error = op.transfer_error(done.err, done.at_offset, done.requested, done.got)
         elif op.copier is not None and op.is_read and op.error is None:
+            start, length = op.chunks[chunk]
             try:
                 op.copier.from_region(start, length, op.region, op.region_offset_of(chunk))
             except Exception as error:
@@ -347,6 +364,8 @@ class Books:
         if op.road is Road.CUFILE and op.error is not None and self.placement.refuse(op):
             self._redo_staged(op)
             return
+        if op.road is Road.QUICK_READ:
+            self.close_run(op)
         if self.ops.pop(op.op_id, None) is not None:
             if op.starter is not None:
                 self._in_flight_by[op.starter] -= 1

@@ -29,6 +29,11 @@ class Ordering:
         return {other for other in candidates
                 if other.file_offset < end and start < other.file_offset + other.buffer.nbytes}
 
+    def writes_in_flight(self, identity):
+        """Whether a write of the file ``identity`` names is in flight."""
+        in_flight = self._by_file.get(identity)
+        return in_flight is not None and bool(in_flight[1])
+
     def add(self, op):
         """Count ``op`` in flight; return the earlier operations it must wait for."""
         waits_for = self.conflicts(op)

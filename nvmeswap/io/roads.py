@@ -13,7 +13,8 @@ operation is opened and placed. "Small" is at most the placement's inline limit
 | sync, small, aligned, host memory,       | QUICK_SYNC   | opening, booking | peers_table.py    |
 | nothing of the handle in flight          |              | in Python: ~60us | (sync rows)       |
 | async read, small, aligned, locked       | QUICK_READ   | opening, placing | small_async.py    |
-| memory, the caller queue has room        |              | in Python        |                   |
+| memory, the caller queue has room        |              | in Python; one   |                   |
+|                                          |              | booking per run  |                   |
 | otherwise, before the file is opened     | OPEN         |                  |                   |
 | a batch's slice: small, aligned, locked  | BATCH        | one booking and  | small_async.py    |
 | memory, the caller queue has room        |              | one post for all | (--batch)         |

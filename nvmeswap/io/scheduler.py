@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 
-from .._transfers import transfer_in_caller
+from .._transfers import post_to_run, transfer_in_caller
 from ..errors import WorkerDied, caller_stacklevel
 from . import process_state
 from .batch import SLICE, BatchOperation, checked_requests
@@ -24,7 +24,7 @@ from .files import open_target
 from .futures import Future
 from .interrupts import deferred_interrupts
 from .operation import open_operation, writes
-from .quick import ReadDescriptors, candidate, quick_read, quick_transfer
+from .quick import QuickReadRun, ReadDescriptors, candidate, names_the_runs_file, quick_transfer
 from .roads import Facts, Memory, Road, route
 from .workforce import Workforce, chunks_in_flight_limit
 
@@ -272,8 +272,18 @@ class Scheduler:
 
     def _submit_quick_read(self, buf, region, target, path, file_offset):
         """True if the read was booked for the caller queue (Note [quick asynchronous
-        reads]). It is booked only if its file qualifies, there is room for it and
-        nothing in flight is one it must follow; else it goes the ordinary way."""
+        reads]): joined to its thread's run of reads of that file, or starting one (Note
+        [quick read runs]). It is booked only if its file qualifies, there is room for it
+        and nothing in flight is one it must follow; else it goes the ordinary way."""
+        key = (threading.get_ident(), path)
+        run = self.books.open_runs.get(key)
+        if run is not None and names_the_runs_file(run, path, file_offset + buf.nbytes):
+            with self._cond:
+                if (not self.closed and self.books.open_runs.get(key) is run
+                        and self._queue_room()
+                        and not self.books.ordering.writes_in_flight(run.file.identity)
+                        and post_to_run(self.workers.queue, run, buf, file_offset)):
+                    return True
         with deferred_interrupts():
             shared = self._read_descriptors.take(path, file_offset + buf.nbytes)
             if shared is None:
@@ -283,12 +293,14 @@ class Scheduler:
                 with self._cond:
                     if self.closed or not self._queue_room():
                         return False
-                    op = quick_read(next(self._op_ids), buf, region, target, file_offset,
-                                    shared)
+                    op = QuickReadRun(next(self._op_ids), buf, region, target, file_offset,
+                                      shared, key)
                     if self.books.ordering.conflicts(op):
                         return False
                     op.road = Road.QUICK_READ
                     self.books.book(op, is_async=True)
+                    if not op.done:
+                        self.books.open_runs[key] = op
             finally:
                 if op is None or not op.started:    # once started, its end gives it back
                     self._read_descriptors.release(shared)
