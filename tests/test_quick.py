@@ -467,3 +467,43 @@ def test_ctrl_c_among_quick_reads_leaves_every_started_read_counted(handle_facto
         signal.signal(signal.SIGINT, previous)
     assert interrupted > 0 and started > 0
     assert h.free_cpu_locked_tensor(locked)
+
+
+def test_a_failed_read_of_a_run_names_its_file_and_offset(handle_factory, tmp_path,
+                                                          monkeypatch):
+    """Note [quick read runs]: the file shrinks between a read's check and its post: that
+    read comes back short and wait() raises for it, naming the file and its offset,
+    counting one failure; the run's other reads bring their bytes."""
+    from nvmeswap.io import scheduler as scheduler_module
+
+    h = handle_factory()
+    path = tmp_path / "f"
+    data = random_bytes(8 * MiB, seed=12)
+    path.write_bytes(data)
+    locked = h.new_cpu_locked_tensor(4 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    h.sync_pread(locked[:4 * KiB], str(path))
+    checked = scheduler_module.names_the_runs_file
+    shrunk = []
+
+    def shrink_once(run, name, end):
+        names = checked(run, name, end)
+        if names and not shrunk:
+            os.truncate(path, 4 * MiB)
+            shrunk.append(end)
+        return names
+
+    monkeypatch.setattr(scheduler_module, "names_the_runs_file", shrink_once)
+    offsets = [0, 5 * MiB, 4 * KiB, 8 * KiB]
+    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(4)]
+    for view, offset in zip(views, offsets):
+        h.async_pread(view, str(path), offset)
+    assert len(_runs(h)) == 1 and _runs(h)[0].count == 4
+    with pytest.raises(nvmeswap.ShortFileError) as info:
+        h.wait()
+    assert info.value.filename == str(path)
+    assert "at offset 5242880" in str(info.value)
+    assert info.value.failed_operations == 1
+    for k in (0, 2, 3):
+        assert bytes(views[k].numpy()) == data[offsets[k]:offsets[k] + 4 * KiB], k
+    assert not h._scheduler.books.ops
+    assert h.free_cpu_locked_tensor(locked)
