@@ -336,6 +336,17 @@ def _runs(h):
     return [op for op in h._scheduler.books.ops.values() if isinstance(op, QuickReadRun)]
 
 
+def _file_and_views(h, tmp_path, nbytes, count, seed):
+    """A file of ``nbytes`` random bytes, and ``count`` locked 4 KiB views to read it
+    into (the caller queue made): (path, data, locked, views)."""
+    path = tmp_path / "f"
+    data = random_bytes(nbytes, seed=seed)
+    path.write_bytes(data)
+    locked = h.new_cpu_locked_tensor(count * 4 * KiB, torch.empty(0, dtype=torch.uint8))
+    h.sync_pread(locked[:4 * KiB], str(path))
+    return path, data, locked, [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(count)]
+
+
 def test_a_threads_quick_reads_of_one_file_are_one_operation(handle_factory, tmp_path):
     """Note [quick read runs]: a thread's quick reads of one file join one operation in
     the books until its wait(), which counts each read; another thread's reads are
@@ -343,12 +354,7 @@ def test_a_threads_quick_reads_of_one_file_are_one_operation(handle_factory, tmp
     import numpy as np
 
     h = handle_factory()
-    path = tmp_path / "f"
-    data = random_bytes(4 * MiB, seed=8)
-    path.write_bytes(data)
-    locked = h.new_cpu_locked_tensor(2 * 64 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
-    h.sync_pread(locked[:4 * KiB], str(path))        # the caller queue is made
-    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(128)]
+    path, data, locked, views = _file_and_views(h, tmp_path, 4 * MiB, 128, seed=8)
     rng = np.random.default_rng(2)
 
     def read(first, count):
@@ -386,12 +392,7 @@ def test_a_write_after_a_run_follows_all_of_its_reads(handle_factory, tmp_path):
     run's reads return the old bytes; reads started after the write return the new ones,
     and do not join the run."""
     h = handle_factory()
-    path = tmp_path / "f"
-    old = random_bytes(MiB, seed=9)
-    path.write_bytes(old)
-    locked = h.new_cpu_locked_tensor(20 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
-    h.sync_pread(locked[:4 * KiB], str(path))
-    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(20)]
+    path, old, locked, views = _file_and_views(h, tmp_path, MiB, 20, seed=9)
     for k in range(16):
         h.async_pread(views[k], str(path), k * 4 * KiB)
     (run,) = _runs(h)
@@ -422,12 +423,7 @@ def test_ctrl_c_among_quick_reads_leaves_every_started_read_counted(handle_facto
     import signal
 
     h = handle_factory()
-    path = tmp_path / "f"
-    data = random_bytes(MiB, seed=11)
-    path.write_bytes(data)
-    locked = h.new_cpu_locked_tensor(256 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
-    h.sync_pread(locked[:4 * KiB], str(path))
-    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(256)]
+    path, data, locked, views = _file_and_views(h, tmp_path, MiB, 256, seed=11)
     started = interrupted = 0
     rng = random.Random(3)
     armed = [False]
@@ -477,11 +473,7 @@ def test_a_failed_read_of_a_run_names_its_file_and_offset(handle_factory, tmp_pa
     from nvmeswap.io import scheduler as scheduler_module
 
     h = handle_factory()
-    path = tmp_path / "f"
-    data = random_bytes(8 * MiB, seed=12)
-    path.write_bytes(data)
-    locked = h.new_cpu_locked_tensor(4 * 4 * KiB, torch.empty(0, dtype=torch.uint8))
-    h.sync_pread(locked[:4 * KiB], str(path))
+    path, data, locked, views = _file_and_views(h, tmp_path, 8 * MiB, 4, seed=12)
     checked = scheduler_module.names_the_runs_file
     shrunk = []
 
@@ -494,7 +486,6 @@ def test_a_failed_read_of_a_run_names_its_file_and_offset(handle_factory, tmp_pa
 
     monkeypatch.setattr(scheduler_module, "names_the_runs_file", shrink_once)
     offsets = [0, 5 * MiB, 4 * KiB, 8 * KiB]
-    views = [locked[k * 4 * KiB:(k + 1) * 4 * KiB] for k in range(4)]
     for view, offset in zip(views, offsets):
         h.async_pread(view, str(path), offset)
     assert len(_runs(h)) == 1 and _runs(h)[0].count == 4
