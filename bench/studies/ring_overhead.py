@@ -47,7 +47,7 @@ def use_stand_in_device():
         return buf
 
     operation_module.io_buffer = buffer_of
-    placement_module.CudaCopier = lambda tensor, stream: HostCopier(tensor.data_ptr())
+    placement_module.CudaCopier = lambda buffer, stream: HostCopier(buffer.address)
     placement_module.copy_stream = lambda device, streams: None
     placement_module.register_for_device_copies = lambda region: None
 
