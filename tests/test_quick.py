@@ -498,3 +498,32 @@ def test_a_failed_read_of_a_run_names_its_file_and_offset(handle_factory, tmp_pa
         assert bytes(views[k].numpy()) == data[offsets[k]:offsets[k] + 4 * KiB], k
     assert not h._scheduler.books.ops
     assert h.free_cpu_locked_tensor(locked)
+
+
+def test_the_claim_to_read_responses_is_given_back_where_no_ctrl_c_can_land(
+        handle_factory, tmp_path, monkeypatch):
+    """Note [pumping claims]: a wait() gives its claim back inside the section that
+    completes what it read; the give-back outside a section (here raising, as a Ctrl-C
+    landing at its call would) runs only after an interrupted poll. So another thread's
+    wait() afterwards is never left waiting for a reader that is gone."""
+    from nvmeswap.io.books import Books
+
+    h = handle_factory()
+    path, data, locked, views = _file_and_views(h, tmp_path, MiB, 8, seed=13)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Books, "_release_pumping", interrupted)
+    for k, view in enumerate(views):
+        h.async_pread(view, str(path), k * 4 * KiB)
+    assert h.wait() == 8
+    assert h._scheduler.books.pumping_thread is None
+    h.async_pread(views[0], str(path), 64 * KiB)
+    other = {}
+    thread = threading.Thread(target=lambda: other.setdefault("waited", h.wait()))
+    thread.start()
+    thread.join(30)
+    assert other == {"waited": 1}
+    assert bytes(views[0].numpy()) == data[64 * KiB:68 * KiB]
+    assert h.free_cpu_locked_tensor(locked)

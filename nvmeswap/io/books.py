@@ -242,9 +242,9 @@ class Books:
                         if self.pumping_thread is not None:
                             self.cond.wait()   # where an interrupt loses nothing
                     continue
-                self._pump(claim.pool)
+                self._pump(claim)
             finally:
-                if claim.held:
+                if claim.held:      # only if the poll was interrupted
                     self._release_pumping()
 
     def progress(self):
@@ -254,7 +254,7 @@ class Books:
         try:
             self._claim_pumping(claim)
             if claim.held:
-                self._pump(claim.pool, wait=False)
+                self._pump(claim, wait=False)
         finally:
             if claim.held:
                 self._release_pumping()
@@ -263,11 +263,14 @@ class Books:
         """Become the thread that reads responses, unless another one is: ``claim`` says
         which, and the pool to read. True if ``finished()`` holds (nothing claimed).
 
-        Note [pumping claims]: a Ctrl-C held back while the claim is made is raised as
-        the section ends, so the claim is recorded inside it, in ``claim``, for the
-        caller's ``finally`` to give back. A claim this thread holds when it asks again
-        (left by a second Ctrl-C within that ``finally``) is taken up again, not waited
-        for: this thread is not reading responses while it asks.
+        Note [pumping claims]: a Ctrl-C held back in a section is raised as the section
+        ends, and between two sections anything may raise it. So the claim is made
+        inside a section and recorded there, in ``claim``, and given back inside the
+        section that completes what was read (``_pump``): outside a section it is held
+        only while the thread blocks in ``poll``, where a Ctrl-C raised leaves it for
+        the caller's ``finally``. A claim this thread finds it holds when it asks again
+        (a second Ctrl-C in that ``finally``) is taken up again: this thread is not
+        reading responses while it asks.
         """
         me = threading.get_ident()
         with deferred_interrupts(), self.cond:
@@ -287,23 +290,30 @@ class Books:
             self._release_pumping_locked()
 
     def _release_pumping_locked(self):
-        self.pumping_thread = None
-        self.cond.notify_all()
+        if self.pumping_thread == threading.get_ident():
+            self.pumping_thread = None
+            self.cond.notify_all()
 
-    def _pump(self, pool, wait=True):
-        """Read the workers' responses and complete their chunks (Note [deferred interrupts])."""
+    def _pump(self, claim, wait=True):
+        """Read the workers' responses and complete their chunks (Note [deferred
+        interrupts]); give back ``claim`` in the same section (Note [pumping claims])."""
+        pool = claim.pool
         events = self.workers.poll(pool, wait)
         with deferred_interrupts(), self.cond:
             try:
-                responses = self.workers.read(pool, events)
-            except WorkerDied as death:
-                self._fail_pool(pool, death)
-                return
-            except OSError:
-                if pool is not self.workers.pool:
-                    return      # killed under us (close): its descriptors are gone
-                raise
-            self.complete(responses)
+                try:
+                    responses = self.workers.read(pool, events)
+                except WorkerDied as death:
+                    self._fail_pool(pool, death)
+                    return
+                except OSError:
+                    if pool is not self.workers.pool:
+                        return      # killed under us (close): its descriptors are gone
+                    raise
+                self.complete(responses)
+            finally:
+                self._release_pumping_locked()
+                claim.held = False
 
     def complete(self, completions):
         ops = self.ops
