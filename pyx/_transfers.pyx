@@ -169,27 +169,35 @@ def direct_split(long long offset, long long nbytes, long long alignment):
 def post_to_run(queue, run, buffer, long long offset):
     """Post one more read of ``run`` (Note [quick read runs] in nvmeswap/io/quick.py) to
     the caller queue, into ``buffer`` (an IoBuffer) from ``offset``; False if the queue
-    took none. The run counts it in the same call: no Python code runs between the
-    post and the counts, so no signal handler can come between them and leave a read in
-    flight that the books do not know of. Called with the books' lock held."""
+    took none. The run counts it in the same call, before the post (a post that fails
+    after its request went out still has it counted), and no Python code runs between
+    them: no signal handler can leave a read in flight that the books do not know of.
+    Called with the books' lock held."""
     cdef Py_ssize_t index = len(run.chunks)
     cdef size_t address = buffer.address
     cdef long long nbytes = buffer.nbytes
-    if not queue.post(run.op_id, index, True, run.file.direct_fd, address, nbytes, offset):
-        return False
     span = run.buffer
     cdef long long start = run.file_offset
     cdef long long end = start + span.nbytes
+    previous = (start, span.nbytes)
     # Where the read lands, as an offset from the run's first buffer (region_offset_of).
     run.chunks.append((<long long>(address - run.region.address) - run.region_offset,
                        nbytes))
     span.owner.append(buffer)      # the caller's memory, held until the run ends
     if offset < start:
         start = offset
-        run.file_offset = start
     if offset + nbytes > end:
         end = offset + nbytes
+    run.file_offset = start
     span.nbytes = end - start
     run.count += 1
     run.remaining += 1
-    return True
+    if queue.post(run.op_id, index, True, run.file.direct_fd, address, nbytes, offset):
+        return True
+    # Not taken: as it was.
+    run.remaining -= 1
+    run.count -= 1
+    run.file_offset, span.nbytes = previous
+    span.owner.pop()
+    run.chunks.pop()
+    return False
