@@ -322,10 +322,7 @@ class Books:
             if op is None:
                 continue
             if op.staged is None and op.copier is None and not done.failed:
-                # Zero-copy and done (most small reads): nothing to copy or give back.
-                op.remaining -= 1
-                if op.remaining == 0 and not op.done:
-                    self._finish(op)
+                self._count_out(op, 1)  # zero-copy and done: nothing to copy or give back
             else:
                 self.complete_chunk(op, done)
 
