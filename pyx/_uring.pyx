@@ -192,8 +192,7 @@ cdef class UringEngine(TransferEngine):
                 ret = self._submit_one_by_one()
             if ret >= 0 and self.in_flight:
                 ret = _settle(&self.ring, self.in_flight,
-                              (1 if self.overlap_events else <unsigned>self.in_flight)
-                              if block else 0)
+                              <unsigned>self._completions_to_wait() if block else 0)
             if ret >= 0:
                 self._reap()
                 self._fill()

@@ -17,3 +17,4 @@ cdef class TransferEngine:
 
     cdef int _set_up(self, size_t block_size, int queue_depth, bint single_submit,
                      bint overlap_events, int max_transfers) except -1
+    cdef int _completions_to_wait(self) noexcept nogil
