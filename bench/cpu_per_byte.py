@@ -7,7 +7,8 @@ write (the tensor's first transfer: a worker maps its pages now), then --repeats
 each of a fresh write (file removed first), an overwrite, and a cold read (page cache
 dropped), as an offloading loop moves the same buffers again and again. The CPU time of
 the process and its children (workers included, every thread, from /proc's schedstat
-in nanoseconds) is counted per job, per GB (10^9 bytes); a job's figure in a process is
+in nanoseconds) is counted per job, per GB (10^9 bytes), the workers' from the end of
+the previous job (so that what they do between jobs counts); a job's figure in a process is
 the median of its repeats (one-time costs of the second transfer, such as io_uring's
 registration of the buffer, show in the first repeat and in "fresh write, 1st").
 Printed per job: each contender's median over rounds and DeepSpeed's over ours (> 1:
@@ -28,18 +29,22 @@ GB = 10**9
 
 
 def cpu_ns(pid):
-    """Nanoseconds on a CPU of every thread of ``pid`` and its live children."""
+    """Nanoseconds on a CPU of every thread of ``pid``, and of its live children: (own,
+    children)."""
     import psutil
 
-    total = 0
-    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        try:
-            for tid in os.listdir(f"/proc/{process.pid}/task"):
-                with open(f"/proc/{process.pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-        except (OSError, psutil.Error):
-            pass
-    return total
+    totals = []
+    for processes in ([psutil.Process(pid)], psutil.Process(pid).children(recursive=True)):
+        total = 0
+        for process in processes:
+            try:
+                for tid in os.listdir(f"/proc/{process.pid}/task"):
+                    with open(f"/proc/{process.pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+            except (OSError, psutil.Error):
+                pass
+        totals.append(total)
+    return tuple(totals)
 
 
 def contender_run(kind, folder, size, repeats):
@@ -51,6 +56,9 @@ def contender_run(kind, folder, size, repeats):
                                                                  if " " in kind else {}))
     path = os.path.join(folder, "cpu-per-byte.bin")
     me = os.getpid()
+    # Children (workers) are counted from the end of the previous job on: what they do
+    # between jobs (io_uring's registration of a region when idle) is charged to the next.
+    children_since = [None]
 
     def cpu_per_gb(job):
         if job in ("first write", "fresh write"):
@@ -59,12 +67,17 @@ def contender_run(kind, folder, size, repeats):
             peers.drop_page_cache()
         else:
             os.sync()
-        before = cpu_ns(me)
+        own_before, children_before = cpu_ns(me)
+        if children_since[0] is None:
+            children_since[0] = children_before
         if job == "cold read":
             contender.read(path)
         else:
             contender.write(path)
-        return (cpu_ns(me) - before) / 1e9 / (size / GB)
+        own, children = cpu_ns(me)
+        used = own - own_before + children - children_since[0]
+        children_since[0] = children
+        return used / 1e9 / (size / GB)
 
     try:
         figures = {"first write": cpu_per_gb("first write")}

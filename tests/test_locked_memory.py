@@ -401,7 +401,7 @@ def test_with_shmem_huge_pages_locked_memory_is_in_huge_pages_and_moves_its_byte
     data = random_bytes(8 * MiB, seed=3)
     tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     path = str(tmp_path / "f")
-    for _ in range(2):      # io_uring registers a region at its second transfer
+    for _ in range(2):      # io_uring registers a region by its second transfer
         assert h.sync_pwrite(tensor, path) == 1
     tensor.zero_()
     assert h.sync_pread(tensor, path) == 1 and bytes(tensor.numpy()) == data

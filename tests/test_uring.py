@@ -370,6 +370,53 @@ def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engin
     assert h.free_cpu_locked_tensor(small)
 
 
+@needs_torch
+def test_a_worker_registers_a_region_moved_once_when_it_is_next_idle(handle_factory, tmp_path):
+    """A region's first transfer, of all of it, leaves it registered with the worker's ring
+    as soon as the worker has nothing to do (not only at its second transfer); later
+    transfers through it move the right bytes, and freeing the region unregisters it."""
+    import torch
+
+    if not may_lock(64 * MiB):
+        pytest.skip("RLIMIT_MEMLOCK too small for the kernel to pin a region")
+    h = handle_factory(engine="uring")
+    worker = h._scheduler.workers.pool.workers[0].process.pid
+    assert _registered(worker) == []
+    tensor = h.new_cpu_locked_tensor(4 * MiB, torch.empty(0, dtype=torch.uint8))
+    first, second = random_bytes(4 * MiB, seed=5), random_bytes(4 * MiB, seed=6)
+    tensor.copy_(torch.frombuffer(bytearray(first), dtype=torch.uint8))
+    path = str(tmp_path / "f")
+    assert h.sync_pwrite(tensor, path) == 1
+    deadline = time.monotonic() + 10
+    while not _registered(worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [(_, length)] = _registered(worker)
+    assert length >= 4 * MiB
+    assert Path(path).read_bytes() == first
+    tensor.copy_(torch.frombuffer(bytearray(second), dtype=torch.uint8))
+    assert h.sync_pwrite(tensor, path) == 1 and Path(path).read_bytes() == second
+    tensor.zero_()
+    assert h.sync_pread(tensor, path) == 1 and bytes(tensor.numpy()) == second
+    assert _registered(worker) == [(_, length)]
+    # A region moved in part waits for its second transfer: registering pins (allocates)
+    # every page of it. Registered in order, so once ``whole`` is, ``part`` was passed over.
+    part, whole = (h.new_cpu_locked_tensor(4 * MiB, torch.empty(0, dtype=torch.uint8))
+                   for _ in range(2))
+    assert h.sync_pwrite(part[:MiB], path) == 1 and h.sync_pwrite(whole, path) == 1
+    deadline = time.monotonic() + 10
+    while len(_registered(worker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_registered(worker)) == 2
+    assert h.sync_pwrite(part[MiB:2 * MiB], path) == 1
+    assert len(_registered(worker)) == 3
+    for t in (tensor, part, whole):
+        assert h.free_cpu_locked_tensor(t)
+    deadline = time.monotonic() + 10
+    while _registered(worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _registered(worker) == []
+
+
 def test_the_engine_argument_is_checked_before_anything_starts(monkeypatch):
     with pytest.raises(ValueError, match="engine must be one of aio, uring, auto"):
         nvmeswap.aio_handle(engine="io_uring")

@@ -77,6 +77,9 @@ def _serve(sock, executor):
         while True:
             if not requests and not executor.busy:
                 poller.modify(sock, select.POLLIN | (select.POLLOUT if responses else 0))
+                # Idle: register a region moved once, unless the parent has sent something.
+                while not poller.poll(0) and executor.register_one():
+                    pass
                 poller.poll()
             if not _receive(sock, requests):
                 while executor.busy:    # the parent is done: finish what it sent
@@ -123,10 +126,11 @@ class Executor:
     def __init__(self, engine):
         self._engine = engine
         # io_uring's fixed buffers (UringEngine.register_buffers; kernel AIO has none): a
-        # region is registered with the engine's ring at its second transfer here, so
-        # that a region moved once does not pay for it (Note [engines] in io/engines.py).
+        # region is registered with the engine's ring once it has been moved, when the
+        # worker is next idle, else at its second transfer (Note [engines] in io/engines.py).
         self._register = getattr(engine, "register_buffers", None)
-        self._transfers_of = {}     # region id -> transfers begun on it, until the second
+        self._moved_once = {}   # region id -> bytes of its one transfer, until the second
+        self._registered = set()    # region ids registered (or refused) with the ring
         self._regions = {}      # region id -> Mapping of its range of the parent's memfd
         self._running = {}      # (op id, chunk) of an engine transfer -> its request
         self._cufile = None     # a CufileIO once the parent sends CUFILE_SETUP
@@ -153,7 +157,7 @@ class Executor:
             return _failure(request, errno.EMFILE)     # its MAP lost its descriptor
         buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
         if self._register is not None:
-            self._count_transfer(request.region_id, mapping)
+            self._count_transfer(request.region_id, mapping, request.nbytes)
         try:
             self._engine.begin(request.op_id, request.chunk, request.kind == protocol.READ,
                                request.fds[0], buffered_fd,
@@ -165,12 +169,31 @@ class Executor:
         self._running[request.op_id, request.chunk] = request
         return None
 
-    def _count_transfer(self, region_id, mapping):
-        count = self._transfers_of.get(region_id, 0) + 1
-        if count <= 2:
-            self._transfers_of[region_id] = count
-            if count == 2:
-                self._register(mapping.address, mapping.size)
+    def _count_transfer(self, region_id, mapping, nbytes):
+        if region_id in self._registered:
+            return
+        if region_id in self._moved_once:
+            self._register_region(region_id, mapping)
+        else:
+            self._moved_once[region_id] = nbytes
+
+    def register_one(self):
+        """Register a region moved whole once, not yet registered; False if there is none.
+        For idle moments: its pages are in this worker's page tables by then, so pinning
+        them costs what one transfer's pinning does (0.03 s a GiB). One moved in part waits
+        for its second transfer: registering pins every page of it, allocating those never
+        touched (a staging space used for one small operation)."""
+        for region_id, nbytes in self._moved_once.items():
+            mapping = self._regions.get(region_id)
+            if mapping is not None and nbytes >= mapping.size:
+                self._register_region(region_id, mapping)
+                return True
+        return False
+
+    def _register_region(self, region_id, mapping):
+        del self._moved_once[region_id]
+        self._registered.add(region_id)
+        self._register(mapping.address, mapping.size)
 
     def advance(self, block):
         """Responses for the transfers that have ended."""
@@ -195,7 +218,10 @@ class Executor:
                                                            request.region_offset)
             elif request.kind == protocol.UNMAP:
                 mapping = self._regions.pop(request.region_id, None)
-                if self._transfers_of.pop(request.region_id, 0) == 2 and mapping is not None:
+                self._moved_once.pop(request.region_id, None)
+                registered = request.region_id in self._registered
+                self._registered.discard(request.region_id)
+                if registered and mapping is not None:
                     self._engine.unregister_buffers(mapping.address)
                 if self._cufile is not None:
                     self._cufile.unmap(request.region_id)
