@@ -139,6 +139,51 @@ def test_a_sync_read_follows_a_small_async_write_of_the_same_bytes(handle_factor
         assert h.wait() == 1
 
 
+@pytest.mark.parametrize("slowed", ["quick write", "inline write", "quick read"])
+def test_an_operation_in_its_callers_thread_is_ordered_with_those_started_meanwhile(
+        handle_factory, tmp_path, monkeypatch, slowed):
+    """Note [ordering] for operations that run in their caller's thread (quick and inline
+    ones): while one runs (slowed here, after it was routed), another thread's operation of
+    the same bytes started meanwhile runs after it: a read sees the write's bytes, a write
+    does not change what the read returns."""
+    from nvmeswap.io import scheduler
+
+    h = handle_factory()
+    path = tmp_path / "f"
+    old, new = 1, 2
+    path.write_bytes(bytes([old]) * 64 * KiB)
+    nbytes = 4 * KiB if slowed != "inline write" else 4 * KiB - 512     # inline: not aligned
+    slowed_is_read = slowed == "quick read"
+    name = "transfer_in_caller" if slowed == "inline write" else "quick_transfer"
+    real, started = getattr(scheduler, name), threading.Event()
+
+    def slow(*args):
+        is_read = args[2] if name == "transfer_in_caller" else args[3]
+        if bool(is_read) == slowed_is_read and not started.is_set():
+            started.set()
+            threading.Event().wait(0.3)     # the other operation starts meanwhile
+        return real(*args)
+
+    monkeypatch.setattr(scheduler, name, slow)
+    written = aligned_plain(nbytes, fill=new)
+    back = aligned_plain(nbytes)
+    first = (lambda: h.sync_pread(back, path, 0)) if slowed_is_read \
+        else (lambda: h.sync_pwrite(written, path, 0))
+    results = []
+    thread = threading.Thread(target=lambda: results.append(first()))
+    thread.start()
+    wait_until(started.is_set, "the slowed operation started")
+    if slowed_is_read:
+        assert h.sync_pwrite(written, path, 0) == 1
+    else:
+        assert h.sync_pread(back, path, 0) == 1
+    thread.join()
+    assert results == [1]
+    expected = old if slowed_is_read else new
+    assert int(back.min()) == int(back.max()) == expected
+    assert path.read_bytes()[:nbytes] == bytes([new]) * nbytes
+
+
 def test_a_quick_write_survives_a_failed_write_that_grew_the_file(handle_factory, tmp_path):
     """Note [shared growth]: the quick write lands inside what another handle's write
     preallocated; when that write fails, the file is not cut back under it."""
@@ -160,7 +205,7 @@ def test_close_from_another_thread_waits_for_a_quick_operation(handle_factory, t
                                                                monkeypatch):
     """close() from another thread while a quick write is with a slow device (one that
     holds it until told): close() returns after the write, and the bytes are written."""
-    import nvmeswap.io.scheduler as scheduler_module
+    from nvmeswap.io import scheduler_module
     started, go_on, events = threading.Event(), threading.Event(), []
     real = scheduler_module.quick_transfer
 

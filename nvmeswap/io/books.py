@@ -121,6 +121,14 @@ class Books:
         if op.is_async and not op.done and op.staged.waiting() and not self._driving:
             self._drive_in_background()
 
+    def end_uncounted(self, op):
+        """An operation that ran in its caller's thread and is not to be completed here
+        (a quick synchronous one, or an inline one that raised) has ended: count it out
+        of the ordering, and start what waited only for it."""
+        self.ordering.remove(op)
+        if self.held:
+            self._release_held(op)
+
     def _release_held(self, finished):
         """``finished`` is done: start the held operations that waited only for it."""
         for op in list(self.held):
@@ -378,9 +386,9 @@ class Books:
                 self._in_flight_by[op.starter] -= 1
                 if not self._in_flight_by[op.starter]:
                     del self._in_flight_by[op.starter]
-            self.ordering.remove(op)
             if op in self.held:
                 self.held.remove(op)
+        self.ordering.remove(op)    # an inline one is counted there alone
         if op.staged is not None and op in self.staged_ops:
             self.staged_ops.remove(op)
         if op.error is None and op.validate:

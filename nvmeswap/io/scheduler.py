@@ -24,6 +24,7 @@ from .files import open_target
 from .futures import Future
 from .interrupts import deferred_interrupts
 from .operation import open_operation, writes
+from .ordering import QuickSyncOperation
 from .quick import QuickReadRun, ReadDescriptors, candidate, names_the_runs_file, quick_transfer
 from .roads import Facts, Memory, Road, route
 from .workforce import Workforce, chunks_in_flight_limit
@@ -260,15 +261,23 @@ class Scheduler:
     def _run_quick(self, buf, region, path, file_offset, is_read):
         """True if the operation was settled in one call (Note [quick synchronous
         operations]). Routed under the lock (nothing in flight: then there is no order to keep),
-        counted as an inline operation so that ``release`` waits for it."""
+        counted as an inline operation so that ``release`` waits for it, and in the ordering
+        while it runs (Note [ordering])."""
+        quick = QuickSyncOperation(is_read)
         with _InlineCount(self) as count:
             with deferred_interrupts(), self._cond:
                 self.check_usable()
-                if route(self._quick_facts(buf, region, False, is_read),
-                         self.limits.roads) is not Road.QUICK_SYNC:
+                if (route(self._quick_facts(buf, region, False, is_read), self.limits.roads)
+                        is not Road.QUICK_SYNC
+                        or self.books.ordering.conflicts_with_quick(is_read)):
                     return False
                 count()
-            return quick_transfer(buf, path, file_offset, is_read)
+                self.books.ordering.track(quick)
+            try:
+                return quick_transfer(buf, path, file_offset, is_read)
+            finally:
+                with deferred_interrupts(), self._cond:
+                    self.books.end_uncounted(quick)
 
     def _submit_quick_read(self, buf, region, target, path, file_offset):
         """True if the read was booked for the caller queue (Note [quick asynchronous
@@ -367,9 +376,15 @@ class Scheduler:
                     self.books.book(op, is_async, for_wait)
                     return
                 count()
+                self.books.ordering.track(op)   # routed so: it waits for nothing
                 if op.staged is not None:
                     op.staged.start_next()      # the room its facts saw
-            done = self._run_inline(op)
+            try:
+                done = self._run_inline(op)
+            except BaseException:
+                with deferred_interrupts(), self._cond:
+                    self.books.end_uncounted(op)
+                raise
             with deferred_interrupts(), self._cond:
                 self.books.book(op, is_async, for_wait)
                 self.books.complete_chunk(op, done)
