@@ -205,7 +205,7 @@ def test_close_from_another_thread_waits_for_a_quick_operation(handle_factory, t
                                                                monkeypatch):
     """close() from another thread while a quick write is with a slow device (one that
     holds it until told): close() returns after the write, and the bytes are written."""
-    from nvmeswap.io import scheduler_module
+    import nvmeswap.io.scheduler as scheduler_module
     started, go_on, events = threading.Event(), threading.Event(), []
     real = scheduler_module.quick_transfer
 
