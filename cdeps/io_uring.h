@@ -34,6 +34,7 @@
 #endif
 
 #define NVMESWAP_IORING_SETUP_CQSIZE        (1U << 3)
+#define NVMESWAP_IORING_SETUP_R_DISABLED    (1U << 6)   /* Linux 5.10 */
 #define NVMESWAP_IORING_SETUP_COOP_TASKRUN  (1U << 8)   /* Linux 5.19 */
 #define NVMESWAP_IORING_SETUP_SINGLE_ISSUER (1U << 12)  /* Linux 6.0 */
 #define NVMESWAP_IORING_SETUP_DEFER_TASKRUN (1U << 13)  /* Linux 6.1 */
@@ -55,6 +56,9 @@
 #define NVMESWAP_IORING_REGISTER_BUFFERS2   15          /* Linux 5.13 */
 #define NVMESWAP_IORING_REGISTER_BUFFERS_UPDATE 16      /* Linux 5.13 */
 #define NVMESWAP_IORING_RSRC_REGISTER_SPARSE (1U << 0)  /* Linux 5.19 */
+#define NVMESWAP_IORING_REGISTER_ENABLE_RINGS 12        /* Linux 5.10 */
+#define NVMESWAP_IORING_REGISTER_CLONE_BUFFERS 30       /* Linux 6.12 */
+#define NVMESWAP_IORING_REGISTER_DST_REPLACE (1U << 1)  /* Linux 6.13: a range, replacing */
 #define NVMESWAP_IORING_MAX_FIXED_BUFFER    (1UL << 30) /* the most one registered buffer holds */
 
 struct nvmeswap_io_sqring_offsets {
@@ -117,6 +121,17 @@ struct nvmeswap_io_uring_rsrc_update2 {
     uint32_t resv2;
 };
 
+/* IORING_REGISTER_CLONE_BUFFERS' argument. */
+struct nvmeswap_io_uring_clone_buffers {
+    uint32_t src_fd;
+    uint32_t flags;
+    uint32_t src_off;
+    uint32_t dst_off;
+    uint32_t nr;
+    uint32_t pad[3];
+};
+
+_Static_assert(sizeof(struct nvmeswap_io_uring_clone_buffers) == 32, "clone_buffers: 32 bytes");
 _Static_assert(sizeof(struct nvmeswap_io_uring_params) == 120, "io_uring_params is 120 bytes");
 _Static_assert(sizeof(struct nvmeswap_io_uring_sqe) == 64, "an SQE is 64 bytes");
 _Static_assert(sizeof(struct nvmeswap_io_uring_cqe) == 16, "a CQE is 16 bytes");
@@ -201,36 +216,40 @@ static inline long nvmeswap_uring_map(nvmeswap_uring *ring, int fd, unsigned lon
     return 0;
 }
 
-/* A ring of ``entries`` submission and ``cq_entries`` completion slots (each rounded up
- * to a power of two by the kernel), mapped; 0 or -errno (nothing left open). ``flags``
- * (IORING_SETUP_*) that an older kernel refuses are dropped: ``ring->flags`` says which
- * it took. */
-static inline long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries,
-                                       unsigned cq_entries, unsigned flags)
+/* Make a ring of ``entries`` submission and ``cq_entries`` completion slots (each rounded
+ * up to a power of two by the kernel), not mapped: its descriptor, or -errno; ``*p`` says
+ * how to map it. ``*flags`` (IORING_SETUP_*) that an older kernel refuses are dropped:
+ * it says which were taken. */
+static inline long nvmeswap_uring_setup(unsigned entries, unsigned cq_entries, unsigned *flags,
+                                        struct nvmeswap_io_uring_params *p)
 {
-    struct nvmeswap_io_uring_params p;
+    long ret;
+    for (;;) {
+        memset(p, 0, sizeof *p);
+        p->flags = NVMESWAP_IORING_SETUP_CQSIZE | *flags;
+        p->cq_entries = cq_entries;
+        ret = nvmeswap_io_uring_setup(entries, p);
+        if (ret != -EINVAL || !*flags)
+            return ret;
+        *flags = 0;
+    }
+}
+
+/* Map the ring ``fd`` made with ``p`` and ``flags`` (by nvmeswap_uring_setup, here or in
+ * another process) into ``ring``, which then owns the descriptor; 0 or -errno (then
+ * nothing is left mapped, and the descriptor is closed). */
+static inline long nvmeswap_uring_adopt(nvmeswap_uring *ring, int fd,
+                                        const struct nvmeswap_io_uring_params *p, unsigned flags)
+{
     long ret;
     memset(ring, 0, sizeof *ring);
-    for (;;) {
-        memset(&p, 0, sizeof p);
-        p.flags = NVMESWAP_IORING_SETUP_CQSIZE | flags;
-        p.cq_entries = cq_entries;
-        ret = nvmeswap_io_uring_setup(entries, &p);
-        if (ret != -EINVAL || !flags)
-            break;
-        flags = 0;
-    }
-    if (ret < 0) {
-        ring->fd = -1;
-        return ret;
-    }
-    ring->fd = (int)ret;
+    ring->fd = fd;
     ring->flags = flags;
-    ring->features = p.features;
-    ring->sq_entries = p.sq_entries;
-    size_t sq_size = p.sq_off.array + p.sq_entries * sizeof(unsigned);
-    size_t cq_size = p.cq_off.cqes + p.cq_entries * sizeof(struct nvmeswap_io_uring_cqe);
-    int single = (p.features & NVMESWAP_IORING_FEAT_SINGLE_MMAP) != 0;
+    ring->features = p->features;
+    ring->sq_entries = p->sq_entries;
+    size_t sq_size = p->sq_off.array + p->sq_entries * sizeof(unsigned);
+    size_t cq_size = p->cq_off.cqes + p->cq_entries * sizeof(struct nvmeswap_io_uring_cqe);
+    int single = (p->features & NVMESWAP_IORING_FEAT_SINGLE_MMAP) != 0;
     ring->rings_size = single && cq_size > sq_size ? cq_size : sq_size;
     ret = nvmeswap_uring_map(ring, ring->fd, NVMESWAP_IORING_OFF_SQ_RING, ring->rings_size,
                              &ring->rings);
@@ -242,7 +261,7 @@ static inline long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries,
         cq = (char *)ring->cq_ring;
     }
     if (ret == 0) {
-        ring->sqes_size = p.sq_entries * sizeof(struct nvmeswap_io_uring_sqe);
+        ring->sqes_size = p->sq_entries * sizeof(struct nvmeswap_io_uring_sqe);
         ret = nvmeswap_uring_map(ring, ring->fd, NVMESWAP_IORING_OFF_SQES, ring->sqes_size,
                                  (void **)&ring->sqes);
     }
@@ -251,19 +270,58 @@ static inline long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries,
         return ret;
     }
     char *sq = (char *)ring->rings;
-    ring->sq_khead = (unsigned *)(sq + p.sq_off.head);
-    ring->sq_ktail = (unsigned *)(sq + p.sq_off.tail);
-    ring->sq_mask = (unsigned *)(sq + p.sq_off.ring_mask);
-    ring->cq_khead = (unsigned *)(cq + p.cq_off.head);
-    ring->cq_ktail = (unsigned *)(cq + p.cq_off.tail);
-    ring->cq_mask = (unsigned *)(cq + p.cq_off.ring_mask);
-    ring->cqes = (struct nvmeswap_io_uring_cqe *)(cq + p.cq_off.cqes);
+    ring->sq_khead = (unsigned *)(sq + p->sq_off.head);
+    ring->sq_ktail = (unsigned *)(sq + p->sq_off.tail);
+    ring->sq_mask = (unsigned *)(sq + p->sq_off.ring_mask);
+    ring->cq_khead = (unsigned *)(cq + p->cq_off.head);
+    ring->cq_ktail = (unsigned *)(cq + p->cq_off.tail);
+    ring->cq_mask = (unsigned *)(cq + p->cq_off.ring_mask);
+    ring->cqes = (struct nvmeswap_io_uring_cqe *)(cq + p->cq_off.cqes);
     /* Slot i of the submission array names SQE i, once and for all (as liburing does). */
-    unsigned *array = (unsigned *)(sq + p.sq_off.array);
-    for (unsigned i = 0; i < p.sq_entries; i++)
+    unsigned *array = (unsigned *)(sq + p->sq_off.array);
+    for (unsigned i = 0; i < p->sq_entries; i++)
         array[i] = i;
     ring->sq_tail = *ring->sq_ktail;
     return 0;
+}
+
+/* A ring made and mapped here; 0 or -errno (nothing left open). */
+static inline long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries,
+                                       unsigned cq_entries, unsigned flags)
+{
+    struct nvmeswap_io_uring_params p;
+    long ret = nvmeswap_uring_setup(entries, cq_entries, &flags, &p);
+    if (ret < 0) {
+        memset(ring, 0, sizeof *ring);
+        ring->fd = -1;
+        return ret;
+    }
+    return nvmeswap_uring_adopt(ring, (int)ret, &p, flags);
+}
+
+/* Start a ring made with IORING_SETUP_R_DISABLED: with SINGLE_ISSUER, the calling thread
+ * becomes the one that submits. 0 or -errno. */
+static inline long nvmeswap_uring_enable(nvmeswap_uring *ring)
+{
+    return nvmeswap_io_uring_register(ring->fd, NVMESWAP_IORING_REGISTER_ENABLE_RINGS, NULL, 0);
+}
+
+/* Slots ``first`` .. ``first + nr - 1`` of the table hold what those of ring ``src_fd``
+ * hold (the same pinned pages, no pinning again); the kernel takes it only where both
+ * rings were made by one process. 0 or -errno. */
+static inline long nvmeswap_uring_clone_buffers(nvmeswap_uring *ring, int src_fd, unsigned first,
+                                                unsigned nr)
+{
+    struct nvmeswap_io_uring_clone_buffers clone;
+    memset(&clone, 0, sizeof clone);
+    clone.src_fd = (uint32_t)src_fd;
+    clone.flags = NVMESWAP_IORING_REGISTER_DST_REPLACE;
+    clone.src_off = first;
+    clone.dst_off = first;
+    clone.nr = nr;
+    long ret = nvmeswap_io_uring_register(ring->fd, NVMESWAP_IORING_REGISTER_CLONE_BUFFERS,
+                                          &clone, 1);
+    return ret < 0 ? ret : 0;
 }
 
 /* The next submission entry, cleared, or NULL if every one is written and not yet taken

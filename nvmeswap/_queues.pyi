@@ -39,8 +39,11 @@ class TransferEngine:
                  alignment: int) -> Completion:
         """Move the bytes and wait for them (an engine with nothing else in progress)."""
     def begin(self, op_id: int, chunk: int, is_read: bool, direct_fd: int, buffered_fd: int,
-              address: int, nbytes: int, offset: int, alignment: int) -> None:
-        """Start a transfer; ``advance`` returns its Completion."""
+              address: int, nbytes: int, offset: int, alignment: int, fixed_slot: int = -1,
+              fixed_base: int = 0, fixed_address: int = 0) -> None:
+        """Start a transfer; ``advance`` returns its Completion. On io_uring, the
+        registered buffers from ``fixed_slot`` on hold its memory as registered at
+        ``fixed_base`` (its bytes at ``fixed_address`` there)."""
 
 class AioEngine(TransferEngine):
     """One kernel AIO context running many transfers at once (a worker's)."""

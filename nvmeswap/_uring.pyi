@@ -20,9 +20,16 @@ class UringEngine(TransferEngine):
     """One ring running many transfers at once (a worker's); ``AioEngine``'s interface."""
 
     def __init__(self, block_size: int, queue_depth: int, single_submit: bool,
-                 overlap_events: bool, max_transfers: int = 256) -> None: ...
+                 overlap_events: bool, max_transfers: int = 256,
+                 ring: tuple[int, int, bytes] | None = None) -> None:
+        """``ring``: one ``make_worker_ring`` made (in another process), adopted and started."""
     def register_buffers(self, address: int, nbytes: int) -> bool:
         """Register memory as fixed buffers for the requests inside it; False if refused."""
+    def clone_buffers(self, registry_fd: int, first: int, count: int) -> bool:
+        """Take a ``BufferRegistry``'s slots ``first`` .. ``first + count - 1``; False if
+        the kernel refuses."""
+    def drop_buffers(self, first: int, count: int) -> None:
+        """Empty slots ``clone_buffers`` took."""
     def unregister_buffers(self, address: int) -> None:
         """Undo ``register_buffers(address, ...)``, before the memory is unmapped."""
     def advance(self, block: bool) -> list[Completion]:
@@ -55,6 +62,25 @@ class UringQueue:
         how many the queue took."""
     def reap(self, wait_all: bool = False) -> list[Completion]:
         """The Completions of the requests that have ended (with ``wait_all``, of all)."""
+
+class BufferRegistry:
+    """A ring that only holds registered buffers, for workers' rings to clone."""
+
+    def __init__(self) -> None: ...
+    @property
+    def fd(self) -> int: ...
+    def register(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """Register memory in consecutive slots: ``(first, count)``; None if refused."""
+    def unregister(self, first: int, count: int) -> None:
+        """Empty slots ``register`` filled."""
+    def close(self) -> None:
+        """Empty every slot and close the ring; idempotent."""
+
+def make_worker_ring(queue_depth: int) -> tuple[int, int, bytes]:
+    """A disabled ring for a worker to adopt: (descriptor, flags taken, parameters)."""
+
+def clone_supported() -> bool:
+    """Whether rings made here take each other's registered buffers (tried once)."""
 
 def probe() -> str | None:
     """None if io_uring works here; else why not, in one sentence."""

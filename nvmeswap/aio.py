@@ -298,6 +298,7 @@ class aio_handle:
                                            reserve=self._check_budget,
                                            arena_bytes=self._limits.arena_bytes)
         self._made[region.region_id] = region.size
+        self._scheduler.register(region)
         return tensor
 
     # -- memory --------------------------------------------------------------------------

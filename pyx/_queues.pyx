@@ -134,20 +134,30 @@ cdef class TransferEngine:
 
     def begin(self, unsigned long long op_id, unsigned int chunk, bint is_read,
               int direct_fd, int buffered_fd, size_t address, size_t nbytes,
-              long long offset, size_t alignment):
+              long long offset, size_t alignment, int fixed_slot=-1, size_t fixed_base=0,
+              size_t fixed_address=0):
         """Start a transfer (Note [concurrent transfers]); ``advance`` returns its
         ``Completion``, carrying ``op_id`` and ``chunk``, when it has ended. The caller
         keeps the memory mapped until then.
 
         The unaligned head and tail (Note [O_DIRECT tail]) move here, with pread/pwrite on
         ``buffered_fd``; the aligned middle through the engine's requests in ``advance``.
+
+        On io_uring, ``fixed_slot`` >= 0 names the first of the registered buffers that
+        hold the memory as another process registered it (Note [cloned buffers] in
+        pyx/_uring.pyx): from ``fixed_base`` on, in pieces of at most 1 GiB, where the
+        transfer's bytes are at ``fixed_address``.
         """
         cdef int index = _table_add(&self.table)
         if index < 0:
             raise RuntimeError("too many transfers in progress")
-        _begin_transfer(&self.table.transfers[index], op_id, chunk, is_read, direct_fd,
-                        buffered_fd, address, nbytes, offset, alignment,
-                        <long long>self.block_size)
+        cdef Transfer *t = &self.table.transfers[index]
+        t.direct = alignment > 1
+        t.fixed_slot = fixed_slot
+        t.fixed_base = <char *>fixed_base
+        t.fixed_delta = <long long>fixed_address - <long long>address
+        _begin_transfer(t, op_id, chunk, is_read, direct_fd, buffered_fd, address, nbytes,
+                        offset, alignment, <long long>self.block_size)
 
 
 cdef class AioEngine(TransferEngine):

@@ -34,6 +34,10 @@ cdef struct Transfer:
     long long prepared
     long long completed
     Outcome out         # once failed, no more of its requests start
+    bint direct         # ``fd`` is O_DIRECT (always read_iter/write_iter in the kernel)
+    int fixed_slot      # io_uring: the first registered buffer holding its memory, or -1
+    long long fixed_delta   # what to add to ``buf`` for the address registered there
+    char *fixed_base    # the registered address of slot ``fixed_slot``'s start
 
 
 cdef inline void _fail(Outcome *out, int err, long long at, long long requested,

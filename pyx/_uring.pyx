@@ -12,6 +12,7 @@ failure of the ring itself raises ``OSError`` naming the system call; misuse is 
 and published under the GIL (cdeps/io_uring.h), the kernel is entered without it.
 """
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 from libc.errno cimport EAGAIN, EBUSY, EINTR
 from posix.types cimport pid_t
 from posix.unistd cimport close, getpid, read
@@ -25,8 +26,10 @@ from nvmeswap._queues cimport TransferEngine
 from includes.io_uring cimport (
     NVMESWAP_IORING_MAX_FIXED_BUFFER, NVMESWAP_IORING_OP_READ, NVMESWAP_IORING_OP_WRITE,
     NVMESWAP_IORING_SETUP_COOP_TASKRUN, NVMESWAP_IORING_SETUP_DEFER_TASKRUN,
-    NVMESWAP_IORING_SETUP_SINGLE_ISSUER, nvmeswap_io_uring_cqe, nvmeswap_io_uring_sqe,
-    nvmeswap_uring, nvmeswap_uring_buffer_table, nvmeswap_uring_close,
+    NVMESWAP_IORING_SETUP_R_DISABLED, NVMESWAP_IORING_SETUP_SINGLE_ISSUER,
+    nvmeswap_io_uring_cqe, nvmeswap_io_uring_params, nvmeswap_io_uring_sqe, nvmeswap_uring,
+    nvmeswap_uring_adopt, nvmeswap_uring_buffer_table, nvmeswap_uring_clone_buffers,
+    nvmeswap_uring_close, nvmeswap_uring_enable, nvmeswap_uring_setup,
     nvmeswap_uring_cq_advance, nvmeswap_uring_cq_ready, nvmeswap_uring_cqe, nvmeswap_uring_enter,
     nvmeswap_uring_next_sqe, nvmeswap_uring_open, nvmeswap_uring_prep_fixed,
     nvmeswap_uring_prep_rw, nvmeswap_uring_probe, nvmeswap_uring_publish,
@@ -42,6 +45,33 @@ from includes.ring_submitter cimport (
 cdef enum:
     MAX_REQUEST = 0x7ffff000    # the most one request moves: Linux's MAX_RW_COUNT
     FIXED_SLOTS = 256           # registered buffers an engine holds
+    CLONED_SLOTS = 128          # of them, those cloned from a BufferRegistry (the first)
+
+# A worker's ring: one thread submits and waits, and completions are posted when it waits
+# for them instead of interrupting it (Note [engines] in io/engines.py).
+cdef unsigned WORKER_RING_FLAGS = (NVMESWAP_IORING_SETUP_SINGLE_ISSUER
+                                   | NVMESWAP_IORING_SETUP_DEFER_TASKRUN)
+
+# Note [cloned buffers]
+# A worker's transfer through memory it has never touched costs it the page tables of every
+# page (half of a first transfer's CPU), and pinning each request's pages costs kernel AIO
+# most of the rest. With io_uring the parent can pin once for all its workers: it
+# registers a region with a ring of its own (``BufferRegistry``, through its own page
+# tables, 0.03 s a GiB) when a handle makes the region (a locked tensor: pinned as its
+# locking promised) or first maps it to a worker, and each worker's ring takes those
+# pinned pages by cloning the registry's slots when it maps the region
+# (IORING_REGISTER_CLONE_BUFFERS, Linux 6.13: microseconds). A transfer
+# names the slots (``begin(fixed_slot=...)``) and the address the parent registered, so
+# the worker's own mapping of the region is touched only by the unaligned head and tail.
+# The kernel clones buffers only between rings one process made (a ring made by the worker
+# gets EINVAL), so the parent makes each worker's ring (``make_worker_ring``), disabled,
+# and the worker adopts and enables it (``UringEngine(ring=...)``): it is then the one
+# thread that submits. io_uring descriptors cannot travel over a socket (SCM_RIGHTS refuses
+# them), so each worker inherits its ring and the registry when it starts. Where the kernel
+# clones nothing (``clone_supported``), workers make their own rings and register regions
+# themselves (workers/main.py). Registry slots are the table's first ``CLONED_SLOTS``, a
+# worker's own registrations the rest. Registered buffers serve only O_DIRECT descriptors:
+# a file without read_iter/write_iter (procfs) refuses them (EFAULT).
 
 
 cdef long _open_ring(nvmeswap_uring *ring, int entries, unsigned flags) except -1:
@@ -51,6 +81,35 @@ cdef long _open_ring(nvmeswap_uring *ring, int entries, unsigned flags) except -
     if ret < 0:
         raise errno_error(<int>-ret, "io_uring_setup")
     return 0
+
+
+cdef inline int _cloned_slot(Transfer *t, long long at, unsigned nbytes) noexcept nogil:
+    """The cloned slot (Note [cloned buffers]) that holds ``nbytes`` at ``at`` of the
+    transfer's middle, or -1 (none named, or the request spans two slots)."""
+    cdef long long start, within
+    if t.fixed_slot < 0:
+        return -1
+    start = <long long>(t.buf + at + t.fixed_delta - t.fixed_base)
+    within = start % <long long>NVMESWAP_IORING_MAX_FIXED_BUFFER
+    if start < 0 or within + nbytes > <long long>NVMESWAP_IORING_MAX_FIXED_BUFFER:
+        return -1
+    return t.fixed_slot + <int>(start // <long long>NVMESWAP_IORING_MAX_FIXED_BUFFER)
+
+
+def make_worker_ring(int queue_depth):
+    """A ring for a worker's ``UringEngine`` (Note [cloned buffers]), made here, disabled
+    until the worker enables it: ``(descriptor, flags taken, parameters)``, for
+    ``UringEngine(..., ring=...)`` in the worker. The caller closes its descriptor once
+    the worker has its own copy."""
+    cdef nvmeswap_io_uring_params p
+    cdef unsigned flags = WORKER_RING_FLAGS | NVMESWAP_IORING_SETUP_R_DISABLED
+    if queue_depth <= 0:
+        raise ValueError("queue_depth must be positive")
+    cdef long ret = nvmeswap_uring_setup(<unsigned>queue_depth, 2 * <unsigned>queue_depth,
+                                         &flags, &p)
+    if ret < 0:
+        raise errno_error(<int>-ret, "io_uring_setup")
+    return <int>ret, flags, (<char *>&p)[:sizeof(p)]
 
 
 cdef long _settle(nvmeswap_uring *ring, int in_flight, unsigned wanted) noexcept nogil:
@@ -99,23 +158,46 @@ cdef class UringEngine(TransferEngine):
     cdef bint started           # __cinit__'s body ran (see __dealloc__)
 
     def __cinit__(self, size_t block_size, int queue_depth, bint single_submit,
-                  bint overlap_events, int max_transfers=256):
+                  bint overlap_events, int max_transfers=256, ring=None):
         self.ring.fd = -1
         self.started = True
         self.creator = getpid()
-        if block_size == 0 or block_size > MAX_REQUEST or queue_depth <= 0 \
-                or max_transfers <= 0:
-            raise ValueError("block_size (at most 2 GiB - 4 KiB), queue_depth and "
-                             "max_transfers must be positive")
-        self._set_up(block_size, queue_depth, single_submit, overlap_events, max_transfers)
-        self.slot_offset = <long long *>malloc(sizeof(long long) * queue_depth)
-        self.slot_nbytes = <unsigned *>malloc(sizeof(unsigned) * queue_depth)
-        if not (self.slot_offset and self.slot_nbytes):
-            raise MemoryError()
-        # One thread uses a worker's ring: its completions are posted when it waits for
-        # them, instead of interrupting it (Note [engines] in io/engines.py).
-        _open_ring(&self.ring, queue_depth,
-                   NVMESWAP_IORING_SETUP_SINGLE_ISSUER | NVMESWAP_IORING_SETUP_DEFER_TASKRUN)
+        cdef int adopted = -1 if ring is None else ring[0]
+        try:
+            if block_size == 0 or block_size > MAX_REQUEST or queue_depth <= 0 \
+                    or max_transfers <= 0:
+                raise ValueError("block_size (at most 2 GiB - 4 KiB), queue_depth and "
+                                 "max_transfers must be positive")
+            self._set_up(block_size, queue_depth, single_submit, overlap_events,
+                         max_transfers)
+            self.slot_offset = <long long *>malloc(sizeof(long long) * queue_depth)
+            self.slot_nbytes = <unsigned *>malloc(sizeof(unsigned) * queue_depth)
+            if not (self.slot_offset and self.slot_nbytes):
+                raise MemoryError()
+        except BaseException:
+            if adopted >= 0:
+                close(adopted)
+            raise
+        if ring is None:
+            _open_ring(&self.ring, queue_depth, WORKER_RING_FLAGS)
+        else:
+            self._adopt(adopted, ring[1], ring[2])
+
+    cdef int _adopt(self, int fd, unsigned flags, bytes params) except -1:
+        """Take the ring ``make_worker_ring`` made in the parent, and start it."""
+        cdef nvmeswap_io_uring_params p
+        cdef long ret
+        if len(params) != sizeof(p):
+            close(fd)
+            raise ValueError(f"io_uring parameters are {sizeof(p)} bytes, not {len(params)}")
+        memcpy(&p, <char *>params, sizeof(p))
+        ret = nvmeswap_uring_adopt(&self.ring, fd, &p, flags)     # closes fd if it fails
+        if ret == 0 and flags & NVMESWAP_IORING_SETUP_R_DISABLED:
+            ret = nvmeswap_uring_enable(&self.ring)
+        if ret < 0:
+            nvmeswap_uring_close(&self.ring)
+            raise errno_error(<int>-ret, "io_uring_register")
+        return 0
 
     def __dealloc__(self):
         if not self.started:
@@ -140,11 +222,9 @@ cdef class UringEngine(TransferEngine):
         cdef int slot = 0
         if self.ring.fd < 0 or nbytes == 0 or address == 0:
             return False
-        if self.buffer_table == 0:
-            self.buffer_table = 1 if nvmeswap_uring_buffer_table(&self.ring, FIXED_SLOTS) == 0 \
-                else -1
-        if self.buffer_table < 0 or self.n_fixed + <int>pieces > FIXED_SLOTS:
+        if not self._has_table() or self.n_fixed + <int>pieces > FIXED_SLOTS - CLONED_SLOTS:
             return False
+        slot = CLONED_SLOTS
         while done < nbytes:
             while self.fixed_owner[slot]:
                 slot += 1
@@ -158,6 +238,31 @@ cdef class UringEngine(TransferEngine):
             self.n_fixed += 1
             done += length
         return True
+
+    cdef bint _has_table(self):
+        """Whether the ring has its table of registered buffers (made the first time)."""
+        if self.buffer_table == 0:
+            self.buffer_table = 1 if nvmeswap_uring_buffer_table(&self.ring, FIXED_SLOTS) == 0 \
+                else -1
+        return self.buffer_table > 0
+
+    def clone_buffers(self, int registry_fd, int first, int count):
+        """Take slots ``first`` .. ``first + count - 1`` of a ``BufferRegistry``'s ring
+        (Note [cloned buffers]); True if the kernel did. Transfers then name them with
+        ``begin(fixed_slot=first, ...)`` until ``drop_buffers``."""
+        if (self.ring.fd < 0 or first < 0 or count <= 0 or first + count > CLONED_SLOTS
+                or not self._has_table()):
+            return False
+        return nvmeswap_uring_clone_buffers(&self.ring, registry_fd, <unsigned>first,
+                                            <unsigned>count) == 0
+
+    def drop_buffers(self, int first, int count):
+        """Empty slots taken by ``clone_buffers``; a request in flight keeps its pages until
+        it completes."""
+        cdef int slot
+        if 0 <= first and first + count <= CLONED_SLOTS and self.buffer_table > 0:
+            for slot in range(first, first + count):
+                nvmeswap_uring_set_buffer(&self.ring, slot, NULL, 0)
 
     def unregister_buffers(self, size_t address):
         """Undo ``register_buffers(address, ...)`` (nothing if it was not registered), before
@@ -209,6 +314,7 @@ cdef class UringEngine(TransferEngine):
         cdef int k, index, slot, fixed, ready = 0
         cdef long long bs = <long long>self.block_size
         cdef long long at
+        cdef char *address
         cdef Transfer *t
         cdef nvmeswap_io_uring_sqe *sqe
         if not self.overlap_events and self.in_flight > 0:
@@ -224,11 +330,16 @@ cdef class UringEngine(TransferEngine):
                 self.slot_offset[slot] = t.offset + at
                 self.slot_nbytes[slot] = <unsigned>min(bs, t.nbytes - at)
                 sqe = nvmeswap_uring_next_sqe(&self.ring)
+                # Registered buffers only on O_DIRECT: a file without read_iter/write_iter
+                # (procfs) refuses them (EFAULT), and buffered I/O copies the bytes anyway.
+                fixed = _cloned_slot(t, at, self.slot_nbytes[slot]) if t.direct else -1
+                address = t.buf + at + (t.fixed_delta if fixed >= 0 else 0)
                 nvmeswap_uring_prep_rw(
                     sqe, NVMESWAP_IORING_OP_READ if t.is_read else NVMESWAP_IORING_OP_WRITE,
-                    t.fd, <unsigned long long>(t.buf + at), self.slot_nbytes[slot],
+                    t.fd, <unsigned long long>address, self.slot_nbytes[slot],
                     self.slot_offset[slot], slot)
-                fixed = self._fixed_slot(t.buf + at, self.slot_nbytes[slot])
+                if fixed < 0 and t.direct:
+                    fixed = self._fixed_slot(t.buf + at, self.slot_nbytes[slot])
                 if fixed >= 0:
                     nvmeswap_uring_prep_fixed(sqe, fixed)
                 ready += 1
@@ -471,6 +582,103 @@ cdef class UringQueue:
             self.n_free += 1
         nvmeswap_uring_cq_advance(&self.ring, n)
         self.in_flight -= <int>n
+
+
+cdef class BufferRegistry:
+    """The parent's registrations of its regions, on a ring of its own that only holds
+    them, for its workers' rings to clone (Note [cloned buffers]). ``register`` pins a
+    region's pages (they must be mapped here), ``unregister`` lets them go once no worker
+    ring holds a clone."""
+    cdef nvmeswap_uring ring
+    cdef bint used[CLONED_SLOTS]
+
+    def __cinit__(self):
+        self.ring.fd = -1
+        _open_ring(&self.ring, 1, 0)
+        cdef long ret = nvmeswap_uring_buffer_table(&self.ring, CLONED_SLOTS)
+        if ret < 0:
+            nvmeswap_uring_close(&self.ring)
+            raise errno_error(<int>-ret, "io_uring_register")
+
+    def __dealloc__(self):
+        nvmeswap_uring_close(&self.ring)
+
+    @property
+    def fd(self):
+        """The ring's descriptor, for a worker's ``UringEngine.clone_buffers``."""
+        return self.ring.fd
+
+    def register(self, size_t address, size_t nbytes):
+        """Register ``nbytes`` at ``address`` in consecutive slots of at most 1 GiB each:
+        ``(first slot, count)``, or None if the kernel refuses (RLIMIT_MEMLOCK without
+        CAP_IPC_LOCK) or no run of free slots is long enough."""
+        cdef int count = <int>((nbytes + NVMESWAP_IORING_MAX_FIXED_BUFFER - 1)
+                               // NVMESWAP_IORING_MAX_FIXED_BUFFER)
+        cdef int first, k
+        cdef size_t at
+        if self.ring.fd < 0 or nbytes == 0 or address == 0:
+            return None
+        for first in range(CLONED_SLOTS - count + 1):
+            if any(self.used[first + k] for k in range(count)):
+                continue
+            for k in range(count):
+                at = <size_t>k * NVMESWAP_IORING_MAX_FIXED_BUFFER
+                if nvmeswap_uring_set_buffer(&self.ring, first + k, <void *>(address + at),
+                                             min(nbytes - at,
+                                                 <size_t>NVMESWAP_IORING_MAX_FIXED_BUFFER)):
+                    self.unregister(first, k)
+                    return None
+                self.used[first + k] = True
+            return first, count
+        return None
+
+    def unregister(self, int first, int count):
+        """Empty slots ``register`` filled; worker rings keep what they cloned."""
+        cdef int slot
+        for slot in range(max(first, 0), min(first + count, CLONED_SLOTS)):
+            if self.used[slot] and self.ring.fd >= 0:
+                nvmeswap_uring_set_buffer(&self.ring, slot, NULL, 0)
+            self.used[slot] = False
+
+    def close(self):
+        """Empty every slot and close the ring; idempotent."""
+        nvmeswap_uring_close(&self.ring)
+        cdef int slot
+        for slot in range(CLONED_SLOTS):
+            self.used[slot] = False
+
+
+_clones = None
+
+
+def clone_supported():
+    """Whether a ring made here takes another one's registered buffers, a range of them
+    in place (Note [cloned buffers]): tried once per process."""
+    global _clones
+    if _clones is None:
+        _clones = _try_clone()
+    return _clones
+
+
+def _try_clone():
+    import mmap
+    try:
+        registry = BufferRegistry()
+    except OSError:
+        return False
+    page = mmap.mmap(-1, 4096)
+    cdef char[:] view = page
+    try:
+        if registry.register(<size_t>&view[0], 4096) is None:
+            return False
+        engine = UringEngine(4096, 1, False, True, ring=make_worker_ring(1))
+        return engine.clone_buffers(registry.fd, 0, 1)
+    except OSError:
+        return False
+    finally:
+        registry.close()
+        del view
+        page.close()
 
 
 def probe():

@@ -401,7 +401,7 @@ def test_with_shmem_huge_pages_locked_memory_is_in_huge_pages_and_moves_its_byte
     data = random_bytes(8 * MiB, seed=3)
     tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     path = str(tmp_path / "f")
-    for _ in range(2):      # io_uring registers a region by its second transfer
+    for _ in range(2):      # a worker registers a region by its second transfer
         assert h.sync_pwrite(tensor, path) == 1
     tensor.zero_()
     assert h.sync_pread(tensor, path) == 1 and bytes(tensor.numpy()) == data
@@ -410,8 +410,12 @@ def test_with_shmem_huge_pages_locked_memory_is_in_huge_pages_and_moves_its_byte
     assert h.sync_pread(piece, path, 4096 * 3 + 512) == 1
     assert bytes(tensor.numpy()) == data
     worker = h._scheduler.workers.pool.workers[0].process.pid
-    for pid in ("self", worker):      # every byte of it, in the parent and in the worker
-        assert sum(pmd for _, _, pmd in memfd_mappings(pid).values()) == 8 * 1024, pid
+    # Every byte of it, in the parent and in the worker; but a worker that moves it through
+    # the parent's registration (Note [cloned buffers] in pyx/_uring.pyx) touches only the
+    # two huge pages where the piece's unaligned head and tail are.
+    in_worker = 4 * 1024 if h._scheduler.workers._registry else 8 * 1024
+    for pid, kib in (("self", 8 * 1024), (worker, in_worker)):
+        assert sum(pmd for _, _, pmd in memfd_mappings(pid).values()) == kib, pid
     assert h.free_cpu_locked_tensor(tensor)
 
 

@@ -23,6 +23,7 @@ from conftest import (
     random_bytes,
     submitter_ids,
     uring_unusable,
+    wait_until,
 )
 from test_completion import by_caller, by_caller_queue, by_engine, by_worker
 from test_engine import _address, _file, fields
@@ -80,16 +81,29 @@ def test_odd_sizes_and_offsets_write_and_read_back_as_kernel_aio_does(tmp_path, 
         memory.close()
 
 
-def _registered(pid=None):
+def _ring_fdinfo(path):
+    """A ring's fdinfo with its registered buffers: the kernel lists them only when it can
+    take the ring's lock at once, so a read while the ring's owner holds it is read again."""
+    deadline = time.monotonic() + 10
+    while True:
+        info = Path(path).read_text()
+        if "UserBufs:" in info or time.monotonic() > deadline:
+            return info
+        time.sleep(0.001)
+
+
+def _registered(pid=None, but=None):
     """The buffers registered with the rings of process ``pid`` (ours by default), as
-    /proc lists them: ``[(address, length), ...]``."""
+    /proc lists them, but for the ring at descriptor ``but``: ``[(address, length), ...]``."""
     found = []
     base = f"/proc/{pid or 'self'}"
     for fd in os.listdir(f"{base}/fd"):
+        if but is not None and int(fd) == but:
+            continue
         try:
             if os.readlink(f"{base}/fd/{fd}") != "anon_inode:[io_uring]":
                 continue
-            info = Path(f"{base}/fdinfo/{fd}").read_text()
+            info = _ring_fdinfo(f"{base}/fdinfo/{fd}")
         except FileNotFoundError:
             continue
         found += [(int(a, 16), int(n)) for a, n in re.findall(r"^\s+\d+: (0x[0-9a-f]+)/(\d+)$",
@@ -362,7 +376,9 @@ def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engin
     else:
         assert type(queue) is expected
     pids = [worker.process.pid for worker in h._scheduler.workers.pool.workers]
-    assert [_rings_of(pid) for pid in pids] == [1 if ring else 0] * 2
+    # Each worker's own ring, and the parent's registry it inherits (Note [cloned buffers]).
+    rings = (2 if h._scheduler.workers._registry else 1) if ring else 0
+    assert [_rings_of(pid) for pid in pids] == [rings] * 2
     # Each region a worker maps is registered with its ring (UringEngine.register_buffers),
     # where RLIMIT_MEMLOCK lets it pin the 64 MiB staging region.
     if may_lock(64 * MiB):
@@ -371,14 +387,20 @@ def test_a_handle_runs_on_the_engine_it_asks_for(handle_factory, tmp_path, engin
 
 
 @needs_torch
-def test_a_worker_registers_a_region_moved_once_when_it_is_next_idle(handle_factory, tmp_path):
-    """A region's first transfer, of all of it, leaves it registered with the worker's ring
-    as soon as the worker has nothing to do (not only at its second transfer); later
-    transfers through it move the right bytes, and freeing the region unregisters it."""
+def test_a_worker_registers_a_region_moved_once_when_it_is_next_idle(handle_factory, tmp_path,
+                                                                    monkeypatch):
+    """Where the kernel clones no buffers (forced here), workers register regions
+    themselves: a region's first transfer, of all of it, leaves it registered with the
+    worker's ring as soon as the worker has nothing to do (not only at its second
+    transfer); later transfers through it move the right bytes, and freeing the region
+    unregisters it."""
     import torch
+
+    import nvmeswap._uring
 
     if not may_lock(64 * MiB):
         pytest.skip("RLIMIT_MEMLOCK too small for the kernel to pin a region")
+    monkeypatch.setattr(nvmeswap._uring, "clone_supported", lambda: False)
     h = handle_factory(engine="uring")
     worker = h._scheduler.workers.pool.workers[0].process.pid
     assert _registered(worker) == []
@@ -415,6 +437,59 @@ def test_a_worker_registers_a_region_moved_once_when_it_is_next_idle(handle_fact
     while _registered(worker) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _registered(worker) == []
+
+
+def _rss_kib(pid, size):
+    """Resident KiB of each of the process's mappings of nvmeswap's memfds ``size`` long."""
+    found, current = [], None
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                current = "memfd:nvmeswap" in line and end - start == size
+            elif current and fields[0] == "Rss:":
+                found.append(int(fields[1]))
+    return found
+
+
+@needs_torch
+def test_workers_move_regions_the_parent_registered_without_touching_them(handle_factory,
+                                                                           tmp_path):
+    """Note [cloned buffers]: a locked tensor of an io_uring handle is registered by the
+    parent; its worker's ring clones that, so the worker moves every byte (and slices at
+    any address and offset) without faulting the pages into its own mapping, and drops the
+    registration when the tensor is freed."""
+    import torch
+
+    from nvmeswap._uring import clone_supported
+
+    if not clone_supported():
+        pytest.skip("this kernel clones no registered buffers (Linux 6.13)")
+    if not may_lock(64 * MiB):
+        pytest.skip("RLIMIT_MEMLOCK too small for the kernel to pin a region")
+    h = handle_factory(engine="uring", intra_op_parallelism=2)
+    size = 16 * MiB
+    tensor = h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    data = random_bytes(size, seed=7)
+    tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    path = str(tmp_path / "f")
+    assert h.sync_pwrite(tensor, path) == 1 and Path(path).read_bytes() == data
+    tensor.zero_()
+    assert h.sync_pread(tensor, path) == 1 and bytes(tensor.numpy()) == data
+    piece = tensor[4096 * 3 + 512:4096 * 3000 + 512]    # an unaligned head and tail
+    piece.zero_()
+    assert h.sync_pread(piece, path, 4096 * 3 + 512) == 1 and bytes(tensor.numpy()) == data
+    workers = [worker.process.pid for worker in h._scheduler.workers.pool.workers]
+    registry = h._scheduler.workers._registry.fd     # the workers inherit it, same number
+    assert [len(_registered(pid, but=registry)) for pid in workers] == [1, 1]
+    # The workers' mappings of it hold the head and tail pages at most.
+    assert all(sum(_rss_kib(pid, size)) <= 16 for pid in workers), \
+        [_rss_kib(pid, size) for pid in workers]
+    assert h.free_cpu_locked_tensor(tensor)
+    wait_until(lambda: not any(_registered(pid, but=registry) for pid in workers),
+               "clones dropped")
+    assert _registered(but=None) == []      # nor does our registry hold it
 
 
 def test_the_engine_argument_is_checked_before_anything_starts(monkeypatch):

@@ -29,16 +29,16 @@ How the rings are set up, each choice measured (bench/engines.py,
 bench/studies/fixed_buffers.py and the queue alone, on a memory-backed device where the
 CPU's share shows; docs/performance.md, "Engines"):
 
-- A worker registers a region with its ring as fixed buffers once the region has been
-  moved (``UringEngine.register_buffers``, workers/main.py): the kernel then pins its
-  pages once, not at every request (1 GiB transfers 1.10-1.19x faster). Registering
-  costs what faulting the pages in costs (0.2-0.3 s a GiB in a mapping that has not
-  touched them, 0.03 s after), so not before the first transfer has made the worker's
-  page tables: then when the worker is next idle (between an offloading loop's
-  transfers, where the time is free), else at the region's second transfer. The
-  kernel cannot share one registration between processes: a ring refuses to clone
-  another process's buffers (IORING_REGISTER_CLONE_BUFFERS: EINVAL, Linux 6.18), so
-  each worker pins for itself.
+- Regions are registered as fixed buffers: the kernel then pins their pages once, not
+  at every request (1 GiB transfers 1.10-1.19x faster). Where the kernel clones
+  registered buffers between rings (Linux 6.13), the parent registers each region once,
+  through its own page tables, when a handle makes it (``new_cpu_locked_tensor``) or
+  first maps it to a worker, and every worker's ring clones that: no worker builds page
+  tables for memory it moves (Note [cloned buffers] in pyx/_uring.pyx). Elsewhere a
+  worker registers a region itself (``UringEngine.register_buffers``, workers/main.py)
+  once a transfer has made its page tables (0.2-0.3 s a GiB in a mapping that has not
+  touched them, 0.03 s after): when the worker is next idle if that transfer moved all of
+  it, else at its second transfer.
 - The caller queue's posted requests go to a thread of the queue's own, as
   CallerQueue's do (cdeps/ring_submitter.h; Note [submitter] in pyx/_queues.pyx): 4 KiB
   reads posted one by one, 0.99x CallerQueue's rate, 1.15x submitting them in the

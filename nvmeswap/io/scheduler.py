@@ -187,6 +187,13 @@ class Scheduler:
         """Have the workers unmap ``region`` and drop our descriptor of it."""
         self.books.unshare(region)
 
+    def register(self, region):
+        """A locked region made for this handle: on io_uring, pinned for the workers' rings
+        now (Note [cloned buffers] in pyx/_uring.pyx), as locking it promised."""
+        with deferred_interrupts(), self._cond:
+            self.check_usable()
+            self.workers.register(region)
+
     def check_usable(self):
         if self.closed:
             raise ValueError("I/O operation on a closed nvmeswap handle")

@@ -50,6 +50,10 @@ class Workforce:
         self._engine_settings = engine_settings
         self._limits = limits
         self._next = 0
+        # io_uring: regions registered once here for every worker's ring to clone (Note
+        # [cloned buffers] in pyx/_uring.pyx), region id -> (first slot, slots) or None.
+        self._registry = None
+        self._registered = {}
 
     @property
     def chunks_in_flight(self):
@@ -58,7 +62,8 @@ class Workforce:
     def running(self):
         """The current pool, started if there is none."""
         if self.pool is None:
-            self.pool = WorkerPool(self._parallelism, self._engine_settings)
+            self.pool = WorkerPool(self._parallelism, self._engine_settings,
+                                   self._registry_fd())
             self._next = 0
             if self.queue is None:  # after the workers: theirs must fit under fs.aio-max-nr
                 self.queue = _caller_queue(self._limits, self._engine_settings.engine)
@@ -137,7 +142,7 @@ class Workforce:
         meanwhile: each waits for the kernel to retire an AIO context (~30 ms), so the
         two waits overlap. The queue is closed however this ends (it waits for its
         requests: the memory they use may be freed next); the workers are killed if
-        interrupted."""
+        interrupted. The registrations go last, with the workers' rings gone."""
         pool, self.pool = self.pool, None
         try:
             if pool is not None:
@@ -150,6 +155,8 @@ class Workforce:
                 pool.kill()
             self.close_queue()      # a no-op unless the interruption came before it
             raise
+        finally:
+            self.close_registry()
 
     def send(self, op, index):
         """Send chunk ``index`` of ``op`` where its road goes (Note [roads]). Returns 0;
@@ -201,12 +208,46 @@ class Workforce:
                 region.region_id, region.size, region.ipc_handle, region.ordinal,
                 region.address - region.allocation_base))
         else:
-            worker.send(protocol.map_request(region.region_id, region.size, region.offset),
-                        [region.fd])
+            slots = self._registration(region)
+            worker.send(protocol.map_request(
+                region.region_id, region.size, region.offset,
+                None if slots is None else (region.address, *slots)), [region.fd])
         worker.mapped.add(region.region_id)
 
+    def _registry_fd(self):
+        """The descriptor of our ``BufferRegistry``, made with the first pool, for the
+        workers to inherit (Note [cloned buffers] in pyx/_uring.pyx); -1 where they
+        register regions themselves (kernel AIO, or a kernel that clones nothing)."""
+        if self._registry is None:
+            self._registry = False
+            if self._engine_settings.engine == "uring":
+                from .._uring import BufferRegistry, clone_supported
+
+                try:
+                    self._registry = BufferRegistry() if clone_supported() else False
+                except OSError:
+                    pass
+        return self._registry.fd if self._registry else -1
+
+    def register(self, region):
+        """Register a new locked region with our registry now, if we keep one (Note
+        [cloned buffers] in pyx/_uring.pyx): its first transfer then finds it done."""
+        self._registry_fd()
+        self._registration(region)
+
+    def _registration(self, region):
+        """The registry slots that hold ``region``, registered at its first mapping; None
+        where the workers register it themselves."""
+        if not self._registry:
+            return None
+        if region.region_id not in self._registered:
+            self._registered[region.region_id] = self._registry.register(region.address,
+                                                                         region.size)
+        return self._registered[region.region_id]
+
     def unmap(self, region):
-        """Have every worker that mapped ``region`` unmap it."""
+        """Have every worker that mapped ``region`` unmap it (and drop its clone of the
+        region's registration, which we drop here)."""
         for worker in self.pool.workers if self.pool is not None else []:
             if region.region_id in worker.mapped:
                 worker.mapped.discard(region.region_id)
@@ -214,6 +255,16 @@ class Workforce:
                     worker.send(protocol.unmap_request(region.region_id))
                 except OSError:
                     pass    # a dead worker maps nothing; the pump will see its death
+        slots = self._registered.pop(region.region_id, None)
+        if slots is not None:
+            self._registry.unregister(*slots)
+
+    def close_registry(self):
+        """Let go of every registration (the workers' clones end with their rings)."""
+        registry, self._registry = self._registry, None
+        self._registered.clear()
+        if registry:
+            registry.close()
 
 
 def _caller_queue(limits, engine):

@@ -20,9 +20,12 @@ from . import protocol
 
 
 def main(argv):
-    """``argv``: our socket's descriptor, the parent's pid, then ``EngineSettings``."""
+    """``argv``: our socket's descriptor, the parent's pid, ``EngineSettings``, and the
+    ring the parent made for our io_uring engine, if it did (Note [cloned buffers] in
+    pyx/_uring.pyx)."""
     sock_fd, parent_pid = int(argv[0]), int(argv[1])
     settings = protocol.EngineSettings.from_argv(argv[2:])
+    ring, registry_fd = protocol.ring_from_argv(argv[2 + len(settings):])
     _exit_with_parent(parent_pid)
     _raise_descriptor_limit()
     # Ctrl-C goes to the whole process group; the parent decides what it means. (It was
@@ -31,12 +34,13 @@ def main(argv):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sock = socket.socket(fileno=sock_fd)
     try:
-        engine = worker_engine_type(settings.engine)(*settings[:4])
+        engine = worker_engine_type(settings.engine)(*settings[:4],
+                                                     **({"ring": ring} if ring else {}))
     except OSError as error:
         sock.send(protocol.ready_response(error.errno))
         return
     sock.send(protocol.ready_response())
-    _serve(sock, Executor(engine))
+    _serve(sock, Executor(engine, registry_fd))
 
 
 def _raise_descriptor_limit():
@@ -123,14 +127,17 @@ class Executor:
     """Carries out requests: maps and unmaps host (or device) regions, and transfers on
     them; host transfers run at once on the engine, the rest one at a time between them."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, registry_fd=-1):
         self._engine = engine
-        # io_uring's fixed buffers (UringEngine.register_buffers; kernel AIO has none): a
-        # region is registered with the engine's ring once it has been moved, when the
-        # worker is next idle, else at its second transfer (Note [engines] in io/engines.py).
+        self._registry_fd = registry_fd     # the parent's BufferRegistry (Note [cloned buffers])
+        # io_uring's fixed buffers (kernel AIO has none): a region the parent registered is
+        # cloned from its registry (Note [cloned buffers] in pyx/_uring.pyx); any other is
+        # registered here once it has been moved, when the worker is next idle, else at its
+        # second transfer (UringEngine.register_buffers; Note [engines] in io/engines.py).
         self._register = getattr(engine, "register_buffers", None)
         self._moved_once = {}   # region id -> bytes of its one transfer, until the second
         self._registered = set()    # region ids registered (or refused) with the ring
+        self._cloned = {}       # region id -> (parent's address, first slot, slots)
         self._regions = {}      # region id -> Mapping of its range of the parent's memfd
         self._running = {}      # (op id, chunk) of an engine transfer -> its request
         self._cufile = None     # a CufileIO once the parent sends CUFILE_SETUP
@@ -156,13 +163,20 @@ class Executor:
             _close_all(request.fds)
             return _failure(request, errno.EMFILE)     # its MAP lost its descriptor
         buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
-        if self._register is not None:
-            self._count_transfer(request.region_id, mapping, request.nbytes)
+        cloned = self._cloned.get(request.region_id)
+        if cloned is not None:
+            parent_address, first, _ = cloned
+            fixed = {"fixed_slot": first, "fixed_base": parent_address,
+                     "fixed_address": parent_address + request.region_offset}
+        else:
+            fixed = {}
+            if self._register is not None:
+                self._count_transfer(request.region_id, mapping, request.nbytes)
         try:
             self._engine.begin(request.op_id, request.chunk, request.kind == protocol.READ,
                                request.fds[0], buffered_fd,
                                mapping.address + request.region_offset, request.nbytes,
-                               request.file_offset, request.alignment)
+                               request.file_offset, request.alignment, **fixed)
         except BaseException:
             _close_all(request.fds)
             raise
@@ -216,9 +230,16 @@ class Executor:
             if request.kind == protocol.MAP:
                 self._regions[request.region_id] = Mapping(request.fds[0], request.nbytes,
                                                            request.region_offset)
+                registered = protocol.unpack_registered(request.payload)
+                if (registered is not None and self._registry_fd >= 0
+                        and self._engine.clone_buffers(self._registry_fd, *registered[1:])):
+                    self._cloned[request.region_id] = registered
             elif request.kind == protocol.UNMAP:
                 mapping = self._regions.pop(request.region_id, None)
                 self._moved_once.pop(request.region_id, None)
+                cloned = self._cloned.pop(request.region_id, None)
+                if cloned is not None:
+                    self._engine.drop_buffers(*cloned[1:])
                 registered = request.region_id in self._registered
                 self._registered.discard(request.region_id)
                 if registered and mapping is not None:

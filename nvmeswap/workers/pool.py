@@ -31,7 +31,7 @@ class Worker:
     ``mapped`` holds the regions (and set-ups) the worker has been sent, so each is sent once.
     """
 
-    def __init__(self, engine_settings):
+    def __init__(self, engine_settings, registry_fd=-1):
         try:
             parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError as error:
@@ -40,12 +40,16 @@ class Worker:
         # and ignores it before unblocking, so a Ctrl-C at start-up cannot kill it; ours
         # waits until Popen has returned (Note [deferred interrupts]).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        ring = None
         try:
+            ring = _worker_ring(engine_settings) if registry_fd >= 0 else None
             # -I: the worker sees our nvmeswap, not whatever the current directory holds.
             command = [sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_FOLDER, str(child_end.fileno()),
-                       str(os.getpid()), *engine_settings.to_argv()]
-            self.process = subprocess.Popen(command, pass_fds=[child_end.fileno()],
-                                            stdin=subprocess.DEVNULL)
+                       str(os.getpid()), *engine_settings.to_argv(),
+                       *protocol.ring_to_argv(ring, registry_fd)]
+            self.process = subprocess.Popen(
+                command, pass_fds=[child_end.fileno(), *([ring[0], registry_fd] if ring else [])],
+                stdin=subprocess.DEVNULL)
         except BaseException as error:
             parent_end.close()
             if isinstance(error, OSError):
@@ -53,6 +57,8 @@ class Worker:
             raise
         finally:
             child_end.close()
+            if ring is not None:
+                os.close(ring[0])   # the worker's copy holds the ring now
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.sock = parent_end
         try:
@@ -77,6 +83,14 @@ class Worker:
         self.sock.close()
         os.close(self.pidfd)
         self.process.wait()
+
+
+def _worker_ring(engine_settings):
+    """The ring the worker's io_uring engine adopts, made here so that it can clone our
+    registered buffers (Note [cloned buffers] in pyx/_uring.pyx)."""
+    from .._uring import make_worker_ring
+
+    return make_worker_ring(engine_settings.queue_depth)
 
 
 def start_error(error):
@@ -104,12 +118,12 @@ def start_error(error):
 class WorkerPool:
     """``size`` workers with identical engines; one generation, replaced whole if one dies."""
 
-    def __init__(self, size, engine_settings):
+    def __init__(self, size, engine_settings, registry_fd=-1):
         self.workers = []
         self._engine = engine_settings.engine
         try:
             for _ in range(size):
-                self.workers.append(Worker(engine_settings))
+                self.workers.append(Worker(engine_settings, registry_fd))
             self._await_ready()
         except BaseException:
             self.kill()

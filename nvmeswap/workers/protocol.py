@@ -25,6 +25,8 @@ _RESPONSE = struct.Struct("<QIiqqq")
 RESPONSE_SIZE = _RESPONSE.size
 # The allocation's IPC handle, the device ordinal, the region's offset in the allocation.
 _DEVICE_REGION = struct.Struct("<64sIQ")
+# A region registered by the parent: its address there, the first slot, how many slots.
+_REGISTERED = struct.Struct("<QII")
 # A request and its payload (CUFILE_SETUP: library paths) fit in one datagram of this size.
 MAX_MESSAGE = 8192
 MAX_FDS = 2
@@ -51,6 +53,20 @@ class EngineSettings(NamedTuple):
                    argv[4])
 
 
+def ring_to_argv(ring, registry_fd):
+    """The worker's command-line words for a ring made for it (``make_worker_ring`` in
+    pyx/_uring.pyx) and the parent's ``BufferRegistry`` descriptor (io_uring descriptors
+    cannot be sent over a socket: the worker inherits both): none for no ring."""
+    return [] if ring is None else [str(ring[0]), str(ring[1]), ring[2].hex(), str(registry_fd)]
+
+
+def ring_from_argv(argv):
+    """What ``ring_to_argv`` wrote: ``(ring or None, registry descriptor or -1)``."""
+    if not argv:
+        return None, -1
+    return (int(argv[0]), int(argv[1]), bytes.fromhex(argv[2])), int(argv[3])
+
+
 class Request(NamedTuple):
     kind: int
     region_id: int
@@ -65,10 +81,18 @@ class Request(NamedTuple):
 
 
 # -- parent -> worker ----------------------------------------------------------------------
-def map_request(region_id, size, offset=0):
+def map_request(region_id, size, offset=0, registered=None):
     """Map ``size`` bytes at ``offset`` (page-aligned) of the memfd sent beside this
-    message as region ``region_id``; a MAP's ``region_offset`` is that offset."""
-    return _REQUEST.pack(MAP, region_id, 0, 0, offset, size, 0, 0)
+    message as region ``region_id``; a MAP's ``region_offset`` is that offset. With
+    ``registered`` (our address of the region, first slot, slots), the region is
+    registered with the parent's registry ring (Note [cloned buffers] in pyx/_uring.pyx)."""
+    message = _REQUEST.pack(MAP, region_id, 0, 0, offset, size, 0, 0)
+    return message if registered is None else message + _REGISTERED.pack(*registered)
+
+
+def unpack_registered(payload):
+    """``(our address, first slot, slots)`` of a MAP's payload, or None."""
+    return _REGISTERED.unpack(payload) if payload else None
 
 
 def unmap_request(region_id):

@@ -6,6 +6,7 @@ cdef extern from "io_uring.h" nogil:
         NVMESWAP_IORING_OP_READ
         NVMESWAP_IORING_OP_WRITE
         NVMESWAP_IORING_SETUP_COOP_TASKRUN
+        NVMESWAP_IORING_SETUP_R_DISABLED
         NVMESWAP_IORING_SETUP_SINGLE_ISSUER
         NVMESWAP_IORING_SETUP_DEFER_TASKRUN
         NVMESWAP_IORING_MAX_FIXED_BUFFER
@@ -19,10 +20,21 @@ cdef extern from "io_uring.h" nogil:
 
     ctypedef struct nvmeswap_uring:
         int fd
+        unsigned flags
+
+    struct nvmeswap_io_uring_params:
+        pass
 
     long nvmeswap_uring_open(nvmeswap_uring *ring, unsigned entries, unsigned cq_entries,
                              unsigned flags)
     void nvmeswap_uring_close(nvmeswap_uring *ring)
+    long nvmeswap_uring_setup(unsigned entries, unsigned cq_entries, unsigned *flags,
+                              nvmeswap_io_uring_params *p)
+    long nvmeswap_uring_adopt(nvmeswap_uring *ring, int fd, const nvmeswap_io_uring_params *p,
+                              unsigned flags)
+    long nvmeswap_uring_enable(nvmeswap_uring *ring)
+    long nvmeswap_uring_clone_buffers(nvmeswap_uring *ring, int src_fd, unsigned first,
+                                      unsigned nr)
     nvmeswap_io_uring_sqe *nvmeswap_uring_next_sqe(nvmeswap_uring *ring)
     void nvmeswap_uring_prep_rw(nvmeswap_io_uring_sqe *sqe, int opcode, int fd,
                                 unsigned long long addr, unsigned len,
