@@ -490,6 +490,15 @@ def test_workers_move_regions_the_parent_registered_without_touching_them(handle
     wait_until(lambda: not any(_registered(pid, but=registry) for pid in workers),
                "clones dropped")
     assert _registered(but=None) == []      # nor does our registry hold it
+    h.close()
+    assert "io_uring" not in _link_or_none(f"/proc/self/fd/{registry}")  # closed with it
+
+
+def _link_or_none(path):
+    try:
+        return os.readlink(path)
+    except FileNotFoundError:
+        return "none"
 
 
 def test_the_engine_argument_is_checked_before_anything_starts(monkeypatch):
