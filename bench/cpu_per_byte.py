@@ -11,6 +11,8 @@ in nanoseconds) is counted per job, per GB (10^9 bytes), the workers' from the e
 the previous job (so that what they do between jobs counts); a job's figure in a process is
 the median of its repeats (one-time costs of the second transfer, such as io_uring's
 registration of the buffer, show in the first repeat and in "fresh write, 1st").
+Last, "locking": the CPU of making another locked tensor of --size bytes
+(``new_cpu_locked_tensor``: what it faults in, locks and, on io_uring, registers), per GB.
 Printed per job: each contender's median over rounds and DeepSpeed's over ours (> 1:
 nvmeswap needs less CPU per byte).
 """
@@ -24,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import peers
 
-JOBS = ("first write", "fresh write, 1st", "fresh write", "overwrite", "cold read")
+JOBS = ("locking", "first write", "fresh write, 1st", "fresh write", "overwrite", "cold read")
 GB = 10**9
 
 
@@ -45,6 +47,18 @@ def cpu_ns(pid):
                 pass
         totals.append(total)
     return tuple(totals)
+
+
+def locking_cpu_per_gb(handle, size):
+    """CPU-s per GB of ``new_cpu_locked_tensor`` (what it pins, faults in and registers)."""
+    import torch
+
+    me = os.getpid()
+    before = sum(cpu_ns(me))
+    tensor = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    used = sum(cpu_ns(me)) - before
+    handle.free_cpu_locked_tensor(tensor)
+    return used / 1e9 / (size / GB)
 
 
 def contender_run(kind, folder, size, repeats):
@@ -87,6 +101,7 @@ def contender_run(kind, folder, size, repeats):
                 values.append(cpu_per_gb(job))
         figures["fresh write, 1st"] = repeated["fresh write"][0]
         figures.update((job, statistics.median(values)) for job, values in repeated.items())
+        figures["locking"] = locking_cpu_per_gb(contender.handle, size)
     finally:
         contender.remove(path)
         contender.close()
