@@ -192,11 +192,13 @@ cdef class UringEngine(TransferEngine):
             raise ValueError(f"io_uring parameters are {sizeof(p)} bytes, not {len(params)}")
         memcpy(&p, <char *>params, sizeof(p))
         ret = nvmeswap_uring_adopt(&self.ring, fd, &p, flags)     # closes fd if it fails
-        if ret == 0 and flags & NVMESWAP_IORING_SETUP_R_DISABLED:
-            ret = nvmeswap_uring_enable(&self.ring)
         if ret < 0:
-            nvmeswap_uring_close(&self.ring)
-            raise errno_error(<int>-ret, "io_uring_register")
+            raise errno_error(<int>-ret, "mmap")
+        if flags & NVMESWAP_IORING_SETUP_R_DISABLED:
+            ret = nvmeswap_uring_enable(&self.ring)
+            if ret < 0:
+                nvmeswap_uring_close(&self.ring)
+                raise errno_error(<int>-ret, "io_uring_register")
         return 0
 
     def __dealloc__(self):

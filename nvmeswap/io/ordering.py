@@ -65,9 +65,12 @@ class Ordering:
     def writes_in_flight(self, identity):
         """Whether a write of the file ``identity`` names (or of a file not yet known) is
         in flight."""
-        return any(in_flight is not None and bool(in_flight[1])
-                   for in_flight in (self._by_file.get(identity),
-                                     self._by_file.get(UNKNOWN_FILE)))
+        # Asked before every read a run takes: two lookups, no generator.
+        in_flight = self._by_file.get(identity)
+        if in_flight is not None and in_flight[1]:
+            return True
+        unknown = self._by_file.get(UNKNOWN_FILE)
+        return unknown is not None and bool(unknown[1])
 
     def add(self, op):
         """Count ``op`` in flight; return the earlier operations it must wait for."""

@@ -62,8 +62,9 @@ class Workforce:
     def running(self):
         """The current pool, started if there is none."""
         if self.pool is None:
+            registry = self._the_registry()
             self.pool = WorkerPool(self._parallelism, self._engine_settings,
-                                   self._registry_fd())
+                                   registry.fd if registry else -1)
             self._next = 0
             if self.queue is None:  # after the workers: theirs must fit under fs.aio-max-nr
                 self.queue = _caller_queue(self._limits, self._engine_settings.engine)
@@ -208,16 +209,16 @@ class Workforce:
                 region.region_id, region.size, region.ipc_handle, region.ordinal,
                 region.address - region.allocation_base))
         else:
-            slots = self._registration(region)
+            slots = self.register(region)
             worker.send(protocol.map_request(
                 region.region_id, region.size, region.offset,
                 None if slots is None else (region.address, *slots)), [region.fd])
         worker.mapped.add(region.region_id)
 
-    def _registry_fd(self):
-        """The descriptor of our ``BufferRegistry``, made with the first pool, for the
-        workers to inherit (Note [cloned buffers] in pyx/_uring.pyx); -1 where they
-        register regions themselves (kernel AIO, or a kernel that clones nothing)."""
+    def _the_registry(self):
+        """Our ``BufferRegistry``, made on first use, for the workers to inherit (Note
+        [cloned buffers] in pyx/_uring.pyx); None where they register regions themselves
+        (kernel AIO, or a kernel that clones nothing)."""
         if self._registry is None:
             self._registry = False
             if self._engine_settings.engine == "uring":
@@ -227,22 +228,18 @@ class Workforce:
                     self._registry = BufferRegistry() if clone_supported() else False
                 except OSError:
                     pass
-        return self._registry.fd if self._registry else -1
+        return self._registry or None
 
     def register(self, region):
-        """Register a new locked region with our registry now, if we keep one (Note
-        [cloned buffers] in pyx/_uring.pyx): its first transfer then finds it done."""
-        self._registry_fd()
-        self._registration(region)
-
-    def _registration(self, region):
-        """The registry slots that hold ``region``, registered at its first mapping; None
-        where the workers register it themselves."""
-        if not self._registry:
+        """The registry slots that hold ``region``, registered now if not yet (when a
+        handle makes it, or at its first mapping); None where the workers register it
+        themselves (Note [cloned buffers] in pyx/_uring.pyx)."""
+        registry = self._the_registry()
+        if registry is None:
             return None
         if region.region_id not in self._registered:
-            self._registered[region.region_id] = self._registry.register(region.address,
-                                                                         region.size)
+            self._registered[region.region_id] = registry.register(region.address,
+                                                                   region.size)
         return self._registered[region.region_id]
 
     def unmap(self, region):

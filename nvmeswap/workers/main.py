@@ -165,18 +165,17 @@ class Executor:
         buffered_fd = request.fds[1] if len(request.fds) > 1 else -1
         cloned = self._cloned.get(request.region_id)
         if cloned is not None:
-            parent_address, first, _ = cloned
-            fixed = {"fixed_slot": first, "fixed_base": parent_address,
-                     "fixed_address": parent_address + request.region_offset}
+            parent_address, fixed_slot, _ = cloned
         else:
-            fixed = {}
+            parent_address, fixed_slot = 0, -1
             if self._register is not None:
                 self._count_transfer(request.region_id, mapping, request.nbytes)
         try:
             self._engine.begin(request.op_id, request.chunk, request.kind == protocol.READ,
                                request.fds[0], buffered_fd,
                                mapping.address + request.region_offset, request.nbytes,
-                               request.file_offset, request.alignment, **fixed)
+                               request.file_offset, request.alignment, fixed_slot,
+                               parent_address, parent_address + request.region_offset)
         except BaseException:
             _close_all(request.fds)
             raise
