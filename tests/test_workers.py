@@ -43,10 +43,11 @@ def _call_with_deadline(function):
     return outcome
 
 
-def _killed_during(h, operation, victim, signal_number=signal.SIGKILL):
+def _killed_during(h, operation, victim, signal_number=signal.SIGKILL, ready=None):
     """Run ``operation`` (in a thread) with ``h``'s workers stopped, so that its requests
-    stay with them however fast the storage is; once they are in flight, send
-    ``signal_number`` to ``victim`` and let the other workers go on. The outcome."""
+    stay with them however fast the storage is; once they are in flight (and ``ready()``
+    holds), send ``signal_number`` to ``victim`` and let the other workers go on. The
+    outcome."""
     outcome = {}
 
     def run():
@@ -58,7 +59,8 @@ def _killed_during(h, operation, victim, signal_number=signal.SIGKILL):
     thread = threading.Thread(target=run, daemon=True)
     with stopped_workers(h):
         thread.start()
-        wait_until(lambda: in_flight(h), "the requests reach the workers")
+        wait_until(lambda: in_flight(h) and (ready is None or ready()),
+                   "the requests reach the workers")
         victim.send_signal(signal_number)
     thread.join(DEADLINE)
     assert not thread.is_alive(), f"no answer within {DEADLINE} s of the death"
@@ -121,14 +123,18 @@ def test_worker_killed_with_operations_queued_behind(handle_factory, tmp_path):
     data = random_bytes(16 << 20)
     (tmp_path / "src").write_bytes(data)
     targets = [bytearray(len(data)) for _ in range(3)]
+    submitted = threading.Event()
 
     def operation():
         for target in targets:
             h.async_pread(target, tmp_path / "src")
+        submitted.set()
         return h.wait()
 
+    # Killed only once all three are out: one submitted after the death would rightly
+    # go to the new workers and succeed.
     outcome = _killed_during(h, operation, psutil.Process(worker_processes(h)[1].pid),
-                             signal.SIGSEGV)
+                             signal.SIGSEGV, ready=submitted.is_set)
     error = outcome.get("error")
     assert isinstance(error, nvmeswap.WorkerDied) and "signal 11" in str(error)
     assert error.failed_operations == 3
