@@ -82,6 +82,8 @@ CASES = {case.name or case.script: case for case in [
           r"^nvmeswap\.save +\d+\.\d+ +\d+\.\d\d$",
           r"^  nvmeswap\.save vs torch\.save +\d+\.\d\dx$",
           r"^async_save: caller blocked \d+\.\d+ s .* byte-identical: True$",
+          (r"^background snapshot: caller blocked \d+\.\d+ s, a \d+\.\d+ s computation "
+           r"beside the copy slowed -?\d+\.\d+ s; blocked / synchronous = \d+\.\d\d"),
           r"^one-call nvmeswap\.async_save: caller blocked \d+\.\d+ s"]),
     Case("cpu_per_byte.py",
          ["--folder", "{folder}", "--size", "4M", "--rounds", "1", "--peers", "none"],

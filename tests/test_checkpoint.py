@@ -283,6 +283,99 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch):
     assert all(nbytes >= 24 << 20 for nbytes, _ in made)
 
 
+def _held_snapshots(monkeypatch):
+    """Make each snapshot copy wait for the returned event: the test decides when the
+    saving thread copies."""
+    import threading
+
+    from nvmeswap.checkpoint.checkpointer import Checkpointer
+
+    go = threading.Event()
+    original = Checkpointer._copy_into_snapshot
+
+    def held(self, image, one_off):
+        assert go.wait(60), "the test never let the snapshot be taken"
+        return original(self, image, one_off)
+
+    monkeypatch.setattr(Checkpointer, "_copy_into_snapshot", held)
+    return go
+
+
+def test_background_snapshot_returns_before_the_copy(tmp_path, monkeypatch):
+    """Note [snapshot in the background]: the call returns before any tensor is copied;
+    once ``snapshot_taken`` is done the state may change, and the file holds the state
+    as it was at the call."""
+    state = {"w": torch.from_numpy(np.frombuffer(random_bytes(8 << 20, seed=41),
+                                                 np.uint8).copy()),
+             "layers": [torch.arange(1000, dtype=torch.float32), torch.ones(3, 5)],
+             "step": 7}
+    expected = {"w": state["w"].clone(), "layers": [t.clone() for t in state["layers"]],
+                "step": 7}
+    go = _held_snapshots(monkeypatch)
+    with nvmeswap.Checkpointer() as checkpointer:
+        future = checkpointer.async_save(state, tmp_path / "bg.pt", background_snapshot=True)
+        assert not future.snapshot_taken.done() and not future.done()
+        go.set()
+        assert future.snapshot_taken.result(60) is None
+        state["w"].zero_()
+        state["layers"][0].add_(1)
+        assert future.result(60) is None
+    assert_same(expected, torch.load(tmp_path / "bg.pt"))
+    # The one-call form, not held: the same guarantee.
+    later = nvmeswap.async_save(state, tmp_path / "one.pt", background_snapshot=True)
+    later.snapshot_taken.result(60)
+    expected = {"w": state["w"].clone(), "layers": [t.clone() for t in state["layers"]],
+                "step": 7}
+    state["layers"][1].mul_(3)
+    assert later.result(60) is None
+    assert_same(expected, torch.load(tmp_path / "one.pt"))
+
+
+def test_background_snapshot_refuses_a_state_changed_too_early(tmp_path, monkeypatch):
+    """A tensor changed in place before ``snapshot_taken`` fails the save, naming the
+    tensor; the previous checkpoint stays and no temporary file is left."""
+    path = tmp_path / "ckpt.pt"
+    nvmeswap.save({"model": {"a": torch.zeros(4)}}, path)
+    before = path.read_bytes()
+    state = {"model": {"a": torch.ones(4), "b": torch.ones(1 << 20)}}
+    go = _held_snapshots(monkeypatch)
+    with nvmeswap.Checkpointer() as checkpointer:
+        future = checkpointer.async_save(state, path, background_snapshot=True)
+        state["model"]["b"].add_(1)        # too early: the copy has not happened
+        go.set()
+        with pytest.raises(RuntimeError, match="model.b changed before the snapshot") as info:
+            future.result(60)
+        assert future.snapshot_taken.exception(60) is info.value
+        assert str(path) in str(info.value)
+        # The checkpointer goes on: the next save, waited for, is whole.
+        again = checkpointer.async_save(state, path, background_snapshot=True)
+        again.snapshot_taken.result(60)
+        assert again.result(60) is None
+    assert path.read_bytes() != before
+    assert_same(state, torch.load(path))
+    assert not [p for p in os.listdir(tmp_path) if TEMPORARY in p]
+
+
+def test_background_snapshots_follow_the_save_before(tmp_path, monkeypatch):
+    """Saves in flight one after another: each snapshot is taken once the save before is
+    written (one snapshot buffer), whatever mix of the two forms."""
+    go = _held_snapshots(monkeypatch)
+    states = [{"x": torch.full((1 << 18,), float(i))} for i in range(3)]
+    with nvmeswap.Checkpointer() as checkpointer:
+        first = checkpointer.async_save(states[0], tmp_path / "0.pt", background_snapshot=True)
+        second = checkpointer.async_save(states[1], tmp_path / "1.pt",
+                                         background_snapshot=True)
+        assert not first.snapshot_taken.done() and not second.snapshot_taken.done()
+        go.set()
+        third = checkpointer.async_save(states[2], tmp_path / "2.pt")   # waits for both
+        assert first.done() and second.done() and third.snapshot_taken.done()
+        for state in states:
+            state["x"].zero_()
+        assert third.result(60) is None
+    for i in range(3):
+        assert_same({"x": torch.full((1 << 18,), float(i))}, torch.load(tmp_path / f"{i}.pt"))
+
+
 def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):
     big = {"t": torch.zeros(8 << 20, dtype=torch.uint8)}       # more than the 4 MiB tmpfs
     path = small_filesystem / "full.pt"

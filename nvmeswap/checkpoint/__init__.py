@@ -8,13 +8,12 @@ crash-consistently, optionally in the background, and striped over several devic
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
 from typing import Any
 
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, SaveFuture
 from .stripes import StripedHandle
 
-__all__ = ["Checkpointer", "StripedHandle", "async_save", "load", "load_into",
+__all__ = ["Checkpointer", "SaveFuture", "StripedHandle", "async_save", "load", "load_into",
            "load_safetensors", "load_safetensors_into", "save", "save_safetensors"]
 
 
@@ -57,9 +56,12 @@ def load_into(path: str | os.PathLike, into: Any, *, handle: Any = None,
         return checkpointer.load_into(path, into, strict=strict)
 
 
-def async_save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> Future:
-    """Start saving ``obj`` to ``path``; returns a ``concurrent.futures.Future`` once the
-    tensors are copied (``obj`` may change from then on).
+def async_save(obj: Any, path: str | os.PathLike, *, handle: Any = None,
+               background_snapshot: bool = False) -> SaveFuture:
+    """Start saving ``obj`` to ``path``; returns a ``SaveFuture`` (a
+    ``concurrent.futures.Future``) once the tensors are copied (``obj`` may change from
+    then on), or at once with ``background_snapshot``: then ``obj`` may change once
+    ``future.snapshot_taken`` is done (Note [snapshot in the background]).
 
     ``.result()`` returns None once the file is durable under ``path``, or raises the
     failure. Each call copies into a plain buffer of the checkpoint's size, held for the
@@ -68,7 +70,8 @@ def async_save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> Futu
     """
     checkpointer = Checkpointer(handle)
     try:
-        return checkpointer.async_save(obj, path, one_off=True)
+        return checkpointer.async_save(obj, path, one_off=True,
+                                       background_snapshot=background_snapshot)
     except BaseException:
         checkpointer.close()
         raise

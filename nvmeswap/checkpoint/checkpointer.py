@@ -44,6 +44,49 @@ def checked_path(path: Any, *, writing: bool) -> str:
     return path
 
 
+class SaveFuture(Future):
+    """An asynchronous save: ``result()`` is None once the checkpoint is durable under
+    its name (or raises the failure); ``snapshot_taken``, a ``Future`` of its own, is
+    done once the state's tensors are copied (or fails as the save does, if the copy
+    does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.snapshot_taken: Future = Future()
+        self.snapshot_taken.set_running_or_notify_cancel()
+
+
+def _tensor_versions(obj):
+    """``(name, tensor, version)`` for each tensor in ``obj``'s dicts, lists and tuples
+    whose in-place changes torch counts (not inference tensors)."""
+    import torch
+
+    found = []
+    stack = [("", obj)]
+    while stack:
+        name, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if not item.is_inference():
+                found.append((name or "the tensor", item, item._version))
+        elif isinstance(item, dict):
+            stack.extend((f"{name}.{key}" if name else str(key), value)
+                         for key, value in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{name}[{index}]", value) for index, value in enumerate(item))
+    return found
+
+
+def _check_unchanged(watched, path):
+    """Note [snapshot in the background]: a tensor changed in place before its snapshot
+    was complete could leave a checkpoint mixing two states; refuse it."""
+    changed = [name for name, tensor, version in watched if tensor._version != version]
+    if changed:
+        raise RuntimeError(
+            f"{path}: not saved: {', '.join(sorted(changed)[:5])}"
+            f"{' and others' if len(changed) > 5 else ''} changed before the snapshot was "
+            "taken; wait for future.snapshot_taken before changing the state")
+
+
 class Checkpointer:
     """Saves and loads checkpoints through one nvmeswap handle.
 
@@ -194,15 +237,21 @@ class Checkpointer:
         return safetensors_format.load_into(path, into, self.handle, strict)
 
     # -- asynchronous --------------------------------------------------------------------
-    def async_save(self, obj: Any, path: str | os.PathLike, *, one_off: bool = False) -> Future:
+    def async_save(self, obj: Any, path: str | os.PathLike, *, one_off: bool = False,
+                   background_snapshot: bool = False) -> SaveFuture:
         """Snapshot ``obj``'s tensors into locked memory, then write in the background.
 
-        Returns once the snapshot is taken: ``obj`` may change from then on. The returned
-        ``concurrent.futures.Future`` gives None when the checkpoint is durable under its
-        name, or raises the failure. One save is in flight at a time: a second call first
-        waits for the one before (Note [async checkpoint snapshot]). ``one_off``: close
-        this checkpointer once the save is done, before the future is; the snapshot is
-        then plain memory, not locked.
+        Returns a ``SaveFuture`` (a ``concurrent.futures.Future``): ``result()`` gives
+        None when the checkpoint is durable under its name, or raises the failure; its
+        ``snapshot_taken`` future is done once every tensor's bytes are copied, and from
+        then on ``obj`` may change. By default the copy is made before this call returns.
+        ``background_snapshot``: the copy too is made on the saving thread, so the call
+        returns at once and the caller waits, if at all, at
+        ``future.snapshot_taken.result()``, which must come before ``obj``'s tensors change
+        (before the optimizer's step, say: Note [snapshot in the background]). One save is
+        in flight at a time: a save starts once the one before is written (Note [async
+        checkpoint snapshot]). ``one_off``: close this checkpointer once the save is done,
+        before the future is; the snapshot is then plain memory, not locked.
         """
         self._check_open()
         path = checked_path(path, writing=True)
@@ -218,21 +267,46 @@ class Checkpointer:
         # longer than a whole synchronous save (0.7 s a GiB with 4 KiB pages, against
         # 0.4-0.7 s for nvmeswap.save of it, measured 2026-11-26); and its handle, if
         # its own, starts on that thread too.
+        # Note [snapshot in the background]: with ``background_snapshot`` the copy moves
+        # to the saving thread as well, as DCP's asynchronous staging does: the caller
+        # returns after the layout (milliseconds) and the copy overlaps its next forward
+        # and backward pass; it waits for ``snapshot_taken`` before the optimizer changes
+        # the tensors. Not waiting would mix two states in one file, so every tensor
+        # reachable through ``obj``'s dicts, lists and tuples is watched through torch's
+        # version counter (which every in-place op bumps, optimizers' included; writes
+        # through ``.data``, numpy or another process do not) and a save that sees one
+        # change fails instead of writing. The copy still costs its CPU time: whatever
+        # runs beside it is slowed by about that much (bench/checkpoint.py reports both).
         image = layout(obj)
-        self.wait_in_flight()
+        future = SaveFuture()
+        future.set_running_or_notify_cancel()
+        if background_snapshot:
+            watched = _tensor_versions(obj)
+            previous, self._in_flight = self._in_flight, future
+
+            def take():
+                if previous is not None:
+                    previous.exception()        # its error stays with its own future
+                self._copy_into_snapshot(image, one_off)
+                _check_unchanged(watched, path)
+        else:
+            self.wait_in_flight()
+            self._copy_into_snapshot(image, one_off)
+            future.snapshot_taken.set_result(None)
+            self._in_flight = future
+            take = None
+        thread = threading.Thread(target=self._write_snapshot,
+                                  args=(image, path, future, one_off, take),
+                                  name="nvmeswap-async-save", daemon=True)
+        thread.start()
+        return future
+
+    def _copy_into_snapshot(self, image, one_off):
         snapshot = self._snapshot_buffer(image.size, locked=not one_off)
         for offset, run in image.runs:
             if isinstance(run, TensorRun):
                 snapshot[offset:offset + run.nbytes].copy_(run.source)
                 run.source = None        # the snapshot is the source from now on
-        future: Future = Future()
-        future.set_running_or_notify_cancel()
-        self._in_flight = future
-        thread = threading.Thread(target=self._write_snapshot,
-                                  args=(image, path, future, one_off),
-                                  name="nvmeswap-async-save", daemon=True)
-        thread.start()
-        return future
 
     def _snapshot_buffer(self, nbytes, locked):
         import torch
@@ -251,11 +325,20 @@ class Checkpointer:
         if snapshot is not None and self._snapshot_locked:
             self.handle.free_cpu_locked_tensor(snapshot)
 
-    def _write_snapshot(self, image, path, future, one_off):
+    def _write_snapshot(self, image, path, future, one_off, take):
+        """The saving thread: the snapshot first if ``take`` makes it here (Note
+        [snapshot in the background]), then the CRCs, the headers and the write."""
         import zlib
 
         error = None
         try:
+            if take is not None:
+                try:
+                    take()
+                except BaseException as failure:
+                    future.snapshot_taken.set_exception(failure)
+                    raise
+                future.snapshot_taken.set_result(None)
             snapshot = self._snapshot
             view = memoryview(snapshot.numpy())
             try:
