@@ -303,6 +303,12 @@ def main():
                 if not got["identical"]:
                     identical = False
                     print(f"{name}: the bytes loaded differ from those saved", file=sys.stderr)
+        for name in os.listdir(folder):     # the loads are done: room for the async saves
+            path = os.path.join(folder, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
         asynchronous = None if args.only else run_child(
             args, "nvmeswap.async_save", "async", os.path.join(folder, "async.pt"))
     finally:
