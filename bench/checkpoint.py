@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 
+import peers
 import torch
 
 from nvmeswap.units import GB, parse_size
@@ -75,20 +76,6 @@ def same(a, b):
     non-tensor values of its target alone)."""
     return all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
                for k in a if isinstance(a[k], torch.Tensor))
-
-
-def drop_caches():
-    """Drop the page cache (root only); NVMESWAP_BENCH_KEEP_PAGE_CACHE=1 keeps it (the
-    smoke test's tiny runs), and the table then says the loads were warm."""
-    if os.environ.get("NVMESWAP_BENCH_KEEP_PAGE_CACHE") == "1":
-        return False
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as caches:
-            caches.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def child(args):
@@ -131,7 +118,7 @@ def child(args):
             dcp.save(state, storage_writer=NvmeFileSystemWriter(where))
         result["seconds"] = time.perf_counter() - started
     elif args.job == "load":
-        result["cold"] = drop_caches()
+        result["cold"] = peers.drop_page_cache()
         into = None
         if args.contender in ("nvmeswap.load_into", "dcp FileSystemReader",
                               "dcp NvmeFileSystemReader"):

@@ -102,7 +102,7 @@ def small_reads(folder, everyone_small, op_size, duration):
 
 
 def drop_page_cache():
-    """Best effort: reads after this come from the device (needs root).
+    """Best effort: reads after this come from the device (needs root); whether they do.
 
     NVMESWAP_BENCH_KEEP_PAGE_CACHE=1 keeps it (the smoke test's tiny runs: dropping
     the whole machine's page cache makes every process on it, the next runs included,
@@ -110,12 +110,13 @@ def drop_page_cache():
     """
     os.sync()
     if os.environ.get("NVMESWAP_BENCH_KEEP_PAGE_CACHE") == "1":
-        return
+        return False
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
+        return True
     except OSError:
-        pass
+        return False
 
 
 def fresh(contender, path):

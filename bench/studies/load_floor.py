@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import peers
+
 from nvmeswap.units import parse_size
 
 CONTENDERS = ["torch.load", "nvmeswap.load", "O_DIRECT stream"]
@@ -82,16 +85,6 @@ def child(contender, path, expected_sum):
     print(json.dumps({"seconds": seconds}))
 
 
-def drop_caches():
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as caches:
-            caches.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default=None)
@@ -118,7 +111,7 @@ def main():
         for round_number in range(arguments.rounds):
             turn = round_number % len(CONTENDERS)   # none always goes first
             for name in CONTENDERS[turn:] + CONTENDERS[:turn]:
-                cold &= drop_caches()
+                cold &= peers.drop_page_cache()
                 done = subprocess.run([sys.executable, __file__, "--child", name, path,
                                        repr(expected)], capture_output=True, text=True,
                                       check=False)
