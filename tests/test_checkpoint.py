@@ -376,6 +376,30 @@ def test_background_snapshots_follow_the_save_before(tmp_path, monkeypatch):
         assert_same({"x": torch.full((1 << 18,), float(i))}, torch.load(tmp_path / f"{i}.pt"))
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_async_save_without_a_thread_raises_and_leaves_nothing_in_flight(
+        tmp_path, monkeypatch, background):
+    """No thread for the save (the process's limit): the call raises, and the
+    checkpointer neither waits forever for it nor refuses the next save."""
+    import threading
+
+    import nvmeswap.checkpoint.checkpointer as checkpointer_module
+
+    class NoThread(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    with nvmeswap.Checkpointer() as checkpointer:
+        monkeypatch.setattr(checkpointer_module.threading, "Thread", NoThread)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            checkpointer.async_save({"x": torch.ones(4)}, tmp_path / "a.pt",
+                                    background_snapshot=background)
+        monkeypatch.undo()
+        checkpointer.async_save({"x": torch.arange(4)}, tmp_path / "a.pt",
+                                background_snapshot=background).result(60)
+    assert_same({"x": torch.arange(4)}, torch.load(tmp_path / "a.pt"))
+
+
 def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):
     big = {"t": torch.zeros(8 << 20, dtype=torch.uint8)}       # more than the 4 MiB tmpfs
     path = small_filesystem / "full.pt"

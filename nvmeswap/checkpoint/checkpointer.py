@@ -298,7 +298,13 @@ class Checkpointer:
         thread = threading.Thread(target=self._write_snapshot,
                                   args=(image, path, future, one_off, take),
                                   name="nvmeswap-async-save", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException as failure:    # no thread (RuntimeError): no save in flight
+            for pending in (future.snapshot_taken, future):
+                if not pending.done():
+                    pending.set_exception(failure)
+            raise
         return future
 
     def _copy_into_snapshot(self, image, one_off):
