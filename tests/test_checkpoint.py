@@ -356,6 +356,19 @@ def test_background_snapshot_refuses_a_state_changed_too_early(tmp_path, monkeyp
     assert not [p for p in os.listdir(tmp_path) if TEMPORARY in p]
 
 
+def test_background_snapshot_of_a_state_that_holds_itself(tmp_path):
+    """A state may hold a container twice, or itself (pickle's memo keeps one copy):
+    watching its tensors ends, and the file is torch's."""
+    shared = [torch.arange(6)]
+    state = {"a": shared, "b": shared}
+    state["self"] = state
+    future = nvmeswap.async_save(state, tmp_path / "cycle.pt", background_snapshot=True)
+    assert future.result(60) is None
+    loaded = torch.load(tmp_path / "cycle.pt", weights_only=False)
+    assert loaded["self"] is loaded and loaded["a"] is loaded["b"]
+    assert torch.equal(loaded["a"][0], torch.arange(6))
+
+
 def test_background_snapshots_follow_the_save_before(tmp_path, monkeypatch):
     """Saves in flight one after another: each snapshot is taken once the save before is
     written (one snapshot buffer), whatever mix of the two forms."""

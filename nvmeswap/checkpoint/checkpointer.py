@@ -62,16 +62,21 @@ def _tensor_versions(obj):
     import torch
 
     found = []
+    seen = set()        # containers met already: a state may hold one twice, or itself
     stack = [("", obj)]
     while stack:
         name, item = stack.pop()
         if isinstance(item, torch.Tensor):
             if not item.is_inference():
                 found.append((name or "the tensor", item, item._version))
+        elif not isinstance(item, (dict, list, tuple)) or id(item) in seen:
+            continue
         elif isinstance(item, dict):
+            seen.add(id(item))
             stack.extend((f"{name}.{key}" if name else str(key), value)
                          for key, value in item.items())
-        elif isinstance(item, (list, tuple)):
+        else:
+            seen.add(id(item))
             stack.extend((f"{name}[{index}]", value) for index, value in enumerate(item))
     return found
 
