@@ -1,9 +1,10 @@
 """Run by tests/test_checkpoint_crash.py: rounds of checkpoint saves, each process killed
 with SIGKILL at a random instant.
 
-``python checkpoint_crash_child.py FOLDER ROUNDS SEED [STRIPED]``: round r saves
-generation after generation to ``FOLDER/round<r>/ckpt.pt`` (with STRIPED, to
-``FOLDER/dev0/ckpt<r>.pt`` striped over ``FOLDER/dev0`` and ``FOLDER/dev1``) in a forked process
+``python checkpoint_crash_child.py FOLDER ROUNDS SEED [striped|background]``: round r saves
+generation after generation to ``FOLDER/round<r>/ckpt.pt`` (striped: to
+``FOLDER/dev0/ckpt<r>.pt`` striped over ``FOLDER/dev0`` and ``FOLDER/dev1``; background: with
+``async_save(..., background_snapshot=True)``, two saves in flight) in a forked process
 (torch and nvmeswap already imported, so a round starts in milliseconds), which is killed
 a random time after its handle is ready. Prints one JSON line: the delay of each kill.
 """
@@ -28,7 +29,7 @@ def make_state(generation):
     }
 
 
-def _saver(path, first, ready, stripes):
+def _saver(path, first, ready, stripes, background):
     import nvmeswap
 
     # Four states made up front, saved in turn: saves follow each other with no gap, so
@@ -37,14 +38,22 @@ def _saver(path, first, ready, stripes):
     with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2, stripe_folders=stripes,
                                stripe_bytes=256 << 10) as checkpointer:
         os.write(ready, b"r")
+        pending = None
         while True:
             for state in states:
-                checkpointer.save(state, path)
+                if not background:
+                    checkpointer.save(state, path)
+                    continue
+                started = checkpointer.async_save(state, path, background_snapshot=True)
+                if pending is not None:
+                    pending.result()
+                pending = started
 
 
 def main():
     folder, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    striped = len(sys.argv) > 4
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    striped = mode == "striped"
     import torch  # noqa: F401  (imported before the forks: each round starts at once)
 
     import nvmeswap  # noqa: F401
@@ -60,7 +69,7 @@ def main():
         if pid == 0:
             os.close(ready_read)
             try:
-                _saver(path, (index + 1) * 1000, ready_write, stripes)
+                _saver(path, (index + 1) * 1000, ready_write, stripes, mode == "background")
             finally:
                 os._exit(1)
         os.close(ready_write)
