@@ -56,29 +56,31 @@ class SaveFuture(Future):
         self.snapshot_taken.set_running_or_notify_cancel()
 
 
-def _tensor_versions(obj):
-    """``(name, tensor, version)`` for each tensor in ``obj``'s dicts, lists and tuples
-    whose in-place changes torch counts (not inference tensors)."""
+def _state_tensors(obj):
+    """``(name, tensor)`` for each tensor in ``obj``'s dicts, lists and tuples, each
+    container walked once (a state may hold one twice, or itself)."""
     import torch
 
-    found = []
-    seen = set()        # containers met already: a state may hold one twice, or itself
+    seen = set()
     stack = [("", obj)]
     while stack:
         name, item = stack.pop()
         if isinstance(item, torch.Tensor):
-            if not item.is_inference():
-                found.append((name or "the tensor", item, item._version))
-        elif not isinstance(item, (dict, list, tuple)) or id(item) in seen:
-            continue
-        elif isinstance(item, dict):
+            yield name or "the tensor", item
+        elif isinstance(item, (dict, list, tuple)) and id(item) not in seen:
             seen.add(id(item))
-            stack.extend((f"{name}.{key}" if name else str(key), value)
-                         for key, value in item.items())
-        else:
-            seen.add(id(item))
-            stack.extend((f"{name}[{index}]", value) for index, value in enumerate(item))
-    return found
+            if isinstance(item, dict):
+                stack.extend((f"{name}.{key}" if name else str(key), value)
+                             for key, value in item.items())
+            else:
+                stack.extend((f"{name}[{index}]", value) for index, value in enumerate(item))
+
+
+def _tensor_versions(obj):
+    """``(name, tensor, version)`` for each tensor of ``obj`` (``_state_tensors``) whose
+    in-place changes torch counts (not inference tensors)."""
+    return [(name, tensor, tensor._version) for name, tensor in _state_tensors(obj)
+            if not tensor.is_inference()]
 
 
 def _check_unchanged(watched, path):
@@ -201,20 +203,8 @@ class Checkpointer:
         nested dicts, lists, tuples) out of the process's locked set; how many there
         were. The tensors stay valid; their memory goes with the last of them."""
         self._check_open()
-        import torch
-
-        freed = 0
-        stack = [obj]
-        while stack:
-            item = stack.pop()
-            if isinstance(item, torch.Tensor):
-                if item.device.type == "cpu" and item.numel():
-                    freed += self.handle.free_cpu_locked_tensor(item)
-            elif isinstance(item, dict):
-                stack.extend(item.values())
-            elif isinstance(item, (list, tuple)):
-                stack.extend(item)
-        return freed
+        return sum(self.handle.free_cpu_locked_tensor(tensor) for _, tensor in
+                   _state_tensors(obj) if tensor.device.type == "cpu" and tensor.numel())
 
     # -- safetensors ---------------------------------------------------------------------
     def save_safetensors(self, tensors: dict, path: str | os.PathLike,
