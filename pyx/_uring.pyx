@@ -664,14 +664,15 @@ def clone_supported():
 
 def _try_clone():
     import mmap
+
+    from nvmeswap._memory import buffer_address
     try:
         registry = BufferRegistry()
     except OSError:
         return False
     page = mmap.mmap(-1, 4096)
-    cdef char[:] view = page
     try:
-        if registry.register(<size_t>&view[0], 4096) is None:
+        if registry.register(buffer_address(page, True)[0], 4096) is None:
             return False
         engine = UringEngine(4096, 1, False, True, ring=make_worker_ring(1))
         return engine.clone_buffers(registry.fd, 0, 1)
@@ -679,7 +680,6 @@ def _try_clone():
         return False
     finally:
         registry.close()
-        del view
         page.close()
 
 
