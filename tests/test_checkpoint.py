@@ -165,6 +165,37 @@ def test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(tmp_pa
     assert ours[:serial] == theirs[:serial]
 
 
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_storages_named_by_the_pickler_lay_out_the_same_archive(tmp_path, monkeypatch):
+    """Note [CUDA state layout]: the storages learnt from the pickler, under skip_data,
+    give the archive torch's own hand-over gives (run here on CPU tensors, which take
+    that road only when forced)."""
+    from nvmeswap.checkpoint import torch_zip
+
+    state = mixed_state()
+    state["typed"] = torch.TypedStorage(random_tensor((999,), torch.int16, 6).tolist(),
+                                        dtype=torch.int16)
+    nvmeswap.save(state, tmp_path / "handed.pt")
+    monkeypatch.setattr(torch_zip, "_copies_cuda_storages", lambda obj: True)
+    nvmeswap.save(state, tmp_path / "named.pt")
+    handed = (tmp_path / "handed.pt").read_bytes()
+    named = (tmp_path / "named.pt").read_bytes()
+    serial = handed.index(b".data/serialization_id")
+    assert len(handed) == len(named) and handed[:serial] == named[:serial]
+    with zipfile.ZipFile(tmp_path / "named.pt") as archive:
+        assert archive.testzip() is None
+    loaded = torch.load(tmp_path / "named.pt", weights_only=False)
+    assert list(loaded["typed"]) == list(state["typed"])
+    del state["typed"], loaded["typed"]
+    assert_same(state, loaded)
+
+
+def test_save_inside_skip_data_is_refused(tmp_path):
+    with torch.serialization.skip_data(), pytest.raises(TypeError, match="skip_data"):
+        nvmeswap.save({"a": torch.ones(3)}, tmp_path / "a.pt")
+    assert not (tmp_path / "a.pt").exists()
+
+
 def test_map_location_and_weights_only(checkpointer, tmp_path):
     state = {"w": random_tensor((10,), torch.float32, 6), "od": collections.OrderedDict(a=1)}
     path = tmp_path / "s.pt"

@@ -9,10 +9,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..aio import aio_handle
+from ..gpu.copies import mark_queued_work
 from ..units import ALIGNMENT, round_up
 from . import commit, loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
+from .state import state_tensors
 from .striped_checkpoints import write_striped
 from .stripes import STRIPE_BYTES, StripedHandle
 from .torch_zip import layout
@@ -56,30 +58,10 @@ class SaveFuture(Future):
         self.snapshot_taken.set_running_or_notify_cancel()
 
 
-def _state_tensors(obj):
-    """``(name, tensor)`` for each tensor in ``obj``'s dicts, lists and tuples, each
-    container walked once (a state may hold one twice, or itself)."""
-    import torch
-
-    seen = set()
-    stack = [("", obj)]
-    while stack:
-        name, item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            yield name or "the tensor", item
-        elif isinstance(item, (dict, list, tuple)) and id(item) not in seen:
-            seen.add(id(item))
-            if isinstance(item, dict):
-                stack.extend((f"{name}.{key}" if name else str(key), value)
-                             for key, value in item.items())
-            else:
-                stack.extend((f"{name}[{index}]", value) for index, value in enumerate(item))
-
-
 def _tensor_versions(obj):
-    """``(name, tensor, version)`` for each tensor of ``obj`` (``_state_tensors``) whose
+    """``(name, tensor, version)`` for each tensor of ``obj`` (``state_tensors``) whose
     in-place changes torch counts (not inference tensors)."""
-    return [(name, tensor, tensor._version) for name, tensor in _state_tensors(obj)
+    return [(name, tensor, tensor._version) for name, tensor in state_tensors(obj)
             if not tensor.is_inference()]
 
 
@@ -204,7 +186,7 @@ class Checkpointer:
         were. The tensors stay valid; their memory goes with the last of them."""
         self._check_open()
         return sum(self.handle.free_cpu_locked_tensor(tensor) for _, tensor in
-                   _state_tensors(obj) if tensor.device.type == "cpu" and tensor.numel())
+                   state_tensors(obj) if tensor.device.type == "cpu" and tensor.numel())
 
     # -- safetensors ---------------------------------------------------------------------
     def save_safetensors(self, tensors: dict, path: str | os.PathLike,
@@ -277,11 +259,17 @@ class Checkpointer:
         future.set_running_or_notify_cancel()
         if background_snapshot:
             watched = _tensor_versions(obj)
+            # CUDA tensors: the copy must see the work queued for them so far, whatever
+            # stream the saving thread copies on (Note [stream order]).
+            queued = [mark_queued_work(device) for device in
+                      {run.source.device for run in image.tensor_runs() if run.source.is_cuda}]
             previous, self._in_flight = self._in_flight, future
 
             def take():
                 if previous is not None:
                     previous.exception()        # its error stays with its own future
+                for event in queued:
+                    event.synchronize()
                 self._copy_into_snapshot(image, one_off)
                 _check_unchanged(watched, path)
         else:

@@ -12,7 +12,10 @@ from there without a further copy, and the buffer is reused once its write is do
 copy of chunk k+1 overlaps the write of chunk k, so a save costs about the larger of one
 memcpy and one device write of the state, and locks only the ring. The CRCs are taken
 from the tensors themselves on a thread of their own, running ahead of the copy; a
-header run that holds one waits for it before it is copied.
+header run that holds one waits for it before it is copied. A run in CUDA memory (Note
+[CUDA state layout]) is copied straight into the ring (DMA where the ring is registered
+with CUDA, as locked tensors are once CUDA is in use) and its CRC taken from the ring
+right after, so it never passes through other host memory.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class TensorRun:
 
     def __init__(self, offset: int, source: Any, crc_slots: list | None = None) -> None:
         self.offset = offset
-        self.source = source            # a 1-D uint8 CPU tensor
+        self.source = source            # a 1-D uint8 tensor, on the CPU or a CUDA device
         self.nbytes = source.numel()
         self.crc_slots = crc_slots or []
         self.crc = 0
@@ -86,10 +89,15 @@ class FileImage:
 
 
 def uint8_view(storage: Any) -> Any:
-    """A 1-D uint8 tensor over all of ``storage`` (a CPU ``UntypedStorage``)."""
+    """A 1-D uint8 tensor over all of ``storage`` (an ``UntypedStorage``, on its device)."""
     import torch
 
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
+
+
+def _checksummed_on_host(run: Any) -> bool:
+    return isinstance(run, TensorRun) and bool(run.crc_slots) and not run.source.is_cuda
 
 
 class _Checksums:
@@ -160,12 +168,13 @@ class StreamWriter:
         runs = image.runs
         at = 0                          # index of the run being copied
         # needed[i]: how many checksummed runs come before run i (its CRCs may be in it).
+        # Runs in device memory take their CRC from the ring, in order, before any later
+        # header is copied; the thread does the host runs.
         needed, count = [], 0
         for _, run in runs:
             needed.append(count)
-            count += isinstance(run, TensorRun) and bool(run.crc_slots)
-        checksums = _Checksums([run for _, run in runs
-                                if isinstance(run, TensorRun) and run.crc_slots])
+            count += _checksummed_on_host(run)
+        checksums = _Checksums([run for _, run in runs if _checksummed_on_host(run)])
         try:
             for slot_number, start in enumerate(range(0, image.size, self.chunk_bytes)):
                 slot = slot_number % self.chunks
@@ -183,6 +192,11 @@ class StreamWriter:
                     into = slice(base + position - start, base + upto - start)
                     if is_tensor:
                         self.ring[into].copy_(run.source[position - offset:upto - offset])
+                        if run.crc_slots and run.source.is_cuda:
+                            run.crc = zlib.crc32(self.view[into],
+                                                 run.crc if position > offset else 0)
+                            if upto == run_end:
+                                run.set_crc(run.crc)
                     else:
                         checksums.wait_for(needed[at])
                         self.view[into] = run[position - offset:upto - offset]

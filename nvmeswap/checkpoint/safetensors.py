@@ -87,7 +87,7 @@ def layout(tensors: Any, metadata: Any = None) -> FileImage:
     image.add_bytes(0, struct.pack("<Q", len(text)) + text)
     for tensor in sources:
         if tensor.numel():
-            data = tensor.detach().to("cpu").contiguous()
+            data = tensor.detach().contiguous()     # CUDA ones stay there: Note [CUDA state layout]
             image.add_tensor(image.size, uint8_view(data.untyped_storage())[
                 data.storage_offset() * data.element_size():][:data.numel()
                                                               * data.element_size()])

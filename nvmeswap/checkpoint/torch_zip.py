@@ -13,6 +13,15 @@ filled by nvmeswap's direct writes, and each storage's CRC-32 (zip's data descri
 the bytes, and the central directory) is filled in as its bytes go by. The result is the
 file torch would have written with ``storage_alignment = 4096``; ``torch.load`` and
 ``zipfile`` read it unchanged.
+
+Note [CUDA state layout]: left to itself, torch's writer copies each CUDA storage into
+new pageable host memory before handing it over: a second, slow copy of the whole state,
+in the caller's time. For a state with CUDA tensors nvmeswap runs the writer under
+``torch.serialization.skip_data``, so that it hands over only each storage's name and
+size, and learns the storages from the pickler instead (its ``persistent_id``, which
+names each one). The holes then point at the CUDA storages themselves: a synchronous save
+copies them chunk by chunk into its locked ring, an asynchronous one into its snapshot.
+``skip_data`` refuses quantized and nested tensors; a state holding one keeps torch's copy.
 """
 from __future__ import annotations
 
@@ -21,10 +30,12 @@ import io
 import os
 import pickle
 import struct
+import types
 import zipfile
 from typing import Any
 
 from .image import FileImage, TensorRun, uint8_view
+from .state import state_tensors
 
 STORAGE_ALIGNMENT = 4096
 _DESCRIPTOR = b"PK\x07\x08"
@@ -82,7 +93,38 @@ class _LayoutZip:
             self.recorder.pending = None
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
-        raise TypeError("nvmeswap.save cannot run inside torch.serialization.skip_data()")
+        # Only under our own skip_data (Note [CUDA state layout]): the storage is known.
+        self.recorder.pending = name if nbytes else None
+        self.writer.write_record_metadata(name, nbytes)
+
+
+def _naming_storages(pickle_module: Any, storages: dict[str, Any]) -> Any:
+    """``pickle_module`` with a Pickler whose subclasses (torch's pickler is one) also
+    record, as ``storages["data/<key>"]``, each storage their ``persistent_id`` names
+    (Note [CUDA state layout])."""
+
+    class Pickler(pickle_module.Pickler):
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            names = cls.persistent_id
+
+            def persistent_id(self, obj):
+                saved_id = names(self, obj)
+                if isinstance(saved_id, tuple) and saved_id[0] == "storage":
+                    storages[f"data/{saved_id[2]}"] = getattr(obj, "_untyped_storage", obj)
+                return saved_id
+
+            cls.persistent_id = persistent_id
+
+    return types.SimpleNamespace(Pickler=Pickler)
+
+
+def _copies_cuda_storages(obj: Any) -> bool:
+    """Whether torch's writer would copy CUDA storages of ``obj`` that nvmeswap can take
+    as they are (Note [CUDA state layout])."""
+    tensors = [tensor for _, tensor in state_tensors(obj)]
+    return (any(tensor.is_cuda for tensor in tensors)
+            and not any(tensor.is_quantized or tensor.is_nested for tensor in tensors))
 
     def __getattr__(self, name):
         return getattr(self.writer, name)
@@ -94,13 +136,18 @@ def layout(obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2) -> F
     import torch
     from torch import serialization
 
+    if serialization._serialization_tls.skip_data:
+        raise TypeError("nvmeswap.save cannot run inside torch.serialization.skip_data()")
     recorder = _Recorder()
     writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
     zip_file = _LayoutZip(writer, recorder)
     from torch.utils.serialization import config
 
-    with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}):
-        serialization._save(obj, zip_file, pickle_module, pickle_protocol, False)
+    skipping = (serialization.skip_data() if _copies_cuda_storages(obj)
+                else contextlib.nullcontext())
+    with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}), skipping:
+        serialization._save(obj, zip_file, _naming_storages(pickle_module, zip_file.storages),
+                            pickle_protocol, False)
     writer.write_end_of_file()
 
     image = FileImage()

@@ -80,6 +80,14 @@ def wait_for_queued_work(device):
     cuda().current_stream(device).synchronize()
 
 
+def mark_queued_work(device):
+    """An event recorded on the caller's current stream of ``device``: synchronizing it,
+    from any thread, waits for the work queued there so far (Note [stream order])."""
+    event = cuda().Event()
+    event.record(cuda().current_stream(device))
+    return event
+
+
 def copy_stream(device, streams):
     """The handle's own stream on ``device`` (made once, kept in ``streams``)."""
     stream = streams.get(device)
