@@ -27,6 +27,10 @@ long as the synchronous save alone), then ``snapshot_taken.result()``; blocked i
 call plus that last wait, and "slowed" is how much longer the stand-in took than alone
 (the copy's CPU time, taken from the computation beside it); medians of calls 2 to 6.
 
+``--device cuda``: the state lives on the GPU (saves copy it to the host, loads put it
+back, load_into and DCP's readers fill tensors on the GPU); every time ends after a
+``torch.cuda.synchronize()``, and the async part's stand-in computation runs on the GPU.
+
 Striping: ``--stripe DIR1,DIR2,...`` adds a striped nvmeswap save and load over those
 folders, against the plain one.
 """
@@ -51,17 +55,17 @@ LOADERS = ["torch.load", "nvmeswap.load", "nvmeswap.load (kept)", "nvmeswap.load
            "dcp FileSystemReader", "dcp NvmeFileSystemReader"]
 
 
-def make_state(nbytes):
+def make_state(nbytes, device="cpu"):
     """Layers of fp32 weights (4 bytes a value) each with a bf16 copy (2 bytes): about
-    ``nbytes`` in all, deterministic."""
+    ``nbytes`` in all, deterministic, on ``device``."""
     made = torch.Generator().manual_seed(0)
     layers = 16
     per_layer = nbytes // layers // 6          # values per layer: 4 + 2 bytes each
     state = {}
     for layer in range(layers):
         weight = torch.randn(per_layer // 1024, 1024, generator=made)
-        state[f"layers.{layer}.weight"] = weight
-        state[f"layers.{layer}.weight_bf16"] = weight.bfloat16()
+        state[f"layers.{layer}.weight"] = weight.to(device)
+        state[f"layers.{layer}.weight_bf16"] = weight.bfloat16().to(device)
     state["step"] = 1000
     return state
 
@@ -85,8 +89,14 @@ def child(args):
     import nvmeswap
     from nvmeswap.checkpoint.dcp import NvmeFileSystemReader, NvmeFileSystemWriter
 
-    state = make_state(args.size)
+    state = make_state(args.size, args.device)
     where = args.path
+
+    def finished():
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     result = {"contender": args.contender}
     kept = None
     if "(kept)" in args.contender:
@@ -116,7 +126,7 @@ def child(args):
             dcp.save(state, storage_writer=dcp.FileSystemWriter(where))
         elif args.contender == "dcp NvmeFileSystemWriter":
             dcp.save(state, storage_writer=NvmeFileSystemWriter(where))
-        result["seconds"] = time.perf_counter() - started
+        result["seconds"] = finished() - started
     elif args.job == "load":
         result["cold"] = peers.drop_page_cache()
         into = None
@@ -142,7 +152,7 @@ def child(args):
         elif args.contender == "dcp NvmeFileSystemReader":
             dcp.load(into, storage_reader=NvmeFileSystemReader(where))
             loaded = into
-        result["seconds"] = time.perf_counter() - started
+        result["seconds"] = finished() - started
         result["identical"] = same(state, loaded)
         if kept is not None:
             kept.free(loaded)
@@ -150,7 +160,7 @@ def child(args):
         with nvmeswap.Checkpointer() as saver:
             started = time.perf_counter()
             saver.save(state, where)
-            result["sync_seconds"] = time.perf_counter() - started
+            result["sync_seconds"] = finished() - started
             blocked = []
             totals = []
             for _ in range(6):
@@ -158,33 +168,38 @@ def child(args):
                 future = saver.async_save(state, where)
                 blocked.append(time.perf_counter() - started)
                 future.result()
-                totals.append(time.perf_counter() - started)
+                totals.append(finished() - started)
             result["first_blocked_seconds"] = blocked[0]
             result["blocked_seconds"] = statistics.median(blocked[1:])
             result["async_total_seconds"] = statistics.median(totals[1:])
             result["identical"] = same(state, torch.load(where))
-            result.update(background_snapshots(saver, state, where, result["sync_seconds"]))
+            result.update(background_snapshots(saver, state, where, result["sync_seconds"],
+                                               args.device))
             result["identical"] = result["identical"] and same(state, torch.load(where))
         started = time.perf_counter()
         future = nvmeswap.async_save(state, where)      # one call: a handle of its own
         result["one_call_blocked_seconds"] = time.perf_counter() - started
         future.result()
-        result["one_call_total_seconds"] = time.perf_counter() - started
+        result["one_call_total_seconds"] = finished() - started
         result["identical"] = result["identical"] and same(state, torch.load(where))
     if kept is not None:
         kept.close()
     print(json.dumps(result))
 
 
-def background_snapshots(saver, state, where, seconds):
+def background_snapshots(saver, state, where, seconds, device):
     """Saves with ``background_snapshot=True`` around a stand-in computation of about
-    ``seconds`` alone: what the caller waited for, and how much the computation slowed."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    ``seconds`` alone on ``device``: what the caller waited for, and how much the
+    computation slowed."""
+    size = 512 if device == "cpu" else 4096
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
 
     def step(count):
         started = time.perf_counter()
         for _ in range(count):
             torch.mm(a, b)
+        if device != "cpu":
+            torch.cuda.synchronize()
         return time.perf_counter() - started
 
     step(5)                                     # warm: the first products are slower
@@ -207,7 +222,7 @@ def background_snapshots(saver, state, where, seconds):
 
 def run_child(args, contender, job, path):
     command = [sys.executable, __file__, "--child", "--contender", contender, "--job", job,
-               "--path", path, "--size", str(args.size)]
+               "--path", path, "--size", str(args.size), "--device", args.device]
     if args.stripe:
         command += ["--stripe", args.stripe]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -228,6 +243,8 @@ def main():
     parser.add_argument("--size", default="1G", type=parse_size)
     parser.add_argument("--rounds", default=1, type=int)
     parser.add_argument("--stripe", default=None, metavar="DIR1,DIR2,...")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the state lives (cuda: on the GPU)")
     parser.add_argument("--only", default=None, metavar="NAME,...",
                         help="run only the contenders whose names start with one of these "
                              "(say 'nvmeswap'), and skip the async part")
@@ -303,7 +320,8 @@ def main():
         for work in stripe_work:
             shutil.rmtree(work, ignore_errors=True)
     median = {name: statistics.median(values) for name, values in times.items()}
-    print(f"state: {nbytes / (1 << 30):.2f} GiB (fp32 + bf16), {args.rounds} round(s), "
+    print(f"state: {nbytes / (1 << 30):.2f} GiB (fp32 + bf16) on {args.device}, "
+          f"{args.rounds} round(s), "
           f"median seconds; loads {'cold (page cache dropped)' if cold else 'WARM'}; "
           f"every load byte-identical: {identical}")
     print(f"{'contender':<28} {'seconds':>8} {'GB/s':>6}")
