@@ -247,7 +247,8 @@ def main():
                         help="where the state lives (cuda: on the GPU)")
     parser.add_argument("--only", default=None, metavar="NAME,...",
                         help="run only the contenders whose names start with one of these "
-                             "(say 'nvmeswap'), and skip the async part")
+                             "(say 'nvmeswap'); the async part only if one starts with "
+                             "'nvmeswap.async'")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -313,7 +314,9 @@ def main():
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
-        asynchronous = None if args.only else run_child(
+        run_async = not args.only or any(name.startswith("nvmeswap.async")
+                                         for name in args.only.split(","))
+        asynchronous = None if not run_async else run_child(
             args, "nvmeswap.async_save", "async", os.path.join(folder, "async.pt"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)

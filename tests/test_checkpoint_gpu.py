@@ -92,15 +92,17 @@ def test_load_into_fills_cuda_tensors_in_place(tmp_path):
     assert torch.equal(into["b"].view(torch.int16), state["b"].view(torch.int16))
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_async_save_of_cuda_state_keeps_the_bytes_of_the_call(tmp_path, background):
+@pytest.mark.parametrize("form", ["kept", "background", "one call"])
+def test_async_save_of_cuda_state_keeps_the_bytes_of_the_call(tmp_path, form):
     state = cuda_state()
     expected = on_cpu(state)
     with nvmeswap.Checkpointer() as saver:
-        future = saver.async_save(state, tmp_path / "state.pt",
-                                  background_snapshot=background)
-        if background:
-            future.snapshot_taken.result()
+        if form == "one call":      # its snapshot: clones on the GPU
+            future = nvmeswap.async_save(state, tmp_path / "state.pt")
+        else:
+            future = saver.async_save(state, tmp_path / "state.pt",
+                                      background_snapshot=form == "background")
+        future.snapshot_taken.result()
         state["base"].add_(1)               # the next step changes the state
         state["list"][0].zero_()
         future.result()
