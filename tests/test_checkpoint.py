@@ -216,6 +216,23 @@ def test_map_location_and_weights_only(checkpointer, tmp_path):
         fractions.Fraction(1, 3)
 
 
+def test_a_load_that_moves_every_storage_keeps_no_locked_memory(checkpointer, tmp_path):
+    """A CUDA checkpoint's storages move to the GPU as they load; map_location copying
+    them does the same here. The locked buffers they were read into must not stay in
+    the set (a kept checkpointer would hold one checkpoint's size per load)."""
+    state = mixed_state()
+    checkpointer.save(state, tmp_path / "s.pt")
+    before = checkpointer.handle.memory_in_use
+    for _ in range(2):
+        moved = checkpointer.load(tmp_path / "s.pt", map_location=lambda s, loc: s.clone())
+        assert_same(state, moved)
+        assert checkpointer.handle.memory_in_use == before
+    kept = checkpointer.load(tmp_path / "s.pt")      # returned as read: still locked
+    assert checkpointer.handle.memory_in_use > before
+    assert checkpointer.free(kept) >= 1
+    assert checkpointer.handle.memory_in_use == before
+
+
 def test_load_into_reads_straight_into_given_tensors(checkpointer, tmp_path):
     state = {"model": every_dtype_state(3), "step": 5, "list": [random_tensor((9,), torch.int32, 4)]}
     path = tmp_path / "s.pt"

@@ -10,6 +10,10 @@ after the other while the reads run: locking fresh memory costs about as much as
 it from the device, and this way the two overlap instead of adding up. The headers read
 along are a few KiB per storage; in exchange every request is large and aligned,
 whatever the file's own alignment (64 bytes in files torch wrote, 4096 in nvmeswap's).
+A buffer none of whose storages is returned as it is (each moved by ``map_location``, or
+to the GPU its location names) leaves the process's locked set when the load returns:
+left there, every load of a CUDA checkpoint through a kept Checkpointer would hold its
+size of locked memory until ``close()``.
 """
 from __future__ import annotations
 
@@ -112,16 +116,23 @@ class Pieces:
         self.buffers.append(buffer)
         self.views.append(memoryview(buffer.numpy()))
 
-    def view(self, start: int, nbytes: int) -> memoryview:
+    def index(self, start: int, nbytes: int) -> int:
+        """Which buffer holds file bytes ``[start, start + n)``."""
         index = bisect.bisect_right(self.starts, start) - 1
         if index < 0 or start + nbytes > self.ends[index]:
             raise AssertionError(f"bytes {start}..{start + nbytes} were not read")
+        return index
+
+    def view(self, start: int, nbytes: int) -> memoryview:
+        index = self.index(start, nbytes)
         at = start - self.starts[index]
         return self.views[index][at:at + nbytes]
 
-    def free(self, handle: Any) -> None:
-        for buffer in self.buffers:
-            handle.free_cpu_locked_tensor(buffer)
+    def free(self, handle: Any, keep: set[int] = frozenset()) -> None:
+        """Take the buffers, but those whose index is in ``keep``, out of the locked set."""
+        for index, buffer in enumerate(self.buffers):
+            if index not in keep:
+                handle.free_cpu_locked_tensor(buffer)
 
 
 def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces:
@@ -191,16 +202,33 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
                                  f"{path}: storage {key} holds {record[1]} bytes, the pickle "
                                  f"says {nbytes}")
             if nbytes == 0:
-                storage = torch.UntypedStorage(0)
-            else:
-                storage = torch.frombuffer(pieces.view(record[0], nbytes),
-                                           dtype=torch.uint8).untyped_storage()
-            return restore(storage, location)
+                return restore(torch.UntypedStorage(0), location)
+            storage = torch.frombuffer(pieces.view(record[0], nbytes),
+                                       dtype=torch.uint8).untyped_storage()
+            restored = restore(storage, location)
+            if _same_memory(restored, storage):
+                returned.add(pieces.index(record[0], nbytes))
+            return restored
 
-        return unpickle(entries, make_storage, weights_only, map_location)
+        returned: set[int] = set()
+        loaded = unpickle(entries, make_storage, weights_only, map_location)
     except BaseException:
         pieces.free(handle)
         raise
+    if len(returned) < len(pieces.buffers):
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()    # a copy to the GPU queued by map_location is done
+        pieces.free(handle, keep=returned)
+    return loaded
+
+
+def _same_memory(restored: Any, storage: Any) -> bool:
+    """Whether ``map_location`` returned ``storage``'s own memory, not a copy of it."""
+    try:
+        return (restored.device == storage.device
+                and restored.data_ptr() == storage.data_ptr())
+    except (AttributeError, RuntimeError):
+        return True         # something else: keep the buffer, as before
 
 
 def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
