@@ -331,6 +331,37 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch):
     assert all(nbytes >= 24 << 20 for nbytes, _ in made)
 
 
+def test_one_call_async_save_of_clones_writes_through_the_ring(tmp_path, monkeypatch):
+    """Note [one-off snapshot of CUDA state]: where the one-call form cloned the tensors
+    on their device, the saving thread writes the clones through the ring, with no host
+    snapshot. Here CPU clones stand in for the device's (CUDA runs the same road on a
+    GPU: tests/test_checkpoint_gpu.py)."""
+    import nvmeswap.checkpoint.checkpointer as checkpointer_module
+
+    def cloned(image):
+        for run in image.tensor_runs():
+            run.source = run.source.clone()
+        return True
+
+    monkeypatch.setattr(checkpointer_module, "_snapshot_on_device", cloned)
+    monkeypatch.setattr(checkpointer_module.Checkpointer, "_snapshot_buffer",
+                        lambda *args: pytest.fail("a host snapshot was made"))
+    state = mixed_state()
+    expected = torch.load(_saved(state, tmp_path / "expected.pt"))
+    future = nvmeswap.async_save(state, tmp_path / "one.pt")
+    state["big"].zero_()
+    state["views"][0].fill_(-1)
+    assert future.result() is None
+    with zipfile.ZipFile(tmp_path / "one.pt") as archive:
+        assert archive.testzip() is None
+    assert_same(expected, torch.load(tmp_path / "one.pt"))
+
+
+def _saved(state, path):
+    nvmeswap.save(state, path)
+    return path
+
+
 def _held_snapshots(monkeypatch):
     """Make each snapshot copy wait for the returned event: the test decides when the
     saving thread copies."""

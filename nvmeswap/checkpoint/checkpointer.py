@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future
-from functools import partial
 from typing import Any
 
 from ..aio import aio_handle
@@ -279,8 +278,10 @@ class Checkpointer:
         # 1 GiB on an H100, longer than the synchronous save, measured 2026-11-26). Its
         # CUDA tensors are cloned on their device instead (a device-to-device copy, a
         # millisecond a GiB) where the device has room for twice them, and the saving
-        # thread copies the clones to the host and frees them.
+        # thread writes the clones as a synchronous save does, through the ring (no host
+        # snapshot at all), and frees them.
         image = layout(obj)
+        write = self._write_from_snapshot
         future = SaveFuture()
         future.set_running_or_notify_cancel()
         if background_snapshot:
@@ -301,14 +302,14 @@ class Checkpointer:
         else:
             self.wait_in_flight()
             if one_off and _snapshot_on_device(image):
-                take = partial(self._copy_into_snapshot, image, one_off)
+                write = self.write_image        # from the clones, through the ring
             else:
                 self._copy_into_snapshot(image, one_off)
-                take = None
             future.snapshot_taken.set_result(None)
             self._in_flight = future
-        thread = threading.Thread(target=self._write_snapshot,
-                                  args=(image, path, future, one_off, take),
+            take = None
+        thread = threading.Thread(target=self._save_in_background,
+                                  args=(image, path, future, one_off, take, write),
                                   name="nvmeswap-async-save", daemon=True)
         try:
             thread.start()
@@ -343,46 +344,19 @@ class Checkpointer:
         if snapshot is not None and self._snapshot_locked:
             self.handle.free_cpu_locked_tensor(snapshot)
 
-    def _write_snapshot(self, image, path, future, one_off, take):
+    def _save_in_background(self, image, path, future, one_off, take, write):
         """The saving thread: the snapshot first if ``take`` makes it here (Note
-        [snapshot in the background]), then the CRCs, the headers and the write."""
-        import zlib
-
+        [snapshot in the background]), then ``write(image, path)``."""
         error = None
         try:
             if take is not None:
                 try:
                     take()
                 except BaseException as failure:
-                    if not future.snapshot_taken.done():
-                        future.snapshot_taken.set_exception(failure)
+                    future.snapshot_taken.set_exception(failure)
                     raise
-                if not future.snapshot_taken.done():
-                    future.snapshot_taken.set_result(None)
-            snapshot = self._snapshot
-            view = memoryview(snapshot.numpy())
-            try:
-                for offset, run in image.runs:
-                    if isinstance(run, TensorRun):
-                        run.set_crc(zlib.crc32(view[offset:offset + run.nbytes]))
-                for offset, run in image.runs:
-                    if not isinstance(run, TensorRun):
-                        view[offset:offset + len(run)] = run
-            finally:
-                view.release()
-            with self._lock:
-                if self.striped:
-                    write_striped(self.handle, image.size, path, lambda name: image.size and
-                                  self.handle.sync_pwrite(snapshot[:image.size], name))
-                else:
-                    temporary = commit.start(path, image.size)
-                    try:
-                        if image.size:
-                            self.handle.sync_pwrite(snapshot[:image.size], temporary)
-                        commit.finish(temporary, path, image.size)
-                    except BaseException:
-                        commit.abandon(temporary)
-                        raise
+                future.snapshot_taken.set_result(None)
+            write(image, path)
         except BaseException as failure:
             error = failure
         if one_off:
@@ -395,6 +369,35 @@ class Checkpointer:
             future.set_exception(error)
         else:
             future.set_result(None)
+
+    def _write_from_snapshot(self, image, path):
+        """The CRCs and headers into the snapshot, then the snapshot to ``path``."""
+        import zlib
+
+        snapshot = self._snapshot
+        view = memoryview(snapshot.numpy())
+        try:
+            for offset, run in image.runs:
+                if isinstance(run, TensorRun):
+                    run.set_crc(zlib.crc32(view[offset:offset + run.nbytes]))
+            for offset, run in image.runs:
+                if not isinstance(run, TensorRun):
+                    view[offset:offset + len(run)] = run
+        finally:
+            view.release()
+        with self._lock:
+            if self.striped:
+                write_striped(self.handle, image.size, path, lambda name: image.size and
+                              self.handle.sync_pwrite(snapshot[:image.size], name))
+            else:
+                temporary = commit.start(path, image.size)
+                try:
+                    if image.size:
+                        self.handle.sync_pwrite(snapshot[:image.size], temporary)
+                    commit.finish(temporary, path, image.size)
+                except BaseException:
+                    commit.abandon(temporary)
+                    raise
 
     def wait_in_flight(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error stays with its
