@@ -187,8 +187,9 @@ class NvmeFileSystemReader(FileSystemReader):
                 raise ValueError(f"{path}: item {request.storage_index} is "
                                  f"{tuple(wanted.size())}, the target "
                                  f"{tuple(target.size())}")
-            if (wanted.is_contiguous() and target.is_contiguous() and target.is_cpu
-                    and target.dtype == wanted.dtype):
+            # A CUDA target too: the handle stages its bytes (as load_into's reads).
+            if (wanted.is_contiguous() and target.is_contiguous()
+                    and target.device.type in ("cpu", "cuda") and target.dtype == wanted.dtype):
                 offset = start + wanted.storage_offset() * wanted.element_size()
                 if target.numel():
                     handle.async_pread(target, path, offset)
