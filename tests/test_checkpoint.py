@@ -190,6 +190,22 @@ def test_storages_named_by_the_pickler_lay_out_the_same_archive(tmp_path, monkey
     assert_same(state, loaded)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_tensor_skip_data_refuses_out_of_the_walks_sight_is_saved(tmp_path, monkeypatch):
+    """A quantized tensor inside a module (where the walk of dicts and lists does not
+    look) makes skip_data raise: the layout goes back to torch's own copy."""
+    from nvmeswap.checkpoint import torch_zip
+
+    module = torch.nn.Module()
+    module.register_buffer("q", torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
+    state = {"w": random_tensor((1000,), torch.float32, 8), "module": module}
+    monkeypatch.setattr(torch_zip, "_copies_cuda_storages", lambda obj: True)
+    nvmeswap.save(state, tmp_path / "q.pt")
+    loaded = torch.load(tmp_path / "q.pt", weights_only=False)
+    assert torch.equal(loaded["w"].view(torch.int32), state["w"].view(torch.int32))
+    assert torch.equal(loaded["module"].q.int_repr(), module.q.int_repr())
+
+
 def test_save_inside_skip_data_is_refused(tmp_path):
     with torch.serialization.skip_data(), pytest.raises(TypeError, match="skip_data"):
         nvmeswap.save({"a": torch.ones(3)}, tmp_path / "a.pt")
@@ -334,16 +350,11 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch):
 def test_one_call_async_save_of_clones_writes_through_the_ring(tmp_path, monkeypatch):
     """Note [one-off snapshot of CUDA state]: where the one-call form cloned the tensors
     on their device, the saving thread writes the clones through the ring, with no host
-    snapshot. Here CPU clones stand in for the device's (CUDA runs the same road on a
-    GPU: tests/test_checkpoint_gpu.py)."""
+    snapshot. Here a CPU state takes that road (a CUDA one does on a GPU:
+    tests/test_checkpoint_gpu.py); its tensors change once the call returns."""
     import nvmeswap.checkpoint.checkpointer as checkpointer_module
 
-    def cloned(image):
-        for run in image.tensor_runs():
-            run.source = run.source.clone()
-        return True
-
-    monkeypatch.setattr(checkpointer_module, "_snapshot_on_device", cloned)
+    monkeypatch.setattr(checkpointer_module, "_room_on_device", lambda image: True)
     monkeypatch.setattr(checkpointer_module.Checkpointer, "_snapshot_buffer",
                         lambda *args: pytest.fail("a host snapshot was made"))
     state = mixed_state()

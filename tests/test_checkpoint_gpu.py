@@ -105,6 +105,7 @@ def test_async_save_of_cuda_state_keeps_the_bytes_of_the_call(tmp_path, form):
         future.snapshot_taken.result()
         state["base"].add_(1)               # the next step changes the state
         state["list"][0].zero_()
+        state["host"].fill_(-1)
         future.result()
     assert_same(expected, torch.load(tmp_path / "state.pt", map_location="cpu"))
 
@@ -135,3 +136,20 @@ def test_dcp_writer_and_reader_with_cuda_state(tmp_path):
             assert into[key].is_cuda
             assert torch.equal(into[key].view(torch.int32), value.view(torch.int32)), \
                 (type(reader).__name__, key)
+
+
+def test_a_background_snapshot_sees_the_work_queued_before_the_call(tmp_path):
+    """Note [stream order]: the saving thread copies on a stream of its own; it must wait
+    for what the caller queued (on a side stream here, behind a long sleep) first."""
+    state = {"w": torch.zeros(1 << 20, device="cuda")}
+    fresh = random_tensor((1 << 20,), torch.float32, 5).cuda()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with nvmeswap.Checkpointer() as saver:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1 << 30)      # about half a second
+            state["w"].copy_(fresh)
+            future = saver.async_save(state, tmp_path / "state.pt", background_snapshot=True)
+        future.result()
+    loaded = torch.load(tmp_path / "state.pt", map_location="cpu")
+    assert torch.equal(loaded["w"].view(torch.int32), fresh.cpu().view(torch.int32))

@@ -76,23 +76,29 @@ def _check_unchanged(watched, path):
             "taken; wait for future.snapshot_taken before changing the state")
 
 
-def _snapshot_on_device(image: FileImage) -> bool:
-    """Note [one-off snapshot of CUDA state]: clone the image's CUDA runs on their
-    devices, where each has free memory for twice their bytes; whether it did."""
+def _room_on_device(image: FileImage) -> bool:
+    """Whether ``image`` has CUDA runs and each of their devices has free memory for twice
+    their bytes (Note [one-off snapshot of CUDA state])."""
     import torch
 
-    runs = [run for run in image.tensor_runs() if run.source.is_cuda]
     wanted: dict[Any, int] = {}
-    for run in runs:
-        wanted[run.source.device] = wanted.get(run.source.device, 0) + run.nbytes
-    if not runs or any(torch.cuda.mem_get_info(device)[0] < 2 * nbytes
-                       for device, nbytes in wanted.items()):
-        return False
-    for run in runs:
+    for run in image.tensor_runs():
+        if run.source.is_cuda:
+            wanted[run.source.device] = wanted.get(run.source.device, 0) + run.nbytes
+    return bool(wanted) and all(torch.cuda.mem_get_info(device)[0] >= 2 * nbytes
+                                for device, nbytes in wanted.items())
+
+
+def _clone_runs(image: FileImage) -> None:
+    """Note [one-off snapshot of CUDA state]: every run of ``image`` cloned where it is
+    (the host ones too: the file holds the state as it was at the call), the copies on
+    a GPU finished before the caller's later work, on any stream."""
+    import torch
+
+    for run in image.tensor_runs():
         run.source = run.source.clone()
-    for device in wanted:       # copied before the caller's later work, on any stream
+    for device in {run.source.device for run in image.tensor_runs() if run.source.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
-    return True
 
 
 class Checkpointer:
@@ -275,11 +281,11 @@ class Checkpointer:
         # runs beside it is slowed by about that much (bench/checkpoint.py reports both).
         # Note [one-off snapshot of CUDA state]: a one-off save's snapshot is plain
         # memory, and a copy from the GPU into fresh pageable memory is slow (0.78 s for
-        # 1 GiB on an H100, longer than the synchronous save, measured 2026-11-26). Its
-        # CUDA tensors are cloned on their device instead (a device-to-device copy, a
-        # millisecond a GiB) where the device has room for twice them, and the saving
-        # thread writes the clones as a synchronous save does, through the ring (no host
-        # snapshot at all), and frees them.
+        # 1 GiB on an H100, longer than the synchronous save, measured 2026-11-26). So
+        # where each GPU has room for twice the state's tensors on it, the state is
+        # cloned where it lies instead (on the GPU a device-to-device copy, a millisecond
+        # a GiB; host tensors on the host), and the saving thread writes the clones as a
+        # synchronous save does, through the ring, then drops them.
         image = layout(obj)
         write = self._write_from_snapshot
         future = SaveFuture()
@@ -301,7 +307,8 @@ class Checkpointer:
                 _check_unchanged(watched, path)
         else:
             self.wait_in_flight()
-            if one_off and _snapshot_on_device(image):
+            if one_off and _room_on_device(image):
+                _clone_runs(image)
                 write = self.write_image        # from the clones, through the ring
             else:
                 self._copy_into_snapshot(image, one_off)

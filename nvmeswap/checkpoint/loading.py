@@ -208,16 +208,19 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
             restored = restore(storage, location)
             if _same_memory(restored, storage):
                 returned.add(pieces.index(record[0], nbytes))
+            elif getattr(restored, "is_cuda", False):
+                gpus.add(restored.device)
             return restored
 
         returned: set[int] = set()
+        gpus: set[Any] = set()
         loaded = unpickle(entries, make_storage, weights_only, map_location)
     except BaseException:
         pieces.free(handle)
         raise
     if len(returned) < len(pieces.buffers):
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()    # a copy to the GPU queued by map_location is done
+        for device in gpus:     # a copy map_location queued out of a buffer is done
+            torch.cuda.synchronize(device)
         pieces.free(handle, keep=returned)
     return loaded
 

@@ -21,7 +21,8 @@ in the caller's time. For a state with CUDA tensors nvmeswap runs the writer und
 size, and learns the storages from the pickler instead (its ``persistent_id``, which
 names each one). The holes then point at the CUDA storages themselves: a synchronous save
 copies them chunk by chunk into its locked ring, an asynchronous one into its snapshot.
-``skip_data`` refuses quantized and nested tensors; a state holding one keeps torch's copy.
+``skip_data`` refuses quantized and nested tensors (and tensors without storage); a state
+holding one, seen by the walk or not, keeps torch's copy.
 """
 from __future__ import annotations
 
@@ -97,6 +98,9 @@ class _LayoutZip:
         self.recorder.pending = name if nbytes else None
         self.writer.write_record_metadata(name, nbytes)
 
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
 
 def _naming_storages(pickle_module: Any, storages: dict[str, Any]) -> Any:
     """``pickle_module`` with a Pickler whose subclasses (torch's pickler is one) also
@@ -124,31 +128,42 @@ def _copies_cuda_storages(obj: Any) -> bool:
     as they are (Note [CUDA state layout])."""
     tensors = [tensor for _, tensor in state_tensors(obj)]
     return (any(tensor.is_cuda for tensor in tensors)
-            and not any(tensor.is_quantized or tensor.is_nested for tensor in tensors))
+            and not any(tensor.is_quantized or tensor.is_nested or tensor.is_meta
+                        for tensor in tensors))
 
-    def __getattr__(self, name):
-        return getattr(self.writer, name)
+
+def _record(obj, pickle_module, pickle_protocol, *, skip_data):
+    """Run torch's writer over ``obj``: what it wrote, with a hole per storage."""
+    import torch
+    from torch import serialization
+    from torch.utils.serialization import config
+
+    recorder = _Recorder()
+    writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
+    zip_file = _LayoutZip(writer, recorder)
+    skipping = serialization.skip_data() if skip_data else contextlib.nullcontext()
+    with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}), skipping:
+        serialization._save(obj, zip_file, _naming_storages(pickle_module, zip_file.storages),
+                            pickle_protocol, False)
+    writer.write_end_of_file()
+    return recorder, zip_file
 
 
 def layout(obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2) -> FileImage:
     """The ``FileImage`` of ``torch.save(obj)`` with 4096-aligned storages (Note [torch.save
     layout])."""
-    import torch
     from torch import serialization
 
     if serialization._serialization_tls.skip_data:
         raise TypeError("nvmeswap.save cannot run inside torch.serialization.skip_data()")
-    recorder = _Recorder()
-    writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
-    zip_file = _LayoutZip(writer, recorder)
-    from torch.utils.serialization import config
-
-    skipping = (serialization.skip_data() if _copies_cuda_storages(obj)
-                else contextlib.nullcontext())
-    with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}), skipping:
-        serialization._save(obj, zip_file, _naming_storages(pickle_module, zip_file.storages),
-                            pickle_protocol, False)
-    writer.write_end_of_file()
+    recorded = None
+    if _copies_cuda_storages(obj):
+        try:
+            recorded = _record(obj, pickle_module, pickle_protocol, skip_data=True)
+        except RuntimeError:
+            pass    # a tensor skip_data refuses, out of the walk's sight: torch's copy, then
+    recorder, zip_file = recorded or _record(obj, pickle_module, pickle_protocol,
+                                             skip_data=False)
 
     image = FileImage()
     runs: dict[str, TensorRun] = {}
