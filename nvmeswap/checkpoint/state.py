@@ -24,8 +24,3 @@ def state_tensors(obj: Any) -> Iterator[tuple[str, Any]]:
                              for key, value in item.items())
             else:
                 stack.extend((f"{name}[{index}]", value) for index, value in enumerate(item))
-
-
-def on_cuda(obj: Any) -> bool:
-    """Whether a tensor of ``obj`` (``state_tensors``) is in CUDA memory."""
-    return any(tensor.is_cuda for _, tensor in state_tensors(obj))
