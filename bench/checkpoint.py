@@ -32,7 +32,8 @@ back, load_into and DCP's readers fill tensors on the GPU); every time ends afte
 ``torch.cuda.synchronize()``, and the async part's stand-in computation runs on the GPU.
 
 Striping: ``--stripe DIR1,DIR2,...`` adds a striped nvmeswap save and load over those
-folders, against the plain one.
+folders, against the plain one, each also on a kept striping Checkpointer (its handle
+per folder started once).
 """
 import argparse
 import json
@@ -102,7 +103,8 @@ def child(args):
     if "(kept)" in args.contender:
         # A training loop keeps its Checkpointer: started, its workers warm, its ring
         # allocated by an earlier (small) checkpoint.
-        kept = nvmeswap.Checkpointer()
+        kept = (nvmeswap.Checkpointer(stripe_folders=args.stripe.split(","))
+                if "striped" in args.contender else nvmeswap.Checkpointer())
         warm = os.path.join(os.path.dirname(where), "warm-up.pt")
         kept.save({"w": torch.ones(1 << 20)}, warm)
         kept.free(kept.load(warm))
@@ -117,7 +119,7 @@ def child(args):
                 os.close(fd)
         elif args.contender == "nvmeswap.save":
             nvmeswap.save(state, where)
-        elif args.contender == "nvmeswap.save (kept)":
+        elif args.contender in ("nvmeswap.save (kept)", "nvmeswap.save striped (kept)"):
             kept.save(state, where)
         elif args.contender == "nvmeswap.save striped":
             with nvmeswap.Checkpointer(stripe_folders=args.stripe.split(",")) as saver:
@@ -142,7 +144,7 @@ def child(args):
             loaded = torch.load(where)
         elif args.contender in ("nvmeswap.load", "nvmeswap.load striped"):
             loaded = nvmeswap.load(where)
-        elif args.contender == "nvmeswap.load (kept)":
+        elif args.contender in ("nvmeswap.load (kept)", "nvmeswap.load striped (kept)"):
             loaded = kept.load(where)
         elif args.contender == "nvmeswap.load_into":
             loaded = nvmeswap.load_into(where, into)
@@ -263,11 +265,13 @@ def main():
     savers, loaders = list(SAVERS), list(LOADERS)
     stripe_work = []
     if args.stripe:
+        for d in args.stripe.split(","):
+            os.makedirs(d, exist_ok=True)
         stripe_work = [tempfile.mkdtemp(prefix="nvmeswap-ckpt-", dir=d)
                        for d in args.stripe.split(",")]
         args.stripe = ",".join(stripe_work)
-        savers.append("nvmeswap.save striped")
-        loaders.append("nvmeswap.load striped")
+        savers += ["nvmeswap.save striped", "nvmeswap.save striped (kept)"]
+        loaders += ["nvmeswap.load striped", "nvmeswap.load striped (kept)"]
     paths = {
         "torch.save": "torch.pt", "torch.save + fsync": "torch.pt", "nvmeswap.save": "ours.pt",
         "nvmeswap.save (kept)": "ours.pt", "nvmeswap.load (kept)": "ours.pt",
@@ -348,7 +352,11 @@ def main():
     ]
     if args.stripe:
         ratios += [("striped save vs nvmeswap.save", "nvmeswap.save", "nvmeswap.save striped"),
-                   ("striped load vs nvmeswap.load", "nvmeswap.load", "nvmeswap.load striped")]
+                   ("striped load vs nvmeswap.load", "nvmeswap.load", "nvmeswap.load striped"),
+                   ("kept striped save vs kept save", "nvmeswap.save (kept)",
+                    "nvmeswap.save striped (kept)"),
+                   ("kept striped load vs kept load", "nvmeswap.load (kept)",
+                    "nvmeswap.load striped (kept)")]
     print("speed-ups (the peer's time / nvmeswap's):")
     for label, peer, ours in ratios:
         if peer in median and ours in median:
