@@ -153,3 +153,16 @@ def test_a_background_snapshot_sees_the_work_queued_before_the_call(tmp_path):
         future.result()
     loaded = torch.load(tmp_path / "state.pt", map_location="cpu")
     assert torch.equal(loaded["w"].view(torch.int32), fresh.cpu().view(torch.int32))
+
+
+def test_loads_of_cuda_state_leave_no_locked_memory_behind(tmp_path):
+    """Note [checkpoint reads]: the locked buffers a CUDA checkpoint is read into leave
+    the locked set once their storages are on the GPU."""
+    state = {"w": random_tensor((3 << 20,), torch.float32, 11).cuda(),
+             "b": random_tensor((1 << 20,), torch.bfloat16, 12).cuda(), "step": 3}
+    nvmeswap.save(state, tmp_path / "state.pt")
+    with nvmeswap.Checkpointer() as loader:
+        before = loader.handle.memory_in_use
+        for _ in range(2):
+            assert_same(state, loader.load(tmp_path / "state.pt"))
+            assert loader.handle.memory_in_use == before
