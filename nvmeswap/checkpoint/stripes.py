@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any
 
 from ..aio import aio_handle
@@ -248,17 +249,32 @@ class StripedHandle:
         if self.closed:
             return
         self.closed = True
-        first = None
         if self._pending:
             with contextlib.suppress(BaseException):
                 self.wait()
-        for handle in self.handles:
+        # Closing a handle waits for its workers to end, and kernel AIO's teardown takes
+        # tens of milliseconds: the folders' handles end side by side (0.06-0.07 s for
+        # four, against 0.17-0.19 s one after another, 2026-11-26).
+        errors: list[BaseException] = []
+
+        def close(handle):
             try:
                 handle.close()
             except BaseException as error:
-                first = first or error
-        if first is not None:
-            raise first
+                errors.append(error)
+
+        others = [threading.Thread(target=close, args=(handle,), name="nvmeswap-close")
+                  for handle in self.handles[1:]]
+        for thread in others:
+            thread.start()
+        try:
+            if self.handles:
+                close(self.handles[0])
+        finally:
+            for thread in others:
+                thread.join()
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> StripedHandle:
         return self
