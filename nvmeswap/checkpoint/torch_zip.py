@@ -78,7 +78,8 @@ class _Recorder:
 
 
 class _LayoutZip:
-    """The zip writer ``torch.serialization._save`` talks to: storages become holes."""
+    """The zip writer ``torch.serialization._save`` talks to: storages become holes, each
+    storage the one the pickler named (in ``storages``), whatever torch hands over."""
 
     def __init__(self, writer: Any, recorder: _Recorder) -> None:
         self.writer = writer
@@ -88,15 +89,10 @@ class _LayoutZip:
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         if isinstance(data, (bytes, str)):
             self.writer.write_record(name, data, nbytes)
-            return
-        self.storages[name] = data
-        self.recorder.pending = name
-        self.writer.write_record_metadata(name, nbytes)
-        if nbytes == 0:
-            self.recorder.pending = None
+        else:       # a storage: the pickler named it already (``_naming_storages``)
+            self.write_record_metadata(name, nbytes)
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
-        # Only under our own skip_data (Note [CUDA state layout]): the storage is known.
         self.recorder.pending = name if nbytes else None
         self.writer.write_record_metadata(name, nbytes)
 
