@@ -81,10 +81,7 @@ def _room_on_device(image: FileImage) -> bool:
     their bytes (Note [one-off snapshot of CUDA state])."""
     import torch
 
-    wanted: dict[Any, int] = {}
-    for run in image.tensor_runs():
-        if run.source.is_cuda:
-            wanted[run.source.device] = wanted.get(run.source.device, 0) + run.nbytes
+    wanted = image.cuda_bytes()
     return bool(wanted) and all(torch.cuda.mem_get_info(device)[0] >= 2 * nbytes
                                 for device, nbytes in wanted.items())
 
@@ -97,7 +94,7 @@ def _clone_runs(image: FileImage) -> None:
 
     for run in image.tensor_runs():
         run.source = run.source.clone()
-    for device in {run.source.device for run in image.tensor_runs() if run.source.is_cuda}:
+    for device in image.cuda_bytes():
         torch.cuda.current_stream(device).synchronize()
 
 
@@ -294,8 +291,7 @@ class Checkpointer:
             watched = _tensor_versions(obj)
             # CUDA tensors: the copy must see the work queued for them so far, whatever
             # stream the saving thread copies on (Note [stream order]).
-            queued = [mark_queued_work(device) for device in
-                      {run.source.device for run in image.tensor_runs() if run.source.is_cuda}]
+            queued = [mark_queued_work(device) for device in image.cuda_bytes()]
             previous, self._in_flight = self._in_flight, future
 
             def take():

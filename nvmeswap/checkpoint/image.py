@@ -87,6 +87,14 @@ class FileImage:
     def tensor_runs(self) -> list[TensorRun]:
         return [run for _, run in self.runs if isinstance(run, TensorRun)]
 
+    def cuda_bytes(self) -> dict[Any, int]:
+        """The bytes of this image's runs in CUDA memory, by device."""
+        found: dict[Any, int] = {}
+        for run in self.tensor_runs():
+            if run.source.is_cuda:
+                found[run.source.device] = found.get(run.source.device, 0) + run.nbytes
+        return found
+
 
 def uint8_view(storage: Any) -> Any:
     """A 1-D uint8 tensor over all of ``storage`` (an ``UntypedStorage``, on its device)."""
