@@ -32,6 +32,9 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 def buffer_address(obj: ReadableBuffer, writable: bool) -> tuple[int, int]:
     """``(address, nbytes)`` of a C-contiguous buffer; valid while ``obj`` lives."""
 
+def lock_range(address: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` at ``address`` (mlock(2)); the lock goes with the mapping."""
+
 def copy_memory(destination: int, source: int, nbytes: int) -> None:
     """memcpy without the GIL."""
 

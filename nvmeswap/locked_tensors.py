@@ -32,7 +32,7 @@ def new_locked_tensor(locked: Any, num_elem: int, example: Any, *,
     if reserve is not None:
         reserve(round_up(max(num_elem * itemsize, 1), PAGE))
     region = SharedRegion(num_elem * itemsize, arena_bytes=arena_bytes)
-    if torch.cuda.is_initialized() and register_with_cuda():
+    if registers_with_cuda_now():
         # Like DeepNVMe's (pin_memory) tensors: non_blocking copies to the GPU are DMA.
         register_for_device_copies(region)
     locked.add(region)
@@ -49,6 +49,14 @@ def register_with_cuda() -> bool:
         if os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off"):
             return False
     return True
+
+
+def registers_with_cuda_now() -> bool:
+    """Whether a locked tensor made now is registered with CUDA: CUDA is in use in this
+    process and ``register_with_cuda()``."""
+    import torch
+
+    return torch.cuda.is_initialized() and register_with_cuda()
 
 
 def free_locked_tensor(locked: Any, tensor: Any, *, address: int | None = None) -> bool:

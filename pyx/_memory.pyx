@@ -165,6 +165,18 @@ def buffer_address(obj, bint writable):
         PyBuffer_Release(&view)
 
 
+def lock_range(size_t address, size_t nbytes):
+    """Page-lock ``nbytes`` of memory at ``address`` (mlock(2)): cheap for pages already
+    present; ``OSError`` with the errno that refused it (ENOMEM, EPERM: over
+    RLIMIT_MEMLOCK). The lock goes with the mapping."""
+    cdef int err = 0
+    with nogil:
+        if mlock(<const void *>address, nbytes) != 0:
+            err = errno
+    if err:
+        raise errno_error(err, "mlock")
+
+
 def copy_memory(size_t destination, size_t source, size_t nbytes):
     """memcpy without the GIL; both ranges must be valid and must not overlap."""
     with nogil:

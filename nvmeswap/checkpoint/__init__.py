@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .checkpointer import Checkpointer, SaveFuture
+from ..locked_tensors import registers_with_cuda_now
+from . import loading
+from . import safetensors as safetensors_format
+from .checkpointer import Checkpointer, SaveFuture, checked_path
 from .stripes import StripedHandle
 
 __all__ = ["Checkpointer", "SaveFuture", "StripedHandle", "async_save", "load", "load_into",
@@ -35,13 +38,19 @@ def load(path: str | os.PathLike, map_location: Any = None, *, handle: Any = Non
          weights_only: bool = True) -> Any:
     """Load a ``torch.save`` archive (written by nvmeswap or by torch), as ``torch.load``.
 
-    CPU tensors land in locked memory (buffers of at least 64 MiB of consecutive
-    storages, each read in one large operation while the next is allocated): pinned and
-    zero-copy for nvmeswap handles. They stay in the process's locked set while any
-    handle is open, until ``Checkpointer.free`` (or ``free_cpu_locked_tensor`` on each
-    buffer) takes them out; their memory goes with the last tensor. ``map_location`` is ``torch.load``'s. ``weights_only`` as in
-    ``torch.load`` (True: tensors, containers and plain values only).
+    CPU tensors land in locked memory, buffers of at least 64 MiB of consecutive
+    storages, each read in large operations (Note [checkpoint reads]). Without a
+    ``handle`` they are fresh private memory, read by this process's own kernel queue
+    (Note [fresh private reads]); with one (or where CUDA is in use: there locked buffers
+    are registered with CUDA) they are in the process's locked set, pinned and zero-copy
+    for nvmeswap handles, until ``Checkpointer.free`` (or ``free_cpu_locked_tensor`` on
+    each buffer) takes them out. Their memory goes with the last tensor.
+    ``map_location`` is ``torch.load``'s. ``weights_only`` as in ``torch.load`` (True:
+    tensors, containers and plain values only).
     """
+    if handle is None and not registers_with_cuda_now():
+        return loading.load_locked(checked_path(path, writing=False), None, map_location,
+                                   weights_only)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load(path, map_location, weights_only=weights_only)
 
@@ -90,6 +99,8 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
     """Read a safetensors file (written by nvmeswap or by the ``safetensors`` package)
     into a dict of CPU tensors in locked memory (as ``load``'s)."""
+    if handle is None and not registers_with_cuda_now():
+        return safetensors_format.load_locked(checked_path(path, writing=False), None)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_safetensors(path)
 

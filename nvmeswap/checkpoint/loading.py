@@ -13,7 +13,8 @@ whatever the file's own alignment (64 bytes in files torch wrote, 4096 in nvmesw
 A buffer none of whose storages is returned as it is (each moved by ``map_location``, or
 to the GPU its location names) leaves the process's locked set when the load returns:
 left there, every load of a CUDA checkpoint through a kept Checkpointer would hold its
-size of locked memory until ``close()``.
+size of locked memory until ``close()``. Without a handle the buffers are fresh private
+memory instead (Note [fresh private reads] in fresh_reads.py), in the same groups.
 """
 from __future__ import annotations
 
@@ -24,7 +25,15 @@ import sys
 from typing import Any
 
 from ..units import ALIGNMENT
-from .striped_checkpoints import StripedFile, layout_file, read_layout, striped_reader, unstriped
+from .fresh_reads import read_fresh
+from .striped_checkpoints import (
+    StripedFile,
+    layout_file,
+    read_layout,
+    stripe_paths,
+    striped_reader,
+    unstriped,
+)
 from .torch_zip import ZipEntries
 
 
@@ -101,10 +110,12 @@ GROUP_BYTES = 64 << 20
 
 
 class Pieces:
-    """Locked buffers holding file ranges (Note [checkpoint reads]); ``view(start, n)`` is
-    the memory of file bytes ``[start, start + n)``."""
+    """Locked buffers holding file ranges (Note [checkpoint reads]), in ``handle``'s
+    locked set or (no handle) fresh private memory; ``view(start, n)`` is the memory of
+    file bytes ``[start, start + n)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, handle: Any = None) -> None:
+        self.handle = handle
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.views: list[memoryview] = []
@@ -128,11 +139,45 @@ class Pieces:
         at = start - self.starts[index]
         return self.views[index][at:at + nbytes]
 
-    def free(self, handle: Any, keep: set[int] = frozenset()) -> None:
-        """Take the buffers, but those whose index is in ``keep``, out of the locked set."""
+    def free(self, keep: set[int] = frozenset()) -> None:
+        """Take the buffers, but those whose index is in ``keep``, out of the handle's
+        locked set; fresh memory needs nothing: it goes with the last view of it."""
+        if self.handle is None:
+            return
         for index, buffer in enumerate(self.buffers):
             if index not in keep:
-                handle.free_cpu_locked_tensor(buffer)
+                self.handle.free_cpu_locked_tensor(buffer)
+
+
+def _groups(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The file ranges ``[(start, end)]`` (non-overlapping) gathered into groups of at
+    least ``GROUP_BYTES``, each starting aligned (Note [checkpoint reads])."""
+    groups: list[list[int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if groups and groups[-1][1] - groups[-1][0] < GROUP_BYTES:
+            groups[-1][1] = max(groups[-1][1], end)
+        else:
+            groups.append([start // ALIGNMENT * ALIGNMENT, end])
+    return [(start, end) for start, end in groups]
+
+
+def read_data(path: str, layout: dict | None, handle: Any,
+              ranges: list[tuple[int, int]]) -> Pieces:
+    """The file ranges ``[(start, end)]`` of the checkpoint at ``path`` (striped if it
+    has a ``layout``, Note [striped checkpoints]: then through every device at once), in
+    ``handle``'s locked buffers, or without a handle in fresh private memory."""
+    if handle is None:
+        pieces = Pieces()
+        groups = _groups(ranges)
+        paths = [path] if layout is None else stripe_paths(layout)
+        stripe_bytes = None if layout is None else layout["stripe_bytes"]
+        for (start, _), buffer in zip(groups, read_fresh(paths, stripe_bytes, groups)):
+            pieces.add(start, buffer)
+        return pieces
+    if layout is None:
+        return read_ranges(unstriped(handle), path, ranges)
+    with striped_reader(layout, handle) as reader:
+        return read_ranges(reader, layout_file(layout), ranges)
 
 
 def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces:
@@ -140,16 +185,10 @@ def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces
     groups of at least ``GROUP_BYTES``, allocating each while the one before is read."""
     import torch
 
-    groups: list[list[int]] = []
-    for start, end in sorted(r for r in ranges if r[1] > r[0]):
-        if groups and groups[-1][1] - groups[-1][0] < GROUP_BYTES:
-            groups[-1][1] = max(groups[-1][1], end)
-        else:
-            groups.append([start // ALIGNMENT * ALIGNMENT, end])
-    pieces = Pieces()
+    pieces = Pieces(handle)
     futures = []
     try:
-        for start, end in groups:
+        for start, end in _groups(ranges):
             buffer = handle.new_cpu_locked_tensor(end - start, torch.empty(0, dtype=torch.uint8))
             pieces.add(start, buffer)
             futures.append(handle.submit_pread(buffer, path, start))
@@ -161,23 +200,21 @@ def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces
                 future.result()
             except BaseException:
                 pass
-        pieces.free(handle)
+        pieces.free()
         raise
     return pieces
 
 
 def _read_archive(path, handle):
     """``(entries, pieces)``: the archive's records and the bytes of every storage (Note
-    [checkpoint reads]); a striped checkpoint's (Note [striped checkpoints]) through every
-    device at once."""
+    [checkpoint reads]), through ``handle`` or (None) into fresh memory."""
     layout = read_layout(path)
     if layout is None:
         entries = ZipEntries(path)
-        return entries, read_ranges(unstriped(handle), path, _data_ranges(entries))
-    with StripedFile(layout) as file:
-        entries = ZipEntries(path, file=file)
-    with striped_reader(layout, handle) as reader:
-        return entries, read_ranges(reader, layout_file(layout), _data_ranges(entries))
+    else:
+        with StripedFile(layout) as file:
+            entries = ZipEntries(path, file=file)
+    return entries, read_data(path, layout, handle, _data_ranges(entries))
 
 
 def _data_ranges(entries):
@@ -186,7 +223,8 @@ def _data_ranges(entries):
 
 
 def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
-    """``nvmeswap.load``: the storages are views of locked buffers."""
+    """``nvmeswap.load``: the storages are views of locked buffers, ``handle``'s or (no
+    handle) fresh private ones."""
     import torch
     from torch import serialization
 
@@ -216,12 +254,12 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
         gpus: set[Any] = set()
         loaded = unpickle(entries, make_storage, weights_only, map_location)
     except BaseException:
-        pieces.free(handle)
+        pieces.free()
         raise
     if len(returned) < len(pieces.buffers):
         for device in gpus:     # a copy map_location queued out of a buffer is done
             torch.cuda.synchronize(device)
-        pieces.free(handle, keep=returned)
+        pieces.free(keep=returned)
     return loaded
 
 

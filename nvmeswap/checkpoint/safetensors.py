@@ -18,7 +18,7 @@ from typing import Any
 
 from ..units import ALIGNMENT, round_up
 from .image import FileImage, uint8_view
-from .loading import read_each, read_ranges
+from .loading import read_data, read_each
 from .striped_checkpoints import StripedFile, layout_file, read_layout, striped_reader, unstriped
 
 #: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
@@ -144,29 +144,37 @@ class Header:
         return length
 
 
+def _header(path, layout):
+    """The header of the file at ``path``, striped if it has a ``layout``."""
+    if layout is None:
+        return Header(path)
+    with StripedFile(layout) as file:
+        return Header(path, file=file)
+
+
 @contextlib.contextmanager
 def _opened(path, handle):
     """``(header, reader, name)``: the file's header, and the handle and file name to
     read its bytes with (a striped file's, Note [striped checkpoints], through every
     device at once)."""
     layout = read_layout(path)
+    header = _header(path, layout)
     if layout is None:
-        yield Header(path), unstriped(handle), path
+        yield header, unstriped(handle), path
         return
-    with StripedFile(layout) as file:
-        header = Header(path, file=file)
     with striped_reader(layout, handle) as reader:
         yield header, reader, layout_file(layout)
 
 
 def load_locked(path: str, handle: Any) -> dict:
     """``load_safetensors``: the data section read in large aligned operations into locked
-    buffers (Note [checkpoint reads])."""
+    buffers, ``handle``'s or (no handle) fresh private ones (Note [checkpoint reads])."""
     import torch
 
-    with _opened(path, handle) as (header, reader, file_name):
-        pieces = read_ranges(reader, file_name, [(start, end) for _, _, start, end
-                                                 in header.tensors.values()])
+    layout = read_layout(path)
+    header = _header(path, layout)
+    pieces = read_data(path, layout, handle, [(start, end) for _, _, start, end
+                                              in header.tensors.values()])
     try:
         result = {}
         for name, (dtype, shape, start, end) in header.tensors.items():
@@ -180,7 +188,7 @@ def load_locked(path: str, handle: Any) -> dict:
             result[name] = tensor.reshape(shape)
         return result
     except BaseException:
-        pieces.free(handle)
+        pieces.free()
         raise
 
 

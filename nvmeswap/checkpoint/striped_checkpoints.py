@@ -118,6 +118,11 @@ def unstriped(handle: Any) -> Any:
     return handle.handles[0] if isinstance(handle, StripedHandle) else handle
 
 
+def stripe_paths(layout: dict) -> list[str]:
+    """The stripe file in each folder of the layout, in device order."""
+    return [os.path.join(folder, layout["name"]) for folder in layout["folders"]]
+
+
 def layout_file(layout: dict) -> str:
     """The logical file of a striped checkpoint, as a StripedHandle names it."""
     return os.path.join(layout["folders"][0], layout["name"])
@@ -147,8 +152,8 @@ class StripedFile(io.RawIOBase):
         self.position = 0
         self._fds: list[int] = []
         try:
-            for folder in layout["folders"]:
-                self._fds.append(os.open(os.path.join(folder, layout["name"]), os.O_RDONLY))
+            for part in stripe_paths(layout):
+                self._fds.append(os.open(part, os.O_RDONLY))
         except BaseException:
             self.close()
             raise

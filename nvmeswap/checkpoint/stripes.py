@@ -124,16 +124,7 @@ class StripedHandle:
     def pieces(self, nbytes: int, offset: int) -> list[tuple[int, int, int, int]]:
         """``(device, device offset, buffer offset, length)`` of each stripe piece of the
         logical range ``[offset, offset + nbytes)``."""
-        count, size = len(self.folders), self.stripe_bytes
-        out = []
-        position = offset
-        while position < offset + nbytes:
-            stripe, within = divmod(position, size)
-            length = min(size - within, offset + nbytes - position)
-            out.append((stripe % count, (stripe // count) * size + within,
-                        position - offset, length))
-            position += length
-        return out
+        return stripe_pieces(len(self.folders), self.stripe_bytes, nbytes, offset)
 
     def size(self, filename: Any) -> int:
         """The logical size of ``filename``: the end of the last byte its parts hold."""
@@ -285,6 +276,21 @@ class StripedHandle:
     def __repr__(self) -> str:
         return (f"<nvmeswap StripedHandle {'closed' if self.closed else 'open'} over "
                 f"{len(self.folders)} folders, {self.stripe_bytes} bytes a stripe>")
+
+
+def stripe_pieces(devices: int, stripe_bytes: int, nbytes: int,
+                  offset: int) -> list[tuple[int, int, int, int]]:
+    """``(device, device offset, buffer offset, length)`` of each piece of the logical
+    range ``[offset, offset + nbytes)`` striped over ``devices`` (Note [stripes])."""
+    out = []
+    position = offset
+    while position < offset + nbytes:
+        stripe, within = divmod(position, stripe_bytes)
+        length = min(stripe_bytes - within, offset + nbytes - position)
+        out.append((stripe % devices, (stripe // devices) * stripe_bytes + within,
+                    position - offset, length))
+        position += length
+    return out
 
 
 def create_files(paths, exclusive=False):

@@ -1,0 +1,141 @@
+"""Reading a checkpoint's storages into fresh private memory through the calling
+process's own kernel queue: the road of ``nvmeswap.load`` and ``load_safetensors``
+called without a handle.
+
+Note [fresh private reads]
+A load that makes the memory its tensors live in needs nothing of a handle: its
+workers reach only shared memory, and fresh shared memory comes in 4 KiB pages, made
+and locked at 0.3 to 0.7 s a GiB here (Note [parallel population] in pyx/_memory.pyx),
+about as long as reading the bytes. Private anonymous memory may be made of 2 MiB
+pages (MADV_HUGEPAGE: Linux's default THP setting, "madvise", grants them), 512 times
+fewer faults. So such a load maps private memory advised for huge pages, one mapping
+per group of storages (Note [checkpoint reads]), and reads into it with O_DIRECT from
+the calling process's own queue (the caller queue of Note [caller queue], on the
+engine the environment names: kernel AIO or io_uring): aligned requests of 1 MiB, 64 in
+flight, the kernel faulting the pages in as it pins them for the transfer. Each mapping
+is locked once read, its pages present by then (milliseconds a GiB). No worker starts
+or stops. A cold 1 GiB archive on the memory-backed device (docs/checkpoints.md):
+0.14 s this way, 0.84 s through a handle's locked buffers.
+
+A handle given by the caller still gets the storages in its locked set, zero-copy for
+it; so does a process that uses CUDA, where locked buffers are registered with CUDA
+and copies from them to a GPU run about nine times faster than from private memory
+(shared/GPU.md).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import select
+from typing import Any
+
+from .._memory import buffer_address, lock_range
+from ..errors import MemoryLockWarning, os_error, short_file_error, warn_once
+from ..io.engines import caller_queue_type, checked_engine, resolve
+from ..io.files import open_target
+from ..io.interrupts import deferred_interrupts
+from ..units import ALIGNMENT, round_up
+from .stripes import stripe_pieces
+
+REQUEST_BYTES = 1 << 20
+IN_FLIGHT = 64
+
+
+def read_fresh(paths: list[str], stripe_bytes: int | None,
+               groups: list[tuple[int, int]]) -> list[Any]:
+    """A fresh locked uint8 tensor for each ``(start, end)`` of ``groups`` (``start``
+    aligned), holding those bytes of the file at ``paths[0]``, or of the file striped
+    over ``paths`` (one per device, Note [stripes]) in stripes of ``stripe_bytes``."""
+    import torch
+
+    files: list[Any] = []
+    memory: list[mmap.mmap] = []
+    queue = None
+    try:
+        for path in paths:
+            files.append(open_target(path, for_write=False, offset=0, nbytes=0,
+                                     o_direct=None))
+        if groups:
+            queue = caller_queue_type(resolve(checked_engine(None)))(IN_FLIGHT)
+            _read(queue, _requests(files, stripe_bytes, groups, memory))
+    finally:
+        with deferred_interrupts():
+            if queue is not None:
+                queue.close()           # waits for the requests in flight: into `memory`
+            for file in files:
+                for fd in file.descriptors():
+                    os.close(fd)
+    _lock(memory, paths[0])
+    return [torch.frombuffer(mapping, dtype=torch.uint8)[:end - start]
+            for mapping, (start, end) in zip(memory, groups)]
+
+
+def _requests(files, stripe_bytes, groups, memory):
+    """``(file, file offset, address, length, bytes needed)`` of each request, group
+    after group, each group's memory mapped (into ``memory``) as its requests begin."""
+    for start, end in groups:
+        size = round_up(end - start, ALIGNMENT)
+        mapping = _fresh_mapping(size)
+        memory.append(mapping)
+        address, _ = buffer_address(mapping, True)
+        for at in range(0, size, REQUEST_BYTES):
+            length = min(REQUEST_BYTES, size - at)
+            needed = min(length, max(0, end - start - at))     # the rest: alignment only
+            if stripe_bytes is None:
+                yield files[0], start + at, address + at, length, needed
+                continue
+            for device, offset, within, piece in stripe_pieces(len(files), stripe_bytes,
+                                                               length, start + at):
+                yield (files[device], offset, address + at + within, piece,
+                       min(piece, max(0, needed - within)))
+
+
+def _fresh_mapping(size):
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):   # no THP here: 4 KiB pages, as torch's own memory
+        pass
+    return mapping
+
+
+def _read(queue, requests):
+    """Keep ``IN_FLIGHT`` of ``requests`` in ``queue`` until all have ended; the first
+    failure, or a read that ends short of the bytes it needs, raises (naming the file)."""
+    in_flight: dict[int, tuple] = {}
+    ids = 0
+    pending = next(requests, None)
+    while pending is not None or in_flight:
+        while pending is not None and len(in_flight) < IN_FLIGHT:
+            file, offset, address, length, needed = pending
+            if not queue.submit(ids, 0, True, file.direct_fd, address, length, offset):
+                break
+            in_flight[ids] = file, offset, needed
+            ids += 1
+            pending = next(requests, None)
+        done = queue.reap(False)
+        if not done:
+            select.select([queue.eventfd], [], [])
+        for completion in done:
+            file, offset, needed = in_flight.pop(completion.op_id)
+            if completion.err:
+                raise os_error(completion.err, file.name,
+                               f"reading {completion.requested} bytes at offset "
+                               f"{completion.at_offset}")
+            if completion.got < needed:
+                raise short_file_error(file.name, f"the file ends at byte "
+                                                  f"{offset + completion.got}, before the "
+                                                  f"{needed} bytes at offset {offset} it "
+                                                  "should hold")
+
+
+def _lock(memory, name):
+    for mapping in memory:
+        address, nbytes = buffer_address(mapping, True)
+        try:
+            lock_range(address, nbytes)
+        except OSError as error:
+            warn_once("fresh-reads-lock", f"{name}: page-locking the loaded tensors was "
+                      f"refused ({error.strerror}); they stay unlocked (raise `ulimit -l`)",
+                      MemoryLockWarning)
+            return

@@ -1,0 +1,243 @@
+"""Note [fresh private reads]: ``nvmeswap.load`` and ``load_safetensors`` without a handle
+read into fresh private memory through the process's own queue: no worker starts, the
+memory is locked once read, every byte comes back, and a failure or a Ctrl-C leaves no
+descriptor, request or locked page behind."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
+from test_checkpoint import assert_same, flat_state, mixed_state, random_tensor
+
+import nvmeswap
+from nvmeswap._transfers import Completion
+from nvmeswap.checkpoint import fresh_reads
+from nvmeswap.checkpoint.loading import GROUP_BYTES
+from nvmeswap.errors import ShortFileError
+from nvmeswap.locked_tensors import registers_with_cuda_now
+
+pytestmark = pytest.mark.skipif(registers_with_cuda_now(), reason="CUDA in use here: loads "
+                                "without a handle take the handle's road (locked buffers "
+                                "registered with CUDA)")
+
+
+def locked_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmLck"))
+
+
+def open_fds():
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def two_group_state():
+    """Storages past GROUP_BYTES (two mappings), an odd-sized one at the end."""
+    count = GROUP_BYTES // 2 // 8 + 1234
+    state = {f"t{k}": torch.arange(count, dtype=torch.int64) * (k + 1) - k for k in range(3)}
+    state["odd"] = random_tensor((4099,), torch.bfloat16, 8)
+    return state
+
+
+def refuse_workers(monkeypatch):
+    """From now on any worker pool started fails the test."""
+    from nvmeswap.workers import pool
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker pool was started")
+
+    monkeypatch.setattr(pool.WorkerPool, "__init__", refuse)
+
+
+def test_a_load_without_a_handle_reads_into_locked_private_memory(tmp_path, monkeypatch):
+    state = two_group_state()
+    nvmeswap.save(state, tmp_path / "ours.pt")
+    torch.save(state, tmp_path / "torch.pt")                # storages 64-byte aligned
+    refuse_workers(monkeypatch)
+    data_kib = sum(t.numel() * t.element_size() for t in state.values()) // 1024
+    for name in ("ours.pt", "torch.pt"):
+        before = locked_kib()
+        loaded = nvmeswap.load(tmp_path / name)
+        assert_same(state, loaded)
+        assert locked_kib() - before >= data_kib, name
+        del loaded
+        assert locked_kib() == before, f"{name}: the locked pages went with the tensors"
+    monkeypatch.undo()
+    loaded = nvmeswap.load(tmp_path / "ours.pt")
+    with nvmeswap.aio_handle() as handle:       # private memory: in no locked set
+        assert not handle.is_pinned(loaded["t0"])
+
+
+def test_every_container_and_dtype_comes_back(tmp_path):
+    state = mixed_state()
+    nvmeswap.save(state, tmp_path / "s.pt")
+    loaded = nvmeswap.load(tmp_path / "s.pt")
+    assert_same(state, loaded)
+    views = loaded["views"]         # one storage, four views: still one
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    moved = nvmeswap.load(tmp_path / "s.pt", map_location=lambda s, loc: s.clone())
+    assert_same(state, moved)
+
+
+def test_safetensors_without_a_handle(tmp_path):
+    from safetensors import torch as safetensors_torch
+
+    state = flat_state()
+    safetensors_torch.save_file(state, tmp_path / "theirs.safetensors")
+    nvmeswap.save_safetensors(state, tmp_path / "ours.safetensors")
+    for name in ("theirs.safetensors", "ours.safetensors"):
+        loaded = nvmeswap.load_safetensors(tmp_path / name)
+        assert_same(state, {k: loaded[k] for k in state})
+
+
+def stripe_folders(tmp_path):
+    folders = [tmp_path / f"dev{k}" for k in range(3)]
+    for folder in folders:
+        folder.mkdir()
+    return [str(f) for f in folders]
+
+
+def test_a_striped_checkpoint_reads_from_every_stripe_file(tmp_path):
+    folders = stripe_folders(tmp_path)
+    state = two_group_state()
+    path = os.path.join(folders[0], "s.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=1 << 20) as checkpointer:
+        checkpointer.save(state, path)
+        checkpointer.save_safetensors(state, path + ".st")
+    assert_same(state, nvmeswap.load(path))
+    assert_same(state, nvmeswap.load_safetensors(path + ".st"))
+
+
+def test_a_stripe_file_cut_short_is_an_error_naming_it(tmp_path):
+    folders = stripe_folders(tmp_path)
+    state = {"w": random_tensor((20 << 20,), torch.uint8, 6)}      # one record, 21 stripes
+    path = os.path.join(folders[0], "s.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=1 << 20) as checkpointer:
+        checkpointer.save(state, path)
+    with open(path) as file:
+        layout = json.load(file)
+    # The records' headers lie in the first stripe and the last: cut a device holding
+    # neither to its first stripe, inside the tensor's bytes.
+    last = (layout["size"] - 1) // layout["stripe_bytes"] % 3
+    victim = os.path.join(folders[({1, 2} - {last}).pop()], layout["name"])
+    os.truncate(victim, layout["stripe_bytes"])
+    before = open_fds()
+    with pytest.raises(ShortFileError) as raised:
+        nvmeswap.load(path)
+    assert raised.value.filename == victim and "ends at byte" in str(raised.value)
+    assert open_fds() == before
+
+
+class FailingQueue:
+    """The real caller queue, but for its ``reap``: the ``fail_at``-th call that returns
+    requests raises ``raise_`` instead, or fails the first of them with ``err``."""
+
+    def __init__(self, real, fail_at, err=0, raise_=None):
+        self.real, self.fail_at, self.err, self.raise_ = real, fail_at, err, raise_
+        self.calls = 0
+        self.closed_with_in_flight = None
+
+    @property
+    def eventfd(self):
+        return self.real.eventfd
+
+    def submit(self, *request):
+        return self.real.submit(*request)
+
+    def reap(self, wait_all=False):
+        done = self.real.reap(wait_all)
+        self.calls += bool(done)
+        if done and self.calls == self.fail_at:
+            if self.raise_ is not None:
+                raise self.raise_
+            first = done[0]
+            done[0] = Completion(first.op_id, first.chunk, self.err, 4096, first.requested, 0)
+        return done
+
+    def close(self):
+        self.closed_with_in_flight = self.real.in_flight
+        self.real.close()
+
+
+@pytest.mark.parametrize("failure", ["EIO", "KeyboardInterrupt"])
+def test_a_failed_or_interrupted_read_leaves_nothing_behind(tmp_path, monkeypatch, failure):
+    state = two_group_state()
+    path = tmp_path / "s.pt"
+    nvmeswap.save(state, path)
+    made = []
+    real_type = fresh_reads.caller_queue_type
+
+    def failing_type(engine):
+        def make(capacity):
+            queue = FailingQueue(real_type(engine)(capacity), fail_at=3, err=errno.EIO,
+                                 raise_=KeyboardInterrupt() if failure != "EIO" else None)
+            made.append(queue)
+            return queue
+        return make
+
+    monkeypatch.setattr(fresh_reads, "caller_queue_type", failing_type)
+    before_fds, before_locked = open_fds(), locked_kib()
+    if failure == "EIO":
+        with pytest.raises(OSError) as raised:
+            nvmeswap.load(path)
+        assert raised.value.errno == errno.EIO and raised.value.filename == str(path)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            nvmeswap.load(path)
+    assert len(made) == 1 and made[0].closed_with_in_flight is not None
+    assert open_fds() == before_fds
+    assert locked_kib() == before_locked
+    monkeypatch.undo()
+    assert_same(state, nvmeswap.load(path))      # and the next load is whole
+
+
+def test_loads_in_threads_at_once(tmp_path):
+    states = [two_group_state() | {"seed": random_tensor((1 << 20,), torch.uint8, k)}
+              for k in range(3)]
+    for k, state in enumerate(states):
+        nvmeswap.save(state, tmp_path / f"{k}.pt")
+    results = [None] * 3
+
+    def load(k):
+        results[k] = nvmeswap.load(tmp_path / f"{k}.pt")
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for state, loaded in zip(states, results):
+        assert_same(state, loaded)
+
+
+def test_a_refused_lock_is_a_warning_and_the_bytes_still_come_back(tmp_path):
+    """Without CAP_IPC_LOCK and under a 64 KiB RLIMIT_MEMLOCK the tensors stay unlocked."""
+    if shutil.which("setpriv") is None or shutil.which("prlimit") is None:
+        pytest.skip("setpriv and prlimit are needed to drop CAP_IPC_LOCK")
+    state = {"w": random_tensor((3 << 20,), torch.uint8, 5)}
+    path = tmp_path / "s.pt"
+    nvmeswap.save(state, path)
+    script = (
+        "import warnings, torch, nvmeswap\n"
+        "from nvmeswap.errors import MemoryLockWarning\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    loaded = nvmeswap.load({str(path)!r})\n"
+        f"saved = torch.load({str(path)!r})\n"
+        "assert torch.equal(loaded['w'], saved['w'])\n"
+        "print(sorted({w.category.__name__ for w in seen}))\n"
+        "print(open('/proc/self/status').read().split('VmLck:')[1].split()[0])\n")
+    done = subprocess.run(["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps",
+                           "-ipc_lock", "prlimit", "--memlock=65536:65536", sys.executable,
+                           "-c", script], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    categories, locked = done.stdout.splitlines()[-2:]
+    assert "MemoryLockWarning" in categories
+    assert int(locked) <= 64
