@@ -115,3 +115,17 @@ def test_a_striped_checkpointer_reads_a_plain_checkpoint(folders, tmp_path):
         into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
         checkpointer.load_into(path, into, strict=False)
         assert_same(dict(state["model"]), into["model"])
+
+
+def test_a_plain_checkpointer_moving_a_striped_load_keeps_no_locked_memory(folders):
+    """The striped reader a plain handle reads through is closed when the load frees the
+    buffers map_location copied out of: they leave the process's locked set even so."""
+    state = mixed_state()
+    path = os.path.join(folders[0], "state.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save(state, path)
+    with nvmeswap.Checkpointer() as checkpointer:
+        before = checkpointer.handle.memory_in_use
+        moved = checkpointer.load(path, map_location=lambda storage, location: storage.clone())
+        assert_same(state, moved)
+        assert checkpointer.handle.memory_in_use == before

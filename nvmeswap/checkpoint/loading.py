@@ -175,9 +175,12 @@ def read_data(path: str, layout: dict | None, handle: Any,
             pieces.add(start, buffer)
         return pieces
     if layout is None:
-        return read_ranges(unstriped(handle), path, ranges)
-    with striped_reader(layout, handle) as reader:
-        return read_ranges(reader, layout_file(layout), ranges)
+        pieces = read_ranges(unstriped(handle), path, ranges)
+    else:
+        with striped_reader(layout, handle) as reader:
+            pieces = read_ranges(reader, layout_file(layout), ranges)
+    pieces.handle = handle      # the reader may be closed now; the locked set is the process's
+    return pieces
 
 
 def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces:
