@@ -241,3 +241,29 @@ def test_a_refused_lock_is_a_warning_and_the_bytes_still_come_back(tmp_path):
     categories, locked = done.stdout.splitlines()[-2:]
     assert "MemoryLockWarning" in categories
     assert int(locked) <= 64
+
+
+def vm_flags(address):
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("asked", [None, "1"])
+def test_huge_pages_are_advised_as_torch_advises_its_own(monkeypatch, asked):
+    from nvmeswap._memory import buffer_address
+
+    monkeypatch.delenv(fresh_reads.TORCH_THP, raising=False)
+    if asked is not None:
+        monkeypatch.setenv(fresh_reads.TORCH_THP, asked)
+    mapping = fresh_reads._fresh_mapping(4 << 20)
+    address, _ = buffer_address(mapping, True)
+    assert ("hg" in vm_flags(address)) == (asked is not None)
