@@ -1,7 +1,7 @@
-"""Note [fresh private reads]: ``nvmeswap.load`` and ``load_safetensors`` without a handle
-read into fresh private memory through the process's own queue: no worker starts, the
-memory is locked once read, every byte comes back, and a failure or a Ctrl-C leaves no
-descriptor, request or locked page behind."""
+"""The checkpoint calls made without a handle, through the process's own queue: loads
+into fresh private memory (Note [fresh private reads]) and saves through a private ring
+(Note [saves without a handle]). No worker starts, every byte comes back, and a failure
+or a Ctrl-C leaves no descriptor, request, locked page or temporary file behind."""
 import errno
 import json
 import os
@@ -18,7 +18,7 @@ from test_checkpoint import assert_same, flat_state, mixed_state, random_tensor
 
 import nvmeswap
 from nvmeswap._transfers import Completion
-from nvmeswap.checkpoint import fresh_reads
+from nvmeswap.checkpoint import fresh_reads, own_queue
 from nvmeswap.checkpoint.loading import GROUP_BYTES
 from nvmeswap.errors import ShortFileError
 from nvmeswap.locked_tensors import registers_with_cuda_now
@@ -171,7 +171,7 @@ def test_a_failed_or_interrupted_read_leaves_nothing_behind(tmp_path, monkeypatc
     path = tmp_path / "s.pt"
     nvmeswap.save(state, path)
     made = []
-    real_type = fresh_reads.caller_queue_type
+    real_type = own_queue.caller_queue_type
 
     def failing_type(engine):
         def make(capacity):
@@ -181,7 +181,7 @@ def test_a_failed_or_interrupted_read_leaves_nothing_behind(tmp_path, monkeypatc
             return queue
         return make
 
-    monkeypatch.setattr(fresh_reads, "caller_queue_type", failing_type)
+    monkeypatch.setattr(own_queue, "caller_queue_type", failing_type)
     before_fds, before_locked = open_fds(), locked_kib()
     if failure == "EIO":
         with pytest.raises(OSError) as raised:
@@ -217,7 +217,8 @@ def test_loads_in_threads_at_once(tmp_path):
 
 
 def test_a_refused_lock_is_a_warning_and_the_bytes_still_come_back(tmp_path):
-    """Without CAP_IPC_LOCK and under a 64 KiB RLIMIT_MEMLOCK the tensors stay unlocked."""
+    """Without CAP_IPC_LOCK and under a 64 KiB RLIMIT_MEMLOCK a save's ring and the loaded
+    tensors stay unlocked."""
     if shutil.which("setpriv") is None or shutil.which("prlimit") is None:
         pytest.skip("setpriv and prlimit are needed to drop CAP_IPC_LOCK")
     state = {"w": random_tensor((3 << 20,), torch.uint8, 5)}
@@ -228,6 +229,7 @@ def test_a_refused_lock_is_a_warning_and_the_bytes_still_come_back(tmp_path):
         "from nvmeswap.errors import MemoryLockWarning\n"
         "with warnings.catch_warnings(record=True) as seen:\n"
         "    warnings.simplefilter('always')\n"
+        f"    nvmeswap.save(torch.load({str(path)!r}), {str(path)!r})\n"
         f"    loaded = nvmeswap.load({str(path)!r})\n"
         f"saved = torch.load({str(path)!r})\n"
         "assert torch.equal(loaded['w'], saved['w'])\n"
@@ -241,6 +243,7 @@ def test_a_refused_lock_is_a_warning_and_the_bytes_still_come_back(tmp_path):
     categories, locked = done.stdout.splitlines()[-2:]
     assert "MemoryLockWarning" in categories
     assert int(locked) <= 64
+    assert torch.equal(torch.load(path)["w"], state["w"])      # the save, resaved there
 
 
 def vm_flags(address):
@@ -258,12 +261,73 @@ def vm_flags(address):
 
 
 @pytest.mark.parametrize("asked", [None, "1"])
-def test_huge_pages_are_advised_as_torch_advises_its_own(monkeypatch, asked):
+def test_huge_pages_are_advised_as_torch_advises_its_own(tmp_path, monkeypatch, asked):
     from nvmeswap._memory import buffer_address
 
+    path = tmp_path / "s.pt"
+    nvmeswap.save({"w": random_tensor((3 << 20,), torch.uint8, 1)}, path)
+    flags = []
+    real_lock = fresh_reads.lock
+
+    def noting_flags(mapping, name):
+        flags.append(vm_flags(buffer_address(mapping, True)[0]))
+        real_lock(mapping, name)
+
+    monkeypatch.setattr(fresh_reads, "lock", noting_flags)
     monkeypatch.delenv(fresh_reads.TORCH_THP, raising=False)
     if asked is not None:
         monkeypatch.setenv(fresh_reads.TORCH_THP, asked)
-    mapping = fresh_reads._fresh_mapping(4 << 20)
-    address, _ = buffer_address(mapping, True)
-    assert ("hg" in vm_flags(address)) == (asked is not None)
+    nvmeswap.load(path)
+    assert flags and all(("hg" in f) == (asked is not None) for f in flags)
+
+
+def test_a_save_without_a_handle_writes_what_torch_load_reads(tmp_path, monkeypatch):
+    import zipfile
+
+    from safetensors import torch as safetensors_torch
+
+    refuse_workers(monkeypatch)
+    state = mixed_state()
+    nvmeswap.save(state, tmp_path / "s.pt")
+    with zipfile.ZipFile(tmp_path / "s.pt") as archive:
+        assert archive.testzip() is None          # every CRC-32 is right
+    assert_same(state, torch.load(tmp_path / "s.pt"))
+    flat = flat_state()
+    nvmeswap.save_safetensors(flat, tmp_path / "s.safetensors", {"step": "3"})
+    assert_same(flat, safetensors_torch.load_file(tmp_path / "s.safetensors"))
+    assert sorted(os.listdir(tmp_path)) == ["s.pt", "s.safetensors"]
+
+
+@pytest.mark.parametrize("failure", ["ENOSPC", "KeyboardInterrupt"])
+def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                    failure):
+    old, new = two_group_state(), mixed_state()
+    path = tmp_path / "s.pt"
+    nvmeswap.save(old, path)
+    made = []
+    real_type = own_queue.caller_queue_type
+
+    def failing_type(engine):
+        def make(capacity):
+            queue = FailingQueue(real_type(engine)(capacity), fail_at=2, err=errno.ENOSPC,
+                                 raise_=KeyboardInterrupt() if failure != "ENOSPC" else None)
+            made.append(queue)
+            return queue
+        return make
+
+    monkeypatch.setattr(own_queue, "caller_queue_type", failing_type)
+    before_fds, before_locked = open_fds(), locked_kib()
+    if failure == "ENOSPC":
+        with pytest.raises(OSError) as raised:
+            nvmeswap.save(new, path)
+        assert raised.value.errno == errno.ENOSPC
+        assert os.path.dirname(raised.value.filename) == str(tmp_path)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            nvmeswap.save(new, path)
+    assert len(made) == 1 and made[0].closed_with_in_flight is not None
+    assert open_fds() == before_fds
+    assert locked_kib() == before_locked
+    assert os.listdir(tmp_path) == ["s.pt"]
+    monkeypatch.undo()
+    assert_same(old, nvmeswap.load(path))

@@ -11,9 +11,9 @@ import os
 from typing import Any
 
 from ..locked_tensors import registers_with_cuda_now
-from . import loading
+from . import loading, torch_zip
 from . import safetensors as safetensors_format
-from .checkpointer import Checkpointer, SaveFuture, checked_path
+from .checkpointer import Checkpointer, SaveFuture, checked_path, write_without_handle
 from .stripes import StripedHandle
 
 __all__ = ["Checkpointer", "SaveFuture", "StripedHandle", "async_save", "load", "load_into",
@@ -24,12 +24,17 @@ def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
     """Save ``obj`` (nested dicts, lists and tuples of tensors of any dtype and Python
     values) to ``path`` as ``torch.save`` would; ``torch.load`` reads the file unchanged.
 
-    Tensor bytes go through an nvmeswap handle (``handle``, or one made for this call)
-    with O_DIRECT from a small ring of locked buffers. The file is written under a
+    Tensor bytes go with O_DIRECT from a small ring of locked buffers through ``handle``
+    or, without one, this process's own kernel queue (Note [saves without a handle]; a
+    process that uses CUDA makes a handle for the call). The file is written under a
     temporary name, made durable, then renamed over ``path`` (Note [crash-consistent
     checkpoints]): a save killed at any instant leaves the previous file at ``path``.
     Errors name the file; a missing folder is reported before any I/O.
     """
+    if handle is None and not registers_with_cuda_now():
+        path = checked_path(path, writing=True)
+        write_without_handle(torch_zip.layout(obj), path)
+        return
     with Checkpointer(handle) as checkpointer:
         checkpointer.save(obj, path)
 
@@ -92,6 +97,10 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
     file that the ``safetensors`` package reads unchanged; ``metadata`` is a dict of str.
     Written crash-consistently, as ``save``; tensors that share memory are refused, as
     the package refuses them."""
+    if handle is None and not registers_with_cuda_now():
+        path = checked_path(path, writing=True)
+        write_without_handle(safetensors_format.layout(tensors, metadata), path)
+        return
     with Checkpointer(handle) as checkpointer:
         checkpointer.save_safetensors(tensors, path, metadata)
 

@@ -14,6 +14,7 @@ from ..units import ALIGNMENT, round_up
 from . import commit, loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
+from .own_queue import QueueWriter
 from .state import state_tensors
 from .striped_checkpoints import write_striped
 from .stripes import STRIPE_BYTES, StripedHandle
@@ -98,6 +99,20 @@ def _clone_runs(image: FileImage) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def write_without_handle(image: FileImage, path: str) -> None:
+    """Write ``image`` to ``path`` crash-consistently through a ring of private memory and
+    the process's own queue (Note [saves without a handle] in own_queue.py)."""
+    queue = QueueWriter()
+    writer = None
+    try:
+        writer = StreamWriter(queue, CHUNK_BYTES, CHUNKS)
+        commit.write_whole(path, image.size, lambda temporary: writer.write(image, temporary))
+    finally:
+        queue.close()       # waits for the requests in flight, before their ring goes
+        if writer is not None:
+            writer.close()
+
+
 class Checkpointer:
     """Saves and loads checkpoints through one nvmeswap handle.
 
@@ -178,13 +193,8 @@ class Checkpointer:
                 write_striped(self.handle, image.size, path,
                               lambda name: self._writer.write(image, name))
                 return
-            temporary = commit.start(path, image.size)
-            try:
-                self._writer.write(image, temporary)
-                commit.finish(temporary, path, image.size)
-            except BaseException:
-                commit.abandon(temporary)
-                raise
+            commit.write_whole(path, image.size,
+                               lambda temporary: self._writer.write(image, temporary))
 
     def load(self, path: str | os.PathLike, map_location: Any = None, *,
              weights_only: bool = True) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 
 TEMPORARY = ".nvmeswap-tmp-"
 
@@ -76,6 +77,18 @@ def start(path: str, size: int = 0) -> str:
         if fd >= 0:
             os.close(fd)
     return temporary
+
+
+def write_whole(path: str, size: int, write: Callable[[str], None]) -> None:
+    """Write ``path`` whole or not at all: ``write(temporary)`` fills a fresh temporary
+    file with ``size`` bytes allocated, then made durable and renamed over ``path``."""
+    temporary = start(path, size)
+    try:
+        write(temporary)
+        finish(temporary, path, size)
+    except BaseException:
+        abandon(temporary)
+        raise
 
 
 def make_durable(path: str, size: int) -> None:

@@ -32,21 +32,16 @@ and copies from them to a GPU run about nine times faster than from private memo
 """
 from __future__ import annotations
 
-import mmap
 import os
-import select
 from typing import Any
 
-from .._memory import buffer_address, lock_range
-from ..errors import MemoryLockWarning, os_error, short_file_error, warn_once
-from ..io.engines import caller_queue_type, checked_engine, resolve
+from .._memory import buffer_address
 from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
 from ..units import ALIGNMENT, round_up
+from .own_queue import REQUEST_BYTES, OwnQueue, lock, private_memory
 from .stripes import stripe_pieces
 
-REQUEST_BYTES = 1 << 20
-IN_FLIGHT = 64
 #: torch's switch for advising its own large allocations to use huge pages.
 TORCH_THP = "THP_MEM_ALLOC_ENABLE"
 
@@ -59,23 +54,24 @@ def read_fresh(paths: list[str], stripe_bytes: int | None,
     import torch
 
     files: list[Any] = []
-    memory: list[mmap.mmap] = []
-    queue = None
+    memory: list[Any] = []
+    own = None
     try:
         for path in paths:
             files.append(open_target(path, for_write=False, offset=0, nbytes=0,
                                      o_direct=None))
         if groups:
-            queue = caller_queue_type(resolve(checked_engine(None)))(IN_FLIGHT)
-            _read(queue, _requests(files, stripe_bytes, groups, memory))
+            own = OwnQueue()
+            _read(own, _requests(files, stripe_bytes, groups, memory))
     finally:
         with deferred_interrupts():
-            if queue is not None:
-                queue.close()           # waits for the requests in flight: into `memory`
+            if own is not None:
+                own.close()             # waits for the requests in flight: into `memory`
             for file in files:
                 for fd in file.descriptors():
                     os.close(fd)
-    _lock(memory, paths[0])
+    for mapping in memory:
+        lock(mapping, f"{paths[0]}: the loaded tensors")
     return [torch.frombuffer(mapping, dtype=torch.uint8)[:end - start]
             for mapping, (start, end) in zip(memory, groups)]
 
@@ -83,9 +79,10 @@ def read_fresh(paths: list[str], stripe_bytes: int | None,
 def _requests(files, stripe_bytes, groups, memory):
     """``(file, file offset, address, length, bytes needed)`` of each request, group
     after group, each group's memory mapped (into ``memory``) as its requests begin."""
+    huge_pages = os.environ.get(TORCH_THP, "").strip().lower() in ("1", "on", "true", "yes")
     for start, end in groups:
         size = round_up(end - start, ALIGNMENT)
-        mapping = _fresh_mapping(size)
+        mapping = private_memory(size, huge_pages=huge_pages)
         memory.append(mapping)
         address, _ = buffer_address(mapping, True)
         for at in range(0, size, REQUEST_BYTES):
@@ -100,55 +97,16 @@ def _requests(files, stripe_bytes, groups, memory):
                        min(piece, max(0, needed - within)))
 
 
-def _fresh_mapping(size):
-    """Private memory as torch's own (Note [fresh private reads]): huge pages where THP
-    is "always", or where ``THP_MEM_ALLOC_ENABLE`` asks torch to advise them."""
-    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
-    if os.environ.get(TORCH_THP, "").strip().lower() in ("1", "on", "true", "yes"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):   # a kernel without THP: 4 KiB pages
-            pass
-    return mapping
-
-
-def _read(queue, requests):
-    """Keep ``IN_FLIGHT`` of ``requests`` in ``queue`` until all have ended; the first
-    failure, or a read that ends short of the bytes it needs, raises (naming the file)."""
-    in_flight: dict[int, tuple] = {}
-    ids = 0
+def _read(own, requests):
+    """Keep ``own`` full of ``requests`` until all have ended; the first failure, or a
+    read that ends short of the bytes it needs, raises (naming the file)."""
     pending = next(requests, None)
-    while pending is not None or in_flight:
-        while pending is not None and len(in_flight) < IN_FLIGHT:
+    while pending is not None or own.requests:
+        while pending is not None:
             file, offset, address, length, needed = pending
-            if not queue.submit(ids, 0, True, file.direct_fd, address, length, offset):
+            if not own.submit(file, True, offset, address, length, needed):
                 break
-            in_flight[ids] = file, offset, needed
-            ids += 1
             pending = next(requests, None)
-        done = queue.reap(False)
-        if not done:
-            select.select([queue.eventfd], [], [])
-        for completion in done:
-            file, offset, needed = in_flight.pop(completion.op_id)
-            if completion.err:
-                raise os_error(completion.err, file.name,
-                               f"reading {completion.requested} bytes at offset "
-                               f"{completion.at_offset}")
-            if completion.got < needed:
-                raise short_file_error(file.name, f"the file ends at byte "
-                                                  f"{offset + completion.got}, before the "
-                                                  f"{needed} bytes at offset {offset} it "
-                                                  "should hold")
-
-
-def _lock(memory, name):
-    for mapping in memory:
-        address, nbytes = buffer_address(mapping, True)
-        try:
-            lock_range(address, nbytes)
-        except OSError as error:
-            warn_once("fresh-reads-lock", f"{name}: page-locking the loaded tensors was "
-                      f"refused ({error.strerror}); they stay unlocked (raise `ulimit -l`)",
-                      MemoryLockWarning)
-            return
+        for _, error in own.reap():
+            if error is not None:
+                raise error

@@ -1,0 +1,190 @@
+"""The calling process's own kernel queue, for the checkpoint calls made without a
+handle: loads into fresh private memory (Note [fresh private reads], fresh_reads.py)
+and saves through a ring of private memory (Note [saves without a handle]).
+
+Note [saves without a handle]
+``nvmeswap.save`` and ``save_safetensors`` called without a handle used to start one
+for the call: workers started (20 to 44 ms here) and stopped (35 to 60 ms), and a ring
+of 64 MiB of shared memory locked for them (40 to 200 ms), a fifth to a third of a 1
+GiB save. Only the ring's writes need the kernel, and O_DIRECT writes need no worker:
+``QueueWriter`` gives ``StreamWriter`` (image.py) its ring as private memory, locked,
+and writes each slot with the calling process's own queue (requests of 1 MiB, at most
+64 in flight; the unaligned tail of a file, under 4096 bytes, with one buffered write,
+as Note [O_DIRECT tail]). The ring copies, the CRCs and the commit are the
+Checkpointer's own.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import select
+from typing import Any
+
+from .._memory import buffer_address, lock_range
+from ..errors import MemoryLockWarning, os_error, short_file_error, warn_once
+from ..io.engines import caller_queue_type, checked_engine, resolve
+from ..io.files import open_target
+from ..io.interrupts import deferred_interrupts
+
+REQUEST_BYTES = 1 << 20
+IN_FLIGHT = 64
+
+
+class OwnQueue:
+    """A caller queue (Note [caller queue] in io/workforce.py) on the engine the
+    environment names, each request kept with its file, so that a failure names it.
+    ``close()`` waits for what is in flight: until then its memory must stay."""
+
+    def __init__(self) -> None:
+        self.queue = caller_queue_type(resolve(checked_engine(None)))(IN_FLIGHT)
+        self.requests: dict[int, tuple] = {}    # id -> (file, is_read, offset, needed, owner)
+        self._ids = itertools.count()
+
+    def submit(self, file: Any, is_read: bool, offset: int, address: int, length: int,
+               needed: int, owner: Any = None) -> bool:
+        """Start one request; False if the queue is full. ``needed``: how many of its
+        bytes must move (a read may end short past them, at the file's end)."""
+        request = next(self._ids)
+        if not self.queue.submit(request, 0, is_read, file.direct_fd, address, length,
+                                 offset):
+            return False
+        self.requests[request] = file, is_read, offset, needed, owner
+        return True
+
+    def reap(self) -> list[tuple[Any, BaseException | None]]:
+        """Wait for requests to end: ``(owner, None or the error naming its file)`` of
+        each that did."""
+        done = self.queue.reap(False)
+        if not done:
+            select.select([self.queue.eventfd], [], [])
+        return [self._outcome(completion) for completion in done]
+
+    def _outcome(self, completion):
+        file, is_read, offset, needed, owner = self.requests.pop(completion.op_id)
+        doing = "reading" if is_read else "writing"
+        if completion.err:
+            return owner, os_error(completion.err, file.name,
+                                   f"{doing} {completion.requested} bytes at offset "
+                                   f"{completion.at_offset}")
+        if completion.got >= needed:
+            return owner, None
+        if is_read:
+            return owner, short_file_error(file.name, f"the file ends at byte "
+                                                      f"{offset + completion.got}, before "
+                                                      f"the {needed} bytes at offset "
+                                                      f"{offset} it should hold")
+        return owner, os_error(errno.EIO, file.name, f"{completion.got} of {needed} bytes "
+                                                     f"written at offset {offset}")
+
+    def close(self) -> None:
+        with deferred_interrupts():
+            self.queue.close()      # waits for the requests in flight
+
+
+def private_memory(nbytes: int, *, huge_pages: bool = False) -> mmap.mmap:
+    """Fresh private anonymous memory of ``nbytes``, not yet touched; advised for huge
+    pages if asked."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if huge_pages:
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):   # a kernel without THP: 4 KiB pages
+            pass
+    return mapping
+
+
+def lock(mapping: mmap.mmap, name: str) -> None:
+    """Page-lock ``mapping``; where the system refuses, one warning and it stays unlocked."""
+    address, nbytes = buffer_address(mapping, True)
+    try:
+        lock_range(address, nbytes)
+    except OSError as error:
+        warn_once("own-queue-lock", f"{name}: page-locking was refused ({error.strerror}); "
+                  "the memory stays unlocked (raise `ulimit -l`)", MemoryLockWarning)
+
+
+class _Write:
+    """One ``submit_pwrite``: done when its requests are; holds its file open until then."""
+
+    def __init__(self, writer: QueueWriter, file: Any) -> None:
+        self.writer = writer
+        self.file = file
+        self.left = 0
+        self.error: BaseException | None = None
+
+    def result(self) -> None:
+        while self.left:
+            self.writer.settle()
+        self.writer.forget(self)
+        if self.error is not None:
+            raise self.error
+
+
+class QueueWriter:
+    """The part of ``aio_handle`` that ``StreamWriter`` uses, through an ``OwnQueue``
+    (Note [saves without a handle]): locked tensors of private memory, and
+    ``submit_pwrite`` of one of them, whose future's ``result()`` waits for its
+    requests. ``close()`` waits for what is in flight and closes every file."""
+
+    def __init__(self) -> None:
+        self.own = OwnQueue()
+        self._writes: list[_Write] = []
+
+    def new_cpu_locked_tensor(self, nbytes: int, example: Any) -> Any:
+        import torch
+
+        mapping = private_memory(nbytes)
+        lock(mapping, "a save's ring of buffers")
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        return True     # its memory goes with the tensor
+
+    def submit_pwrite(self, buffer: Any, filename: str, file_offset: int) -> _Write:
+        nbytes = buffer.numel()
+        file = open_target(filename, for_write=True, offset=file_offset, nbytes=nbytes,
+                           o_direct=None)
+        write = _Write(self, file)
+        self._writes.append(write)
+        address = buffer.data_ptr()
+        direct = nbytes - (file_offset + nbytes) % file.alignment \
+            if file.buffered_fd >= 0 else nbytes
+        for at in range(0, direct, REQUEST_BYTES):
+            length = min(REQUEST_BYTES, direct - at)
+            while not self.own.submit(file, False, file_offset + at, address + at, length,
+                                      length, write):
+                self.settle()
+            write.left += 1
+        if direct < nbytes:         # the unaligned tail (Note [O_DIRECT tail])
+            tail = buffer[direct:].numpy().tobytes()
+            try:
+                if os.pwrite(file.buffered_fd, tail, file_offset + direct) != len(tail):
+                    raise os_error(errno.EIO, file.name, "a short write of the file's tail")
+            except OSError as error:
+                write.error = write.error or error
+        return write
+
+    def settle(self) -> None:
+        """Wait for some requests to end, each counted against its write."""
+        for write, error in self.own.reap():
+            write.left -= 1
+            write.error = write.error or error
+
+    def forget(self, write: _Write) -> None:
+        if write in self._writes:
+            self._writes.remove(write)
+            for fd in write.file.descriptors():
+                os.close(fd)
+
+    def close(self) -> None:
+        self.own.close()
+        for write in list(self._writes):
+            self.forget(write)
+
+    def __enter__(self) -> QueueWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
