@@ -1,10 +1,11 @@
 """Run by tests/test_checkpoint_crash.py: rounds of checkpoint saves, each process killed
 with SIGKILL at a random instant.
 
-``python checkpoint_crash_child.py FOLDER ROUNDS SEED [striped|background]``: round r saves
-generation after generation to ``FOLDER/round<r>/ckpt.pt`` (striped: to
+``python checkpoint_crash_child.py FOLDER ROUNDS SEED [striped|background|one-call]``: round r
+saves generation after generation to ``FOLDER/round<r>/ckpt.pt`` (striped: to
 ``FOLDER/dev0/ckpt<r>.pt`` striped over ``FOLDER/dev0`` and ``FOLDER/dev1``; background: with
-``async_save(..., background_snapshot=True)``, two saves in flight) in a forked process
+``async_save(..., background_snapshot=True)``, two saves in flight; one-call: with
+``nvmeswap.save``, no handle: Note [saves without a handle]) in a forked process
 (torch and nvmeswap already imported, so a round starts in milliseconds), which is killed
 a random time after its handle is ready. Prints one JSON line: the delay of each kill.
 """
@@ -29,19 +30,24 @@ def make_state(generation):
     }
 
 
-def _saver(path, first, ready, stripes, background):
+def _saver(path, first, ready, stripes, mode):
     import nvmeswap
 
     # Four states made up front, saved in turn: saves follow each other with no gap, so
     # nearly every kill lands inside one.
     states = [make_state(first + k) for k in range(4)]
+    if mode == "one-call":
+        os.write(ready, b"r")
+        while True:
+            for state in states:
+                nvmeswap.save(state, path)
     with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2, stripe_folders=stripes,
                                stripe_bytes=256 << 10) as checkpointer:
         os.write(ready, b"r")
         pending = None
         while True:
             for state in states:
-                if not background:
+                if mode != "background":
                     checkpointer.save(state, path)
                     continue
                 started = checkpointer.async_save(state, path, background_snapshot=True)
@@ -69,7 +75,7 @@ def main():
         if pid == 0:
             os.close(ready_read)
             try:
-                _saver(path, (index + 1) * 1000, ready_write, stripes, mode == "background")
+                _saver(path, (index + 1) * 1000, ready_write, stripes, mode)
             finally:
                 os._exit(1)
         os.close(ready_write)

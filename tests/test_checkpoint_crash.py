@@ -25,17 +25,19 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
 ROUNDS = int(os.environ.get("NVMESWAP_CRASH_ROUNDS", "12"))
 
 
-@pytest.mark.parametrize("mode", ["", "background"])
+@pytest.mark.parametrize("mode", ["", "background", "one-call"])
 def test_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_path, mode):
     """``background``: async saves with their snapshots in the background (Note [snapshot
-    in the background]), two in flight, killed with them."""
+    in the background]), two in flight, killed with them; ``one-call``: ``nvmeswap.save``
+    without a handle (Note [saves without a handle])."""
     with nvmeswap.Checkpointer() as checkpointer:
         for index in range(ROUNDS):
             (tmp_path / f"round{index}").mkdir()
             checkpointer.save(make_state(index), tmp_path / f"round{index}" / "ckpt.pt")
     child = Path(__file__).with_name("checkpoint_crash_child.py")
     done = subprocess.run([sys.executable, str(child), str(tmp_path), str(ROUNDS),
-                           "35" if mode else "33", *([mode] if mode else [])],
+                           {"": "33", "background": "35", "one-call": "37"}[mode],
+                           *([mode] if mode else [])],
                           capture_output=True, text=True, timeout=240, check=False, env=ENV)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)) == ROUNDS
