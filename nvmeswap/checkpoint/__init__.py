@@ -2,8 +2,10 @@
 written and read through nvmeswap (O_DIRECT, locked memory, the worker pool),
 crash-consistently, optionally in the background, and striped over several devices.
 
-``save``/``load``/``load_into``/``async_save`` use a short-lived ``Checkpointer``; keep one
-(or pass a handle) to reuse its handle and locked buffers across checkpoints.
+Without a handle, ``save``/``load`` and their safetensors forms go through the process's
+own kernel queue (Note [saves without a handle], Note [fresh private reads]) and the other
+calls through a short-lived ``Checkpointer``; keep one (or pass a handle) to reuse its
+handle and locked buffers across checkpoints.
 """
 from __future__ import annotations
 
