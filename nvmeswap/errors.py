@@ -123,6 +123,20 @@ def os_error(err, filename, detail=""):
     return OSError(err, message, filename)
 
 
+def aio_contexts_exhausted(err, detail=""):
+    """io_setup's refusal: the system's kernel AIO contexts are all in use (fs.aio-max-nr)."""
+    return os_error(err, "/proc/sys/fs/aio-max-nr",
+                    f"io_setup failed{detail}: too many kernel AIO contexts are in use; raise "
+                    "the limit with `sysctl -w fs.aio-max-nr=1048576` or close handles")
+
+
+def uring_setup_refused(err, detail=""):
+    """io_uring_setup's refusal, where the probe had let io_uring through."""
+    return os_error(err, None, f"io_uring_setup failed{detail}: io_uring is refused here "
+                               "(kernel.io_uring_disabled, a seccomp profile) or out of locked "
+                               "memory (`ulimit -l`); use engine='aio' or 'auto'")
+
+
 def short_file_error(filename, message):
     error = ShortFileError(f"{filename}: {message}")
     error.filename = filename

@@ -135,6 +135,24 @@ def test_aio_max_nr_exhausted_is_a_clear_error(low_aio_limit):
         first.close()
 
 
+def test_aio_max_nr_exhausted_at_a_call_without_a_handle(tmp_path, monkeypatch):
+    """The checkpoint calls made without a handle use the process's own AIO context (Note
+    [saves without a handle]) of 64 requests: refused, it is the same clear error, naming
+    the file."""
+    monkeypatch.setenv("NVMESWAP_ENGINE", "aio")
+    path = tmp_path / "s.pt"
+    torch.save({"w": torch.arange(1000)}, path)
+    used = int(Path("/proc/sys/fs/aio-nr").read_text())
+    with system_setting("/proc/sys/fs/aio-max-nr", str(used + 32),
+                        "lowers a system-wide limit, which other handles would meet"):
+        for call in (lambda: nvmeswap.load(path), lambda: nvmeswap.save({"w": 1}, path)):
+            with pytest.raises(OSError) as info:
+                call()
+            assert info.value.errno == errno.EAGAIN
+            assert "aio-max-nr" in str(info.value) and str(path) in str(info.value)
+    assert torch.equal(nvmeswap.load(path)["w"], torch.arange(1000))
+
+
 MEMLOCK_SCRIPT = textwrap.dedent("""
     import sys, warnings
     sys.path.insert(0, sys.argv[2])

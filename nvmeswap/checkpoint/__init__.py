@@ -22,6 +22,12 @@ __all__ = ["Checkpointer", "SaveFuture", "StripedHandle", "async_save", "load", 
            "load_safetensors", "load_safetensors_into", "save", "save_safetensors"]
 
 
+def _by_own_queue(handle: Any) -> bool:
+    """Whether a save or load goes through the process's own queue: no handle is given,
+    and no locked buffer would be registered with CUDA (CUDA is not in use)."""
+    return handle is None and not registers_with_cuda_now()
+
+
 def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
     """Save ``obj`` (nested dicts, lists and tuples of tensors of any dtype and Python
     values) to ``path`` as ``torch.save`` would; ``torch.load`` reads the file unchanged.
@@ -33,7 +39,7 @@ def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
     checkpoints]): a save killed at any instant leaves the previous file at ``path``.
     Errors name the file; a missing folder is reported before any I/O.
     """
-    if handle is None and not registers_with_cuda_now():
+    if _by_own_queue(handle):
         path = checked_path(path, writing=True)
         write_without_handle(torch_zip.layout(obj), path)
         return
@@ -55,7 +61,7 @@ def load(path: str | os.PathLike, map_location: Any = None, *, handle: Any = Non
     ``map_location`` is ``torch.load``'s. ``weights_only`` as in ``torch.load`` (True:
     tensors, containers and plain values only).
     """
-    if handle is None and not registers_with_cuda_now():
+    if _by_own_queue(handle):
         return loading.load_locked(checked_path(path, writing=False), None, map_location,
                                    weights_only)
     with Checkpointer(handle) as checkpointer:
@@ -99,7 +105,7 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
     file that the ``safetensors`` package reads unchanged; ``metadata`` is a dict of str.
     Written crash-consistently, as ``save``; tensors that share memory are refused, as
     the package refuses them."""
-    if handle is None and not registers_with_cuda_now():
+    if _by_own_queue(handle):
         path = checked_path(path, writing=True)
         write_without_handle(safetensors_format.layout(tensors, metadata), path)
         return
@@ -110,7 +116,7 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
     """Read a safetensors file (written by nvmeswap or by the ``safetensors`` package)
     into a dict of CPU tensors in locked memory (as ``load``'s)."""
-    if handle is None and not registers_with_cuda_now():
+    if _by_own_queue(handle):
         return safetensors_format.load_locked(checked_path(path, writing=False), None)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_safetensors(path)

@@ -102,7 +102,7 @@ def _clone_runs(image: FileImage) -> None:
 def write_without_handle(image: FileImage, path: str) -> None:
     """Write ``image`` to ``path`` crash-consistently through a ring of private memory and
     the process's own queue (Note [saves without a handle] in own_queue.py)."""
-    queue = QueueWriter()
+    queue = QueueWriter(f"writing {path}")
     writer = None
     try:
         writer = StreamWriter(queue, CHUNK_BYTES, CHUNKS)

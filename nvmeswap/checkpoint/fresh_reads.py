@@ -61,7 +61,7 @@ def read_fresh(paths: list[str], stripe_bytes: int | None,
             files.append(open_target(path, for_write=False, offset=0, nbytes=0,
                                      o_direct=None))
         if groups:
-            own = OwnQueue()
+            own = OwnQueue(f"reading {paths[0]}")
             _read(own, _requests(files, stripe_bytes, groups, memory))
     finally:
         with deferred_interrupts():

@@ -23,7 +23,14 @@ import select
 from typing import Any
 
 from .._memory import buffer_address, lock_range
-from ..errors import MemoryLockWarning, os_error, short_file_error, warn_once
+from ..errors import (
+    MemoryLockWarning,
+    aio_contexts_exhausted,
+    os_error,
+    short_file_error,
+    uring_setup_refused,
+    warn_once,
+)
 from ..io.engines import caller_queue_type, checked_engine, resolve
 from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
@@ -37,8 +44,13 @@ class OwnQueue:
     environment names, each request kept with its file, so that a failure names it.
     ``close()`` waits for what is in flight: until then its memory must stay."""
 
-    def __init__(self) -> None:
-        self.queue = caller_queue_type(resolve(checked_engine(None)))(IN_FLIGHT)
+    def __init__(self, what: str) -> None:
+        engine = resolve(checked_engine(None))
+        try:
+            self.queue = caller_queue_type(engine)(IN_FLIGHT)
+        except OSError as error:
+            refused = uring_setup_refused if engine == "uring" else aio_contexts_exhausted
+            raise refused(error.errno, f" for {what}") from None
         self.requests: dict[int, tuple] = {}    # id -> (file, is_read, offset, needed, owner)
         self._ids = itertools.count()
 
@@ -128,8 +140,8 @@ class QueueWriter:
     ``submit_pwrite`` of one of them, whose future's ``result()`` waits for its
     requests. ``close()`` waits for what is in flight and closes every file."""
 
-    def __init__(self) -> None:
-        self.own = OwnQueue()
+    def __init__(self, what: str) -> None:
+        self.own = OwnQueue(what)
         self._writes: list[_Write] = []
 
     def new_cpu_locked_tensor(self, nbytes: int, example: Any) -> Any:

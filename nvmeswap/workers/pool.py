@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from ..errors import WorkerDied, os_error
+from ..errors import WorkerDied, aio_contexts_exhausted, os_error, uring_setup_refused
 from ..io.interrupts import deferred_interrupts
 from . import protocol
 
@@ -150,14 +150,9 @@ class WorkerPool:
                                  f"(exit status {worker.process.poll()})")
             err = protocol.unpack_response(data).err
             if err and self._engine == "uring":
-                raise os_error(err, None, "io_uring_setup failed in a worker process: "
-                               "io_uring is refused here (kernel.io_uring_disabled, a seccomp "
-                               "profile) or out of locked memory (`ulimit -l`); use "
-                               "engine='aio' or 'auto'")
+                raise uring_setup_refused(err, " in a worker process")
             if err:
-                raise os_error(err, "/proc/sys/fs/aio-max-nr",
-                               "io_setup failed: too many kernel AIO contexts are in use; raise "
-                               "the limit with `sysctl -w fs.aio-max-nr=1048576` or close handles")
+                raise aio_contexts_exhausted(err)
 
     def first_death(self):
         """What happened to a worker that has exited, or None; never blocks.
