@@ -165,23 +165,30 @@ class FailingQueue:
         self.real.close()
 
 
-@pytest.mark.parametrize("failure", ["EIO", "KeyboardInterrupt"])
-def test_a_failed_or_interrupted_read_leaves_nothing_behind(tmp_path, monkeypatch, failure):
-    state = two_group_state()
-    path = tmp_path / "s.pt"
-    nvmeswap.save(state, path)
+def fail_own_queues(monkeypatch, fail_at, err, interrupt):
+    """Make every own queue from now on a FailingQueue (``interrupt``: a Ctrl-C instead of
+    ``err``); the list they are put in as made."""
     made = []
     real_type = own_queue.caller_queue_type
 
     def failing_type(engine):
         def make(capacity):
-            queue = FailingQueue(real_type(engine)(capacity), fail_at=3, err=errno.EIO,
-                                 raise_=KeyboardInterrupt() if failure != "EIO" else None)
+            queue = FailingQueue(real_type(engine)(capacity), fail_at, err,
+                                 KeyboardInterrupt() if interrupt else None)
             made.append(queue)
             return queue
         return make
 
     monkeypatch.setattr(own_queue, "caller_queue_type", failing_type)
+    return made
+
+
+@pytest.mark.parametrize("failure", ["EIO", "KeyboardInterrupt"])
+def test_a_failed_or_interrupted_read_leaves_nothing_behind(tmp_path, monkeypatch, failure):
+    state = two_group_state()
+    path = tmp_path / "s.pt"
+    nvmeswap.save(state, path)
+    made = fail_own_queues(monkeypatch, 3, errno.EIO, failure != "EIO")
     before_fds, before_locked = open_fds(), locked_kib()
     if failure == "EIO":
         with pytest.raises(OSError) as raised:
@@ -304,18 +311,7 @@ def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, mo
     old, new = two_group_state(), mixed_state()
     path = tmp_path / "s.pt"
     nvmeswap.save(old, path)
-    made = []
-    real_type = own_queue.caller_queue_type
-
-    def failing_type(engine):
-        def make(capacity):
-            queue = FailingQueue(real_type(engine)(capacity), fail_at=2, err=errno.ENOSPC,
-                                 raise_=KeyboardInterrupt() if failure != "ENOSPC" else None)
-            made.append(queue)
-            return queue
-        return make
-
-    monkeypatch.setattr(own_queue, "caller_queue_type", failing_type)
+    made = fail_own_queues(monkeypatch, 2, errno.ENOSPC, failure != "ENOSPC")
     before_fds, before_locked = open_fds(), locked_kib()
     if failure == "ENOSPC":
         with pytest.raises(OSError) as raised:
