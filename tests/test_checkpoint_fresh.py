@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from test_checkpoint import assert_same, flat_state, mixed_state, random_tensor
+from test_checkpoint import assert_same, every_dtype_state, flat_state, mixed_state, random_tensor
 
 import nvmeswap
 from nvmeswap._transfers import Completion
@@ -327,3 +327,58 @@ def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, mo
     assert os.listdir(tmp_path) == ["s.pt"]
     monkeypatch.undo()
     assert_same(old, nvmeswap.load(path))
+
+
+def zeros_like_state(state):
+    return {key: torch.zeros_like(value) for key, value in state.items()}
+
+
+def test_load_into_without_a_handle_fills_every_target(tmp_path, monkeypatch):
+    """Windows of the ring (16 MiB) cut the 40 MiB tensor; torch's file is 64-aligned."""
+    state = dict(every_dtype_state())
+    state["big"] = random_tensor(((40 << 20) + 3,), torch.uint8, 9)
+    state["empty"] = torch.empty(0, 3)
+    nvmeswap.save(state, tmp_path / "ours.pt")
+    torch.save(state, tmp_path / "torch.pt")
+    flat = {k: v for k, v in state.items() if v.dtype != torch.complex128}  # none in the format
+    nvmeswap.save_safetensors(flat, tmp_path / "s.safetensors")
+    refuse_workers(monkeypatch)
+    for name in ("ours.pt", "torch.pt"):
+        into = zeros_like_state(state)
+        assert nvmeswap.load_into(tmp_path / name, into) is into
+        assert_same(state, into)
+    into = zeros_like_state(flat)
+    nvmeswap.load_safetensors_into(tmp_path / "s.safetensors", into)
+    assert_same(flat, into)
+
+
+def test_load_into_a_striped_checkpoint_with_small_stripes(tmp_path):
+    """64 KiB stripes: a slot's requests outnumber the queue; they wait their turn."""
+    folders = stripe_folders(tmp_path)
+    state = two_group_state()
+    path = os.path.join(folders[0], "s.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=64 << 10) as checkpointer:
+        checkpointer.save(state, path)
+    into = zeros_like_state(state)
+    nvmeswap.load_into(path, into)
+    assert_same(state, into)
+
+
+@pytest.mark.parametrize("failure", ["EIO", "KeyboardInterrupt"])
+def test_a_failed_or_interrupted_load_into_leaves_nothing_behind(tmp_path, monkeypatch,
+                                                                 failure):
+    state = two_group_state()
+    path = tmp_path / "s.pt"
+    nvmeswap.save(state, path)
+    made = fail_own_queues(monkeypatch, 5, errno.EIO, failure != "EIO")
+    before_fds = open_fds()
+    into = zeros_like_state(state)
+    with pytest.raises(OSError if failure == "EIO" else KeyboardInterrupt) as raised:
+        nvmeswap.load_into(path, into)
+    if failure == "EIO":
+        assert raised.value.errno == errno.EIO and raised.value.filename == str(path)
+    assert len(made) == 1 and made[0].closed_with_in_flight is not None
+    assert open_fds() == before_fds
+    monkeypatch.undo()
+    nvmeswap.load_into(path, into)
+    assert_same(state, into)

@@ -2,10 +2,10 @@
 written and read through nvmeswap (O_DIRECT, locked memory, the worker pool),
 crash-consistently, optionally in the background, and striped over several devices.
 
-Without a handle, ``save``/``load`` and their safetensors forms go through the process's
-own kernel queue (Note [saves without a handle], Note [fresh private reads]) and the other
-calls through a short-lived ``Checkpointer``; keep one (or pass a handle) to reuse its
-handle and locked buffers across checkpoints.
+Without a handle, ``save``/``load``/``load_into`` and their safetensors forms go through
+the process's own kernel queue (Note [saves without a handle], Note [fresh private
+reads]) and ``async_save`` through a short-lived ``Checkpointer``; keep one (or pass a
+handle) to reuse its handle and locked buffers across checkpoints.
 """
 from __future__ import annotations
 
@@ -73,7 +73,10 @@ def load_into(path: str | os.PathLike, into: Any, *, handle: Any = None,
     """Read each tensor saved at ``path`` straight into the tensor at the same place in
     ``into`` (a state dict; nested dicts, lists and tuples). Every dtype, shape and key
     is checked before any read (``strict``: the keys must match exactly). Returns
-    ``into``; its non-tensor values are left alone."""
+    ``into``; its non-tensor values are left alone. Without a handle the bytes go
+    through this process's own kernel queue and a small private ring."""
+    if _by_own_queue(handle):
+        return loading.load_into(checked_path(path, writing=False), into, None, strict)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_into(path, into, strict=strict)
 
@@ -128,5 +131,8 @@ def load_safetensors_into(path: str | os.PathLike, into: dict, *, handle: Any = 
     tensor of the same name in ``into`` (a flat dict: a model's ``state_dict()``, say),
     CPU or CUDA, with no new memory. Every name (``strict``: both ways), dtype, shape and
     contiguity is checked before any read. Returns ``into``."""
+    if _by_own_queue(handle):
+        return safetensors_format.load_into(checked_path(path, writing=False), into, None,
+                                            strict)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_safetensors_into(path, into, strict=strict)

@@ -19,13 +19,16 @@ memory instead (Note [fresh private reads] in fresh_reads.py), in the same group
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import pickle
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from ..units import ALIGNMENT
 from .fresh_reads import read_fresh
+from .own_queue import QueueReader
 from .striped_checkpoints import (
     StripedFile,
     layout_file,
@@ -277,17 +280,37 @@ def _same_memory(restored: Any, storage: Any) -> bool:
 
 def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     """``nvmeswap.load_into``: each saved tensor read straight into the matching tensor of
-    ``into``; every match checked before any read."""
-
+    ``into`` (through ``handle``, or without one the process's own queue); every match
+    checked before any read."""
     layout = read_layout(path)
     if layout is None:
-        read_each(unstriped(handle), path, _placed(path, ZipEntries(path), into, strict))
-        return into
-    with StripedFile(layout) as file:
-        reads = _placed(path, ZipEntries(path, file=file), into, strict)
-    with striped_reader(layout, handle) as reader:
-        read_each(reader, layout_file(layout), reads)
+        reads = _placed(path, ZipEntries(path), into, strict)
+    else:
+        with StripedFile(layout) as file:
+            reads = _placed(path, ZipEntries(path, file=file), into, strict)
+    with reading(path, layout, handle) as (reader, file_name):
+        read_each(reader, file_name, reads)
     return into
+
+
+@contextlib.contextmanager
+def reading(path: str, layout: dict | None, handle: Any) -> Iterator[tuple[Any, str]]:
+    """``(reader, file name)``: what reads the bytes of the checkpoint at ``path`` (with
+    its ``layout`` if striped, Note [striped checkpoints]) by file offset: ``handle``'s,
+    or without a handle a ``QueueReader`` of the process's own queue."""
+    if handle is None:
+        with QueueReader(f"reading {path}") as reader:
+            if layout is None:
+                yield reader, path
+                return
+            reader.stripe(layout_file(layout), stripe_paths(layout), layout["stripe_bytes"])
+            yield reader, layout_file(layout)
+        return
+    if layout is None:
+        yield unstriped(handle), path
+        return
+    with striped_reader(layout, handle) as reader:
+        yield reader, layout_file(layout)
 
 
 def read_each(handle: Any, path: str, reads: list[tuple[Any, int]]) -> None:

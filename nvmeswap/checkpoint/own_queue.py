@@ -1,6 +1,7 @@
 """The calling process's own kernel queue, for the checkpoint calls made without a
-handle: loads into fresh private memory (Note [fresh private reads], fresh_reads.py)
-and saves through a ring of private memory (Note [saves without a handle]).
+handle: loads into fresh private memory (Note [fresh private reads], fresh_reads.py),
+saves through a ring of private memory (Note [saves without a handle]), and reads into
+given tensors through one (``QueueReader``).
 
 Note [saves without a handle]
 ``nvmeswap.save`` and ``save_safetensors`` called without a handle used to start one
@@ -15,6 +16,7 @@ Checkpointer's own.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import mmap
@@ -22,7 +24,7 @@ import os
 import select
 from typing import Any
 
-from .._memory import buffer_address, lock_range
+from .._memory import buffer_address, copy_memory, lock_range
 from ..errors import (
     MemoryLockWarning,
     aio_contexts_exhausted,
@@ -34,6 +36,8 @@ from ..errors import (
 from ..io.engines import caller_queue_type, checked_engine, resolve
 from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
+from ..units import ALIGNMENT
+from .stripes import stripe_pieces
 
 REQUEST_BYTES = 1 << 20
 IN_FLIGHT = 64
@@ -196,6 +200,132 @@ class QueueWriter:
             self.forget(write)
 
     def __enter__(self) -> QueueWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class QueueReader:
+    """The part of ``aio_handle`` that ``load_into`` and ``load_safetensors_into`` use
+    (``async_pread``, ``wait``), through an ``OwnQueue``: the reads asked for are made at
+    ``wait()``, each target's bytes with O_DIRECT into a ring of ``slots`` private
+    buffers of ``slot_bytes``, in aligned windows, and copied into the target as each
+    window lands (a tensor's own memory is not aligned for O_DIRECT: torch places its
+    large tensors 64 bytes past a page). A file named in ``stripe()`` is read from its
+    stripe files (Note [stripes]). ``close()`` waits for what is in flight."""
+
+    def __init__(self, what: str, slot_bytes: int = 16 << 20, slots: int = 4) -> None:
+        self.own = OwnQueue(what)
+        self.slot_bytes, self.slots = slot_bytes, slots
+        self.ring: Any = None
+        self._jobs: list[tuple[Any, str, int]] = []
+        self._stripes: dict[str, tuple[list[str], int]] = {}
+        self._files: dict[str, Any] = {}
+
+    def stripe(self, filename: str, paths: list[str], stripe_bytes: int) -> None:
+        """Read ``filename`` from ``paths``, one per device, in stripes of ``stripe_bytes``."""
+        self._stripes[filename] = paths, stripe_bytes
+
+    def async_pread(self, target: Any, filename: str, file_offset: int) -> int:
+        self._jobs.append((target, filename, file_offset))
+        return 0
+
+    def wait(self) -> int:
+        """Make every read asked for; the first failure raises once all have ended."""
+        import torch
+
+        jobs, self._jobs = self._jobs, []
+        if self.ring is None:
+            mapping = private_memory(self.slot_bytes * self.slots)
+            self.ring = torch.frombuffer(mapping, dtype=torch.uint8)
+        windows = self._windows(jobs)
+        free = list(range(self.slots))
+        landing: dict[int, list] = {}       # slot -> [requests left, window]
+        unsubmitted: collections.deque = collections.deque()
+        first = None
+        window = next(windows, None)
+        while (window is not None and first is None) or landing:
+            while window is not None and free and first is None:
+                slot = free.pop()
+                requests = self._requests(slot, window)
+                landing[slot] = [len(requests), window]
+                unsubmitted.extend(requests)
+                window = next(windows, None)
+            while unsubmitted and self.own.submit(*unsubmitted[0]):
+                unsubmitted.popleft()
+            for slot, error in self.own.reap():
+                landing[slot][0] -= 1
+                first = first or error
+                if landing[slot][0] == 0:
+                    if first is None:
+                        self._copy_out(slot, landing.pop(slot)[1])
+                    else:
+                        del landing[slot]
+                    free.append(slot)
+        if first is not None:
+            raise first
+        return len(jobs)
+
+    def _windows(self, jobs):
+        """``(target, byte offset in it, length, file, file offset)`` of each piece, its
+        aligned window no larger than a slot."""
+        piece = self.slot_bytes - 2 * ALIGNMENT
+        for target, filename, file_offset in jobs:
+            nbytes = target.numel() * target.element_size()
+            for at in range(0, nbytes, piece):
+                yield target, at, min(piece, nbytes - at), filename, file_offset + at
+
+    def _requests(self, slot, window):
+        """The requests (``OwnQueue.submit``'s arguments) that read ``window`` into ``slot``."""
+        _, _, length, filename, offset = window
+        start = offset // ALIGNMENT * ALIGNMENT
+        end = -(-(offset + length) // ALIGNMENT) * ALIGNMENT
+        address = self.ring.data_ptr() + slot * self.slot_bytes - start
+        requests = []
+        for at in range(start, end, REQUEST_BYTES):
+            size = min(REQUEST_BYTES, end - at)
+            needed = min(size, max(0, offset + length - at))
+            for file, file_offset, within, part in self._parts(filename, at, size):
+                requests.append((file, True, file_offset, address + at + within, part,
+                                 min(part, max(0, needed - within)), slot))
+        return requests
+
+    def _parts(self, filename, offset, nbytes):
+        """``(file, file offset, offset in the request, length)`` of a logical range."""
+        if filename not in self._stripes:
+            return [(self._file(filename), offset, 0, nbytes)]
+        paths, stripe_bytes = self._stripes[filename]
+        return [(self._file(paths[device]), device_offset, within, length)
+                for device, device_offset, within, length
+                in stripe_pieces(len(paths), stripe_bytes, nbytes, offset)]
+
+    def _file(self, path):
+        if path not in self._files:
+            self._files[path] = open_target(path, for_write=False, offset=0, nbytes=0,
+                                            o_direct=None)
+        return self._files[path]
+
+    def _copy_out(self, slot, window):
+        import torch
+
+        target, at, length, _, offset = window
+        source = slot * self.slot_bytes + offset % ALIGNMENT
+        if target.device.type == "cpu":
+            copy_memory(target.data_ptr() + at, self.ring.data_ptr() + source, length)
+        else:       # a GPU's tensor, where CUDA is in use but locked memory unregistered
+            flat = target.view(-1).view(torch.uint8)
+            flat[at:at + length].copy_(self.ring[source:source + length])
+
+    def close(self) -> None:
+        self.own.close()        # waits for the requests in flight, before the ring goes
+        for file in self._files.values():
+            for fd in file.descriptors():
+                os.close(fd)
+        self._files.clear()
+        self.ring = None
+
+    def __enter__(self) -> QueueReader:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

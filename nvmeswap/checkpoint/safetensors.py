@@ -18,8 +18,8 @@ from typing import Any
 
 from ..units import ALIGNMENT, round_up
 from .image import FileImage, uint8_view
-from .loading import read_data, read_each
-from .striped_checkpoints import StripedFile, layout_file, read_layout, striped_reader, unstriped
+from .loading import read_data, read_each, reading
+from .striped_checkpoints import StripedFile, read_layout
 
 #: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
 _NAMES = {
@@ -154,16 +154,12 @@ def _header(path, layout):
 
 @contextlib.contextmanager
 def _opened(path, handle):
-    """``(header, reader, name)``: the file's header, and the handle and file name to
-    read its bytes with (a striped file's, Note [striped checkpoints], through every
-    device at once)."""
+    """``(header, reader, name)``: the file's header, and the reader and file name to
+    read its bytes with (``loading.reading``)."""
     layout = read_layout(path)
     header = _header(path, layout)
-    if layout is None:
-        yield header, unstriped(handle), path
-        return
-    with striped_reader(layout, handle) as reader:
-        yield header, reader, layout_file(layout)
+    with reading(path, layout, handle) as (reader, file_name):
+        yield header, reader, file_name
 
 
 def load_locked(path: str, handle: Any) -> dict:
