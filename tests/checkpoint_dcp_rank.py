@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+import nvmeswap
 from nvmeswap.checkpoint.dcp import NvmeFileSystemReader, NvmeFileSystemWriter
 
 WORLD = 2
@@ -72,19 +73,28 @@ def main():
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
     state = make_state(mesh, rank, None)
-    ours, theirs, later = (os.path.join(folder, name) for name in ("ours", "theirs", "async"))
+    ours, theirs, later, kept = (os.path.join(folder, name)
+                                 for name in ("ours", "theirs", "async", "kept"))
+    # Without a checkpointer or handle the files go through the process's own queue (Note
+    # [saves without a handle]); with a kept Checkpointer, through its handle.
+    checkpointer = nvmeswap.Checkpointer()
     dcp.save(state, storage_writer=NvmeFileSystemWriter(ours))
     dcp.save(state, storage_writer=FileSystemWriter(theirs))
     dcp.async_save(state, storage_writer=NvmeFileSystemWriter(later)).result()
+    dcp.save(state, storage_writer=NvmeFileSystemWriter(kept, checkpointer=checkpointer))
     problems = []
     for name, checkpoint, reader in [
             ("ours by ours", ours, NvmeFileSystemReader),
             ("ours by DCP", ours, FileSystemReader),
             ("DCP by ours", theirs, NvmeFileSystemReader),
-            ("async by DCP", later, FileSystemReader)]:
+            ("async by DCP", later, FileSystemReader),
+            ("kept by DCP", kept, FileSystemReader),
+            ("DCP by ours, kept", theirs,
+             lambda path: NvmeFileSystemReader(path, checkpointer=checkpointer))]:
         loaded = make_state(mesh, rank, 0)
         dcp.load(loaded, storage_reader=reader(checkpoint))
         problems += [f"{name}: {where}" for where in differences(state, loaded)]
+    checkpointer.close()
     dist.barrier()
     dist.destroy_process_group()
     if problems:

@@ -12,20 +12,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..locked_tensors import registers_with_cuda_now
 from . import loading, torch_zip
 from . import safetensors as safetensors_format
-from .checkpointer import Checkpointer, SaveFuture, checked_path, write_without_handle
+from .checkpointer import (
+    Checkpointer,
+    QueueCheckpointer,
+    SaveFuture,
+    by_own_queue,
+    checked_path,
+)
 from .stripes import StripedHandle
 
 __all__ = ["Checkpointer", "SaveFuture", "StripedHandle", "async_save", "load", "load_into",
            "load_safetensors", "load_safetensors_into", "save", "save_safetensors"]
-
-
-def _by_own_queue(handle: Any) -> bool:
-    """Whether a save or load goes through the process's own queue: no handle is given,
-    and no locked buffer would be registered with CUDA (CUDA is not in use)."""
-    return handle is None and not registers_with_cuda_now()
 
 
 def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
@@ -39,9 +38,10 @@ def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
     checkpoints]): a save killed at any instant leaves the previous file at ``path``.
     Errors name the file; a missing folder is reported before any I/O.
     """
-    if _by_own_queue(handle):
+    if by_own_queue(handle):
         path = checked_path(path, writing=True)
-        write_without_handle(torch_zip.layout(obj), path)
+        with QueueCheckpointer() as checkpointer:
+            checkpointer.write_image(torch_zip.layout(obj), path)
         return
     with Checkpointer(handle) as checkpointer:
         checkpointer.save(obj, path)
@@ -61,7 +61,7 @@ def load(path: str | os.PathLike, map_location: Any = None, *, handle: Any = Non
     ``map_location`` is ``torch.load``'s. ``weights_only`` as in ``torch.load`` (True:
     tensors, containers and plain values only).
     """
-    if _by_own_queue(handle):
+    if by_own_queue(handle):
         return loading.load_locked(checked_path(path, writing=False), None, map_location,
                                    weights_only)
     with Checkpointer(handle) as checkpointer:
@@ -75,7 +75,7 @@ def load_into(path: str | os.PathLike, into: Any, *, handle: Any = None,
     is checked before any read (``strict``: the keys must match exactly). Returns
     ``into``; its non-tensor values are left alone. Without a handle the bytes go
     through this process's own kernel queue and a small private ring."""
-    if _by_own_queue(handle):
+    if by_own_queue(handle):
         return loading.load_into(checked_path(path, writing=False), into, None, strict)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_into(path, into, strict=strict)
@@ -108,9 +108,10 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
     file that the ``safetensors`` package reads unchanged; ``metadata`` is a dict of str.
     Written crash-consistently, as ``save``; tensors that share memory are refused, as
     the package refuses them."""
-    if _by_own_queue(handle):
+    if by_own_queue(handle):
         path = checked_path(path, writing=True)
-        write_without_handle(safetensors_format.layout(tensors, metadata), path)
+        with QueueCheckpointer() as checkpointer:
+            checkpointer.write_image(safetensors_format.layout(tensors, metadata), path)
         return
     with Checkpointer(handle) as checkpointer:
         checkpointer.save_safetensors(tensors, path, metadata)
@@ -119,7 +120,7 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
     """Read a safetensors file (written by nvmeswap or by the ``safetensors`` package)
     into a dict of CPU tensors in locked memory (as ``load``'s)."""
-    if _by_own_queue(handle):
+    if by_own_queue(handle):
         return safetensors_format.load_locked(checked_path(path, writing=False), None)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_safetensors(path)
@@ -131,7 +132,7 @@ def load_safetensors_into(path: str | os.PathLike, into: dict, *, handle: Any = 
     tensor of the same name in ``into`` (a flat dict: a model's ``state_dict()``, say),
     CPU or CUDA, with no new memory. Every name (``strict``: both ways), dtype, shape and
     contiguity is checked before any read. Returns ``into``."""
-    if _by_own_queue(handle):
+    if by_own_queue(handle):
         return safetensors_format.load_into(checked_path(path, writing=False), into, None,
                                             strict)
     with Checkpointer(handle) as checkpointer:

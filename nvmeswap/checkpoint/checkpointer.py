@@ -10,11 +10,12 @@ from typing import Any
 
 from ..aio import aio_handle
 from ..gpu.copies import mark_queued_work
+from ..locked_tensors import registers_with_cuda_now
 from ..units import ALIGNMENT, round_up
 from . import commit, loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
-from .own_queue import QueueWriter
+from .own_queue import QueueReader, QueueWriter
 from .state import state_tensors
 from .striped_checkpoints import write_striped
 from .stripes import STRIPE_BYTES, StripedHandle
@@ -99,18 +100,52 @@ def _clone_runs(image: FileImage) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def write_without_handle(image: FileImage, path: str) -> None:
-    """Write ``image`` to ``path`` crash-consistently through a ring of private memory and
-    the process's own queue (Note [saves without a handle] in own_queue.py)."""
-    queue = QueueWriter(f"writing {path}")
-    writer = None
-    try:
-        writer = StreamWriter(queue, CHUNK_BYTES, CHUNKS)
+def by_own_queue(handle: Any) -> bool:
+    """Whether a call given ``handle`` goes through the process's own queue: no handle is
+    given, and no locked buffer would be registered with CUDA (CUDA is not in use)."""
+    return handle is None and not registers_with_cuda_now()
+
+
+class QueueCheckpointer:
+    """The parts of a ``Checkpointer`` that the calls made without a handle use, through
+    the process's own queue: ``write_image`` (Note [saves without a handle] in
+    own_queue.py) and ``handle``, a ``QueueReader`` for reads into given tensors. A
+    context manager; ``close()`` waits for what is in flight."""
+
+    def __init__(self) -> None:
+        self._queue: QueueWriter | None = None
+        self._writer: StreamWriter | None = None
+        self._reader: QueueReader | None = None
+
+    def write_image(self, image: FileImage, path: str) -> None:
+        """Write ``image`` to ``path`` through a private ring, crash-consistently."""
+        if self._writer is None:
+            self._queue = QueueWriter(f"writing {path}")
+            self._writer = StreamWriter(self._queue, CHUNK_BYTES, CHUNKS)
+        writer = self._writer
         commit.write_whole(path, image.size, lambda temporary: writer.write(image, temporary))
-    finally:
-        queue.close()       # waits for the requests in flight, before their ring goes
-        if writer is not None:
-            writer.close()
+
+    @property
+    def handle(self) -> QueueReader:
+        if self._reader is None:
+            self._reader = QueueReader()
+        return self._reader
+
+    def close(self) -> None:
+        try:
+            if self._queue is not None:
+                self._queue.close()     # waits for the requests in flight, before their ring
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            if self._reader is not None:
+                self._reader.close()
+
+    def __enter__(self) -> QueueCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class Checkpointer:

@@ -40,7 +40,7 @@ from torch.futures import Future
 
 from ..errors import BufferedIOWarning, warn_once
 from ..units import ALIGNMENT
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, QueueCheckpointer, by_own_queue
 from .image import FileImage
 from .loading import unpickle
 from .torch_zip import ZipEntries, layout
@@ -49,7 +49,8 @@ __all__ = ["NvmeFileSystemReader", "NvmeFileSystemWriter"]
 
 
 class _Session:
-    """The checkpointer to use: the one given, or one made for this call and closed."""
+    """The checkpointer to use: the one given, or one made for this call and closed (with
+    no handle either, through the process's own queue: Note [saves without a handle])."""
 
     def __init__(self, checkpointer, handle):
         self.given = checkpointer
@@ -58,7 +59,8 @@ class _Session:
     def __enter__(self):
         if self.given is not None:
             return self.given
-        self.made = Checkpointer(self.handle)
+        self.made = QueueCheckpointer() if by_own_queue(self.handle) else \
+            Checkpointer(self.handle)
         return self.made
 
     def __exit__(self, *exc_info):
@@ -72,8 +74,9 @@ class NvmeFileSystemWriter(FileSystemWriter):
 
     Takes ``FileSystemWriter``'s arguments, plus ``checkpointer`` (an
     ``nvmeswap.Checkpointer`` to reuse across saves) or ``handle`` (an ``aio_handle``);
-    with neither, each save makes and closes its own. ``thread_count`` only splits the
-    items over files, as in DCP; nvmeswap's workers move the bytes.
+    with neither, the bytes go through the process's own kernel queue (or, where CUDA is
+    in use, a handle made for the save). ``thread_count`` only splits the items over
+    files, as in DCP.
     With ``_extensions`` or ``serialization_format=SAFETENSORS`` DCP's own writer writes
     the files (Note [DCP files]).
     """

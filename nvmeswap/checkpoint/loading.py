@@ -299,7 +299,7 @@ def reading(path: str, layout: dict | None, handle: Any) -> Iterator[tuple[Any, 
     its ``layout`` if striped, Note [striped checkpoints]) by file offset: ``handle``'s,
     or without a handle a ``QueueReader`` of the process's own queue."""
     if handle is None:
-        with QueueReader(f"reading {path}") as reader:
+        with QueueReader() as reader:
             if layout is None:
                 yield reader, path
                 return

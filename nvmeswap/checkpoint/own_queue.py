@@ -1,7 +1,7 @@
 """The calling process's own kernel queue, for the checkpoint calls made without a
-handle: loads into fresh private memory (Note [fresh private reads], fresh_reads.py),
-saves through a ring of private memory (Note [saves without a handle]), and reads into
-given tensors through one (``QueueReader``).
+handle, and DCP's storage made without one: loads into fresh private memory (Note
+[fresh private reads], fresh_reads.py), saves through a ring of private memory (Note
+[saves without a handle]), and reads into given tensors through one (``QueueReader``).
 
 Note [saves without a handle]
 ``nvmeswap.save`` and ``save_safetensors`` called without a handle used to start one
@@ -207,16 +207,16 @@ class QueueWriter:
 
 
 class QueueReader:
-    """The part of ``aio_handle`` that ``load_into`` and ``load_safetensors_into`` use
-    (``async_pread``, ``wait``), through an ``OwnQueue``: the reads asked for are made at
-    ``wait()``, each target's bytes with O_DIRECT into a ring of ``slots`` private
+    """The part of ``aio_handle`` that ``load_into``, ``load_safetensors_into`` and DCP's
+    reader use (``async_pread``, ``sync_pread``, ``wait``), through an ``OwnQueue`` (made
+    at the first ``wait()``): the reads asked for are made at ``wait()``, each target's bytes with O_DIRECT into a ring of ``slots`` private
     buffers of ``slot_bytes``, in aligned windows, and copied into the target as each
     window lands (a tensor's own memory is not aligned for O_DIRECT: torch places its
     large tensors 64 bytes past a page). A file named in ``stripe()`` is read from its
     stripe files (Note [stripes]). ``close()`` waits for what is in flight."""
 
-    def __init__(self, what: str, slot_bytes: int = 16 << 20, slots: int = 4) -> None:
-        self.own = OwnQueue(what)
+    def __init__(self, slot_bytes: int = 16 << 20, slots: int = 4) -> None:
+        self.own: OwnQueue | None = None      # made by the first wait()
         self.slot_bytes, self.slots = slot_bytes, slots
         self.ring: Any = None
         self._jobs: list[tuple[Any, str, int]] = []
@@ -236,6 +236,10 @@ class QueueReader:
         import torch
 
         jobs, self._jobs = self._jobs, []
+        if not jobs:
+            return 0
+        if self.own is None:
+            self.own = OwnQueue(f"reading {jobs[0][1]}")
         if self.ring is None:
             mapping = private_memory(self.slot_bytes * self.slots)
             self.ring = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -317,8 +321,14 @@ class QueueReader:
             flat = target.view(-1).view(torch.uint8)
             flat[at:at + length].copy_(self.ring[source:source + length])
 
+    def sync_pread(self, target: Any, filename: str, file_offset: int) -> int:
+        self.async_pread(target, filename, file_offset)
+        self.wait()
+        return 1
+
     def close(self) -> None:
-        self.own.close()        # waits for the requests in flight, before the ring goes
+        if self.own is not None:
+            self.own.close()    # waits for the requests in flight, before the ring goes
         for file in self._files.values():
             for fd in file.descriptors():
                 os.close(fd)
