@@ -103,15 +103,21 @@ def stripe_folders(tmp_path):
     return [str(f) for f in folders]
 
 
-def test_a_striped_checkpoint_reads_from_every_stripe_file(tmp_path):
+@pytest.mark.parametrize("stripe_bytes", [1 << 20, 64 << 10])
+def test_a_striped_checkpoint_reads_from_every_stripe_file(tmp_path, stripe_bytes):
+    """64 KiB stripes: a load_into slot's requests outnumber the queue; they wait their
+    turn."""
     folders = stripe_folders(tmp_path)
     state = two_group_state()
     path = os.path.join(folders[0], "s.pt")
-    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=1 << 20) as checkpointer:
-        checkpointer.save(state, path)
-        checkpointer.save_safetensors(state, path + ".st")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=stripe_bytes) as made:
+        made.save(state, path)
+        made.save_safetensors(state, path + ".st")
     assert_same(state, nvmeswap.load(path))
     assert_same(state, nvmeswap.load_safetensors(path + ".st"))
+    into = zeros_like_state(state)
+    nvmeswap.load_into(path, into)
+    assert_same(state, into)
 
 
 def test_a_stripe_file_cut_short_is_an_error_naming_it(tmp_path):
@@ -350,18 +356,6 @@ def test_load_into_without_a_handle_fills_every_target(tmp_path, monkeypatch):
     into = zeros_like_state(flat)
     nvmeswap.load_safetensors_into(tmp_path / "s.safetensors", into)
     assert_same(flat, into)
-
-
-def test_load_into_a_striped_checkpoint_with_small_stripes(tmp_path):
-    """64 KiB stripes: a slot's requests outnumber the queue; they wait their turn."""
-    folders = stripe_folders(tmp_path)
-    state = two_group_state()
-    path = os.path.join(folders[0], "s.pt")
-    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=64 << 10) as checkpointer:
-        checkpointer.save(state, path)
-    into = zeros_like_state(state)
-    nvmeswap.load_into(path, into)
-    assert_same(state, into)
 
 
 @pytest.mark.parametrize("failure", ["EIO", "KeyboardInterrupt"])
