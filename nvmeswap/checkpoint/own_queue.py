@@ -209,11 +209,12 @@ class QueueWriter:
 class QueueReader:
     """The part of ``aio_handle`` that ``load_into``, ``load_safetensors_into`` and DCP's
     reader use (``async_pread``, ``sync_pread``, ``wait``), through an ``OwnQueue`` (made
-    at the first ``wait()``): the reads asked for are made at ``wait()``, each target's bytes with O_DIRECT into a ring of ``slots`` private
-    buffers of ``slot_bytes``, in aligned windows, and copied into the target as each
-    window lands (a tensor's own memory is not aligned for O_DIRECT: torch places its
-    large tensors 64 bytes past a page). A file named in ``stripe()`` is read from its
-    stripe files (Note [stripes]). ``close()`` waits for what is in flight."""
+    at the first ``wait()``). The reads asked for are made at ``wait()``: each target's
+    bytes with O_DIRECT into a ring of ``slots`` private buffers of ``slot_bytes``, in
+    aligned windows, copied into the target as each window lands (a tensor's own memory
+    is not aligned for O_DIRECT: torch places its large tensors 64 bytes past a page). A
+    file named in ``stripe()`` is read from its stripe files (Note [stripes]).
+    ``close()`` waits for what is in flight."""
 
     def __init__(self, slot_bytes: int = 16 << 20, slots: int = 4) -> None:
         self.own: OwnQueue | None = None      # made by the first wait()
