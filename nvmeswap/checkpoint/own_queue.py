@@ -147,6 +147,7 @@ class QueueWriter:
     def __init__(self, what: str) -> None:
         self.own = OwnQueue(what)
         self._writes: list[_Write] = []
+        self._interrupted: BaseException | None = None
 
     def new_cpu_locked_tensor(self, nbytes: int, example: Any) -> Any:
         import torch
@@ -183,10 +184,22 @@ class QueueWriter:
         return write
 
     def settle(self) -> None:
-        """Wait for some requests to end, each counted against its write."""
-        for write, error in self.own.reap():
-            write.left -= 1
-            write.error = write.error or error
+        """Wait for some requests to end, each counted against its write. Once a reap has
+        been cut short (a Ctrl-C), completions may have gone uncounted: the next call
+        waits for everything in flight instead and ends every write with that error."""
+        if self._interrupted is None:
+            try:
+                for write, error in self.own.reap():
+                    write.left -= 1
+                    write.error = write.error or error
+            except BaseException as error:
+                self._interrupted = error
+                raise
+            return
+        self.own.close()
+        for write in self._writes:
+            write.left = 0
+            write.error = write.error or self._interrupted
 
     def forget(self, write: _Write) -> None:
         if write in self._writes:
