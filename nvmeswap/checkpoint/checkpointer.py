@@ -120,8 +120,11 @@ class QueueCheckpointer:
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through a private ring, crash-consistently."""
         if self._writer is None:
+            # A ring no larger than the first image needs: it is locked, page by page.
+            chunk_bytes = min(CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // CHUNKS),
+                                                                 ALIGNMENT)))
             self._queue = QueueWriter(f"writing {path}")
-            self._writer = StreamWriter(self._queue, CHUNK_BYTES, CHUNKS)
+            self._writer = StreamWriter(self._queue, chunk_bytes, CHUNKS)
         writer = self._writer
         commit.write_whole(path, image.size, lambda temporary: writer.write(image, temporary))
 
