@@ -17,14 +17,16 @@ import sys
 import time
 
 
-def make_state(generation):
-    """The checkpoint of ``generation``: its bytes follow from the number alone."""
+def make_state(generation, mode=""):
+    """The checkpoint of ``generation``: its bytes follow from the number (and the mode)
+    alone. One-call saves get a larger one: each call's own setup would otherwise take
+    most of the time, and few kills would land inside a save."""
     import torch
 
     made = torch.Generator().manual_seed(generation)
     return {
         "generation": generation,
-        "w": torch.randn(512, 1024, generator=made),
+        "w": torch.randn(16384 if mode == "one-call" else 512, 1024, generator=made),
         "b": torch.randn(300_001, generator=made).bfloat16(),
         "steps": [torch.full((1000,), generation, dtype=torch.int64), "adam"],
     }
@@ -35,7 +37,7 @@ def _saver(path, first, ready, stripes, mode):
 
     # Four states made up front, saved in turn: saves follow each other with no gap, so
     # nearly every kill lands inside one.
-    states = [make_state(first + k) for k in range(4)]
+    states = [make_state(first + k, mode) for k in range(4)]
     if mode == "one-call":
         os.write(ready, b"r")
         while True:

@@ -33,7 +33,7 @@ def test_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_path, mode
     with nvmeswap.Checkpointer() as checkpointer:
         for index in range(ROUNDS):
             (tmp_path / f"round{index}").mkdir()
-            checkpointer.save(make_state(index), tmp_path / f"round{index}" / "ckpt.pt")
+            checkpointer.save(make_state(index, mode), tmp_path / f"round{index}" / "ckpt.pt")
     child = Path(__file__).with_name("checkpoint_crash_child.py")
     done = subprocess.run([sys.executable, str(child), str(tmp_path), str(ROUNDS),
                            {"": "33", "background": "35", "one-call": "37"}[mode],
@@ -53,9 +53,9 @@ def test_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_path, mode
             generation = loaded["generation"]
             assert generation == index or 0 <= generation - (index + 1) * 1000 < 4, generation
             newer += generation != index
-            assert_same(make_state(generation), loaded, f"round {index}")
+            assert_same(make_state(generation, mode), loaded, f"round {index}")
             ours = checkpointer.load(path)
-            assert_same(make_state(generation), ours, f"round {index}")
+            assert_same(make_state(generation, mode), ours, f"round {index}")
             checkpointer.handle.free_cpu_locked_tensor(ours["w"])
             # The next save removes what the killed one left behind.
             checkpointer.save(make_state(7), path)
