@@ -17,7 +17,6 @@ Checkpointer's own.
 from __future__ import annotations
 
 import collections
-import errno
 import itertools
 import mmap
 import os
@@ -28,14 +27,13 @@ from .._memory import buffer_address, copy_memory, lock_range
 from ..errors import (
     MemoryLockWarning,
     aio_contexts_exhausted,
-    os_error,
-    short_file_error,
     uring_setup_refused,
     warn_once,
 )
 from ..io.engines import caller_queue_type, checked_engine, resolve
 from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
+from ..io.operation import transfer_error
 from ..units import ALIGNMENT
 from .stripes import stripe_pieces
 
@@ -79,20 +77,13 @@ class OwnQueue:
 
     def _outcome(self, completion):
         file, is_read, offset, needed, owner = self.requests.pop(completion.op_id)
-        doing = "reading" if is_read else "writing"
         if completion.err:
-            return owner, os_error(completion.err, file.name,
-                                   f"{doing} {completion.requested} bytes at offset "
-                                   f"{completion.at_offset}")
+            return owner, transfer_error(file.name, is_read, completion.err,
+                                         completion.at_offset, completion.requested,
+                                         completion.got)
         if completion.got >= needed:
             return owner, None
-        if is_read:
-            return owner, short_file_error(file.name, f"the file ends at byte "
-                                                      f"{offset + completion.got}, before "
-                                                      f"the {needed} bytes at offset "
-                                                      f"{offset} it should hold")
-        return owner, os_error(errno.EIO, file.name, f"{completion.got} of {needed} bytes "
-                                                     f"written at offset {offset}")
+        return owner, transfer_error(file.name, is_read, 0, offset, needed, completion.got)
 
     def close(self) -> None:
         with deferred_interrupts():
@@ -176,11 +167,14 @@ class QueueWriter:
             write.left += 1
         if direct < nbytes:         # the unaligned tail (Note [O_DIRECT tail])
             tail = buffer[direct:].numpy().tobytes()
+            err, wrote = 0, 0
             try:
-                if os.pwrite(file.buffered_fd, tail, file_offset + direct) != len(tail):
-                    raise os_error(errno.EIO, file.name, "a short write of the file's tail")
+                wrote = os.pwrite(file.buffered_fd, tail, file_offset + direct)
             except OSError as error:
-                write.error = write.error or error
+                err = error.errno
+            if err or wrote != len(tail):
+                write.error = write.error or transfer_error(
+                    file.name, False, err, file_offset + direct, len(tail), wrote)
         return write
 
     def settle(self) -> None:

@@ -83,23 +83,7 @@ class Operation:
 
     def transfer_error(self, err, at_offset, requested, got):
         """The exception for a chunk that failed (``err``) or came back short."""
-        where = f"{requested} bytes at offset {at_offset}"
-        if err in (errno.EMFILE, errno.ETOOMANYREFS):
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            where += (f"; descriptors in flight to the workers ran out under RLIMIT_NOFILE "
-                      f"{soft}: raise it with `ulimit -n`")
-        limit = file_size_limit()
-        if not err and not self.is_read and limit is not None and at_offset + requested > limit:
-            err = errno.EFBIG   # the kernel writes up to the limit, then refuses
-        if err in NO_ROOM:
-            where += NO_ROOM[err]
-        if err:
-            return error_from_code(err, self.file.name,
-                                   f"{'read' if self.is_read else 'write'} of {where}")
-        if self.is_read:
-            return short_file_error(self.file.name, f"short read: got {got} of {where}; "
-                                                    "was the file truncated while it was read?")
-        return os_error(errno.ENOSPC, self.file.name, f"short write: wrote {got} of {where}")
+        return transfer_error(self.file.name, self.is_read, err, at_offset, requested, got)
 
     def copy_error(self, error):
         """A failed copy between the buffer and staging memory, as an error of the operation.
@@ -108,6 +92,28 @@ class Operation:
         """
         return RuntimeError(f"copying the {self.describe()} through host memory failed: "
                             f"{type(error).__name__}: {error}")
+
+
+def transfer_error(name, is_read, err, at_offset, requested, got):
+    """The exception for a transfer of ``name`` that failed (``err``) or came back short
+    (``got`` of the ``requested`` bytes at ``at_offset``), with what to change where the
+    cause is a limit: descriptors, the disk's room, the file-size limit."""
+    where = f"{requested} bytes at offset {at_offset}"
+    if err in (errno.EMFILE, errno.ETOOMANYREFS):
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        where += (f"; descriptors in flight to the workers ran out under RLIMIT_NOFILE "
+                  f"{soft}: raise it with `ulimit -n`")
+    limit = file_size_limit()
+    if not err and not is_read and limit is not None and at_offset + requested > limit:
+        err = errno.EFBIG   # the kernel writes up to the limit, then refuses
+    if err in NO_ROOM:
+        where += NO_ROOM[err]
+    if err:
+        return error_from_code(err, name, f"{'read' if is_read else 'write'} of {where}")
+    if is_read:
+        return short_file_error(name, f"short read: got {got} of {where}; "
+                                      "was the file truncated while it was read?")
+    return os_error(errno.ENOSPC, name, f"short write: wrote {got} of {where}")
 
 
 class ConcurrentWrites:
