@@ -39,8 +39,7 @@ from .._memory import buffer_address
 from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
 from ..units import ALIGNMENT, round_up
-from .own_queue import REQUEST_BYTES, OwnQueue, lock, private_memory
-from .stripes import stripe_pieces
+from .own_queue import OwnQueue, lock, private_memory, read_requests
 
 #: torch's switch for advising its own large allocations to use huge pages.
 TORCH_THP = "THP_MEM_ALLOC_ENABLE"
@@ -68,8 +67,7 @@ def read_fresh(paths: list[str], stripe_bytes: int | None,
             if own is not None:
                 own.close()             # waits for the requests in flight: into `memory`
             for file in files:
-                for fd in file.descriptors():
-                    os.close(fd)
+                file.close()
     for mapping in memory:
         lock(mapping, f"{paths[0]}: the loaded tensors")
     return [torch.frombuffer(mapping, dtype=torch.uint8)[:end - start]
@@ -85,16 +83,7 @@ def _requests(files, stripe_bytes, groups, memory):
         mapping = private_memory(size, huge_pages=huge_pages)
         memory.append(mapping)
         address, _ = buffer_address(mapping, True)
-        for at in range(0, size, REQUEST_BYTES):
-            length = min(REQUEST_BYTES, size - at)
-            needed = min(length, max(0, end - start - at))     # the rest: alignment only
-            if stripe_bytes is None:
-                yield files[0], start + at, address + at, length, needed
-                continue
-            for device, offset, within, piece in stripe_pieces(len(files), stripe_bytes,
-                                                               length, start + at):
-                yield (files[device], offset, address + at + within, piece,
-                       min(piece, max(0, needed - within)))
+        yield from read_requests(files, stripe_bytes, start, start + size, address, end)
 
 
 def _read(own, requests):

@@ -90,6 +90,26 @@ class OwnQueue:
             self.queue.close()      # waits for the requests in flight
 
 
+def read_requests(files: list[Any], stripe_bytes: int | None, start: int, end: int,
+                  address: int, needed_end: int):
+    """``(file, file offset, address, length, bytes needed)`` of the requests of at most
+    1 MiB that read bytes ``start`` to ``end`` (both aligned) of a file, or of one
+    striped over ``files`` in stripes of ``stripe_bytes`` (Note [stripes]), to memory
+    at ``address``. Bytes past ``needed_end`` are there for alignment only: a read may
+    end short of them, at the end of the file."""
+    for at in range(start, end, REQUEST_BYTES):
+        length = min(REQUEST_BYTES, end - at)
+        needed = min(length, max(0, needed_end - at))
+        into = address + at - start
+        if stripe_bytes is None:
+            yield files[0], at, into, length, needed
+            continue
+        for device, offset, within, piece in stripe_pieces(len(files), stripe_bytes,
+                                                           length, at):
+            yield (files[device], offset, into + within, piece,
+                   min(piece, max(0, needed - within)))
+
+
 def private_memory(nbytes: int, *, huge_pages: bool = False) -> mmap.mmap:
     """Fresh private anonymous memory of ``nbytes``, not yet touched; advised for huge
     pages if asked."""
@@ -198,8 +218,7 @@ class QueueWriter:
     def forget(self, write: _Write) -> None:
         if write in self._writes:
             self._writes.remove(write)
-            for fd in write.file.descriptors():
-                os.close(fd)
+            write.file.close()
 
     def close(self) -> None:
         self.own.close()
@@ -293,24 +312,12 @@ class QueueReader:
         _, _, length, filename, offset = window
         start = offset // ALIGNMENT * ALIGNMENT
         end = -(-(offset + length) // ALIGNMENT) * ALIGNMENT
-        address = self.ring.data_ptr() + slot * self.slot_bytes - start
-        requests = []
-        for at in range(start, end, REQUEST_BYTES):
-            size = min(REQUEST_BYTES, end - at)
-            needed = min(size, max(0, offset + length - at))
-            for file, file_offset, within, part in self._parts(filename, at, size):
-                requests.append((file, True, file_offset, address + at + within, part,
-                                 min(part, max(0, needed - within)), slot))
-        return requests
-
-    def _parts(self, filename, offset, nbytes):
-        """``(file, file offset, offset in the request, length)`` of a logical range."""
-        if filename not in self._stripes:
-            return [(self._file(filename), offset, 0, nbytes)]
-        paths, stripe_bytes = self._stripes[filename]
-        return [(self._file(paths[device]), device_offset, within, length)
-                for device, device_offset, within, length
-                in stripe_pieces(len(paths), stripe_bytes, nbytes, offset)]
+        paths, stripe_bytes = self._stripes.get(filename, ([filename], None))
+        files = [self._file(path) for path in paths]
+        address = self.ring.data_ptr() + slot * self.slot_bytes
+        return [(file, True, file_offset, into, size, needed, slot)
+                for file, file_offset, into, size, needed
+                in read_requests(files, stripe_bytes, start, end, address, offset + length)]
 
     def _file(self, path):
         if path not in self._files:
@@ -338,8 +345,7 @@ class QueueReader:
         if self.own is not None:
             self.own.close()    # waits for the requests in flight, before the ring goes
         for file in self._files.values():
-            for fd in file.descriptors():
-                os.close(fd)
+            file.close()
         self._files.clear()
         self.ring = None
 
