@@ -337,6 +337,40 @@ def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, mo
     assert_same(old, nvmeswap.load(path))
 
 
+@pytest.mark.parametrize("space", ["allocated", "written"])
+def test_a_save_past_the_file_size_limit_says_so_and_keeps_the_previous(tmp_path,
+                                                                          monkeypatch, space):
+    """Under `ulimit -f` a save too large is refused with EFBIG naming the limit and its
+    file, when its space is allocated up front, or (on a filesystem without fallocate)
+    when a write of the own queue crosses it; the previous checkpoint stays, no
+    temporary file is left, and a save below the limit goes through."""
+    import resource
+
+    if space == "written":
+        def unsupported(fd, offset, length):
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    path = tmp_path / "s.pt"
+    old = mixed_state()
+    nvmeswap.save(old, path)
+    limit = 16 << 20
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(OSError) as raised:
+            nvmeswap.save({"w": random_tensor((limit + (3 << 20),), torch.uint8, 4)}, path)
+        fits = {"w": random_tensor((limit - (1 << 20),), torch.uint8, 5)}
+        assert_same(old, nvmeswap.load(path))
+        nvmeswap.save(fits, tmp_path / "fits.pt")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert raised.value.errno == errno.EFBIG and "RLIMIT_FSIZE" in str(raised.value)
+    assert ("cannot allocate" in str(raised.value)) == (space == "allocated")
+    assert os.path.dirname(raised.value.filename) == str(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["fits.pt", "s.pt"]
+    assert_same(fits, torch.load(tmp_path / "fits.pt"))
+
+
 def zeros_like_state(state):
     return {key: torch.zeros_like(value) for key, value in state.items()}
 

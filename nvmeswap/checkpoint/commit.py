@@ -16,6 +16,9 @@ import errno
 import os
 from collections.abc import Callable
 
+from ..errors import os_error
+from ..io.files import NO_ROOM
+
 TEMPORARY = ".nvmeswap-tmp-"
 
 
@@ -72,7 +75,8 @@ def start(path: str, size: int = 0) -> str:
                     os.close(fd)
                     fd = -1
                     os.unlink(temporary)
-                    raise OSError(error.errno, error.strerror, temporary) from None
+                    raise os_error(error.errno, temporary, f"cannot allocate {size} bytes"
+                                                           f"{NO_ROOM.get(error.errno, '')}") from None
     finally:
         if fd >= 0:
             os.close(fd)
