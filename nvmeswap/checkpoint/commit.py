@@ -58,29 +58,37 @@ def _alive(pid):
 
 
 def start(path: str, size: int = 0) -> str:
-    """Make a fresh temporary file for ``path`` with ``size`` bytes allocated (all the
-    direct writes then land in blocks the file already has, and a full disk is reported
-    before any write) and return its name; errors name the folder or file."""
+    """Make a fresh temporary file for ``path`` with ``size`` bytes allocated and return
+    its name; errors name the folder or file."""
     remove_stale(path)
     temporary = temporary_name(path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    create(temporary, size)
+    return temporary
+
+
+def create(path: str, size: int) -> None:
+    """Make the file ``path``, refusing one that exists, with ``size`` bytes allocated:
+    the direct writes then land in blocks the file already has, and a full disk or a
+    file-size limit is reported before any write. (A filesystem without fallocate
+    writes as it would have.) On a failure nothing is left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         if size:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as error:
-                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    os.close(fd)
-                    fd = -1
-                    os.unlink(temporary)
-                    raise os_error(error.errno, temporary, f"cannot allocate {size} bytes"
-                                                           f"{NO_ROOM.get(error.errno, '')}") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    return temporary
+            os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        os.close(fd)
+        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        os.unlink(path)
+        raise os_error(error.errno, path, f"cannot allocate {size} bytes"
+                                          f"{NO_ROOM.get(error.errno, '')}") from None
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def write_whole(path: str, size: int, write: Callable[[str], None]) -> None:

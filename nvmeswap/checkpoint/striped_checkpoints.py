@@ -1,6 +1,6 @@
 """Striped checkpoints on disk: the layout file that names the stripes, written as the
 commit of a striped save and read back by the loads (Note [striped checkpoints]); the
-stripes themselves move through a StripedHandle (stripes.py)."""
+stripes themselves move through a StripedHandle or the process's own queue."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .stripes import StripedHandle, create_files, unlink_quietly
+from .stripes import StripedHandle, StripeSet, unlink_quietly
 
 # Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
 # is a small JSON file there, the layout: the folders, the stripe size, the logical size
@@ -38,36 +38,38 @@ def read_layout(path: str) -> dict | None:
     return layout
 
 
-def write_striped(handle: StripedHandle, size: int, path: str, write: Any) -> None:
-    """Make the checkpoint ``path`` striped over ``handle``'s folders: ``write(name)``
-    writes its ``size`` bytes to the logical file ``name`` through ``handle``."""
+def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
+    """Make the checkpoint ``path`` striped over the folders of ``stripes`` (a StripeSet
+    or StripedHandle): ``write(name)`` writes its ``size`` bytes to the logical file
+    ``name``, whose stripe files are made with their space allocated."""
     import json
     import secrets
 
     from . import commit
 
     folder, base = os.path.split(os.path.abspath(path))
-    if folder != handle.folders[0]:
+    if folder != stripes.folders[0]:
         raise ValueError(f"{path}: a striped checkpoint lives in the first stripe folder, "
-                         f"{handle.folders[0]}")
+                         f"{stripes.folders[0]}")
     old = read_layout(path) if os.path.isfile(path) else None
-    _remove_orphans(handle, base, old)
+    _remove_orphans(stripes, base, old)
     name = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.stripe"
     logical = os.path.join(folder, name)
-    parts = handle.paths(logical)
+    parts = stripes.paths(logical)
+    expected = [0] * len(parts)
+    for device, device_offset, _, length in stripes.pieces(size, 0):
+        expected[device] = max(expected[device], device_offset + length)
     try:
-        create_files(parts, exclusive=True)
+        for part, part_size in zip(parts, expected):
+            commit.create(part, part_size)
         write(logical)
-        expected = [0] * len(parts)
-        for device, device_offset, _, length in handle.pieces(size, 0):
-            expected[device] = max(expected[device], device_offset + length)
         for part, part_size in zip(parts, expected):
             commit.make_durable(part, part_size)
-        for other in handle.folders[1:]:
+        for other in stripes.folders[1:]:
             commit.sync_folder(other)
         text = json.dumps({LAYOUT_KEY: 1, "name": name, "size": size,
-                           "stripe_bytes": handle.stripe_bytes,
-                           "folders": handle.folders}).encode()
+                           "stripe_bytes": stripes.stripe_bytes,
+                           "folders": stripes.folders}).encode()
         temporary = commit.start(path)
         try:
             with open(temporary, "wb") as file:
@@ -87,11 +89,11 @@ def _remove_stripes(layout):
     unlink_quietly(os.path.join(folder, layout["name"]) for folder in layout.get("folders", []))
 
 
-def _remove_orphans(handle, base, current):
+def _remove_orphans(stripes, base, current):
     """Delete stripe files of ``base`` that no layout names, left by saves whose process
     is gone."""
     keep = current.get("name") if current else None
-    for folder in handle.folders:
+    for folder in stripes.folders:
         with contextlib.suppress(OSError):
             for other in os.listdir(folder):
                 if not (other.startswith(base + ".") and other.endswith(".stripe")) \

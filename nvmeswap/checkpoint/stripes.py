@@ -5,10 +5,13 @@ Note [stripes]: a logical file at ``folders[0]/rel`` is stored as one file per f
 ``folders[k]/rel``. Its bytes are cut into stripes of ``stripe_bytes`` (a multiple of
 4096); stripe ``i`` goes to folder ``i % N`` at offset ``(i // N) * stripe_bytes``, so
 each device's file is dense and each device holds about 1/N of every large transfer.
-Each folder has its own ``aio_handle`` (its own workers and kernel queue): a transfer
-starts every stripe on the handle of its device and completes when all have, so the
-devices work in parallel and the figure is their sum, less what the CPU copying costs.
-Locked memory belongs to the process, so a locked buffer is zero-copy on every one.
+``StripeSet`` is that geometry. In a ``StripedHandle`` each folder has its own
+``aio_handle`` (its own workers and kernel queue): a transfer starts every stripe on the
+handle of its device and completes when all have, so the devices work in parallel and
+the figure is their sum, less what the CPU copying costs. Locked memory belongs to the
+process, so a locked buffer is zero-copy on every one. The process's own queue (Note
+[saves without a handle]) reaches every device at once as well: one queue, requests to
+every stripe file in flight together.
 
 ``StripedHandle`` speaks the part of ``aio_handle``'s API that checkpoints and
 ``TensorSwapper`` use (``sync_``/``async_``/``submit_`` ``pread``/``pwrite``, ``wait``,
@@ -72,25 +75,20 @@ class StripedFuture:
         return self._nbytes
 
 
-class StripedHandle:
-    """Transfers striped over ``folders`` (Note [stripes]).
+class StripeSet:
+    """Where the bytes of files striped over ``folders`` lie (Note [stripes]): each
+    folder's file and each stripe piece of a range, for whatever moves them (a
+    ``StripedHandle``, or the process's own queue: Note [saves without a handle]).
 
     Parameters
     ----------
     folders : sequence of str or os.PathLike
-        Existing folders, one per device; file names given to the handle must lie in
-        the first.
+        Existing folders, one per device; file names given must lie in the first.
     stripe_bytes : int
         Bytes per stripe, a multiple of 4096 (default 4 MiB).
-    **handle_args
-        ``aio_handle``'s arguments, for the handle of each folder.
     """
 
-    def __init__(self, folders: Any, *, stripe_bytes: int = STRIPE_BYTES,
-                 **handle_args: Any) -> None:
-        self.closed = False
-        self._pending: list[StripedFuture] = []
-        self.handles: list[aio_handle] = []
+    def __init__(self, folders: Any, *, stripe_bytes: int = STRIPE_BYTES) -> None:
         if isinstance(folders, (str, os.PathLike)) or not folders:
             raise TypeError("folders must be a non-empty sequence of folders")
         self.folders = [os.path.abspath(os.fspath(f)) for f in folders]
@@ -103,18 +101,12 @@ class StripedHandle:
             raise ValueError(f"stripe_bytes must be a positive multiple of {ALIGNMENT}, "
                              f"got {stripe_bytes!r}")
         self.stripe_bytes = stripe_bytes
-        try:
-            for _ in self.folders:
-                self.handles.append(aio_handle(**handle_args))
-        except BaseException:
-            self.close()
-            raise
 
     # -- where the bytes go --------------------------------------------------------------
     def paths(self, filename: Any) -> list[str]:
         """The file of each folder that holds a part of ``filename``."""
         if isinstance(filename, int) or not isinstance(filename, (str, os.PathLike)):
-            raise TypeError(f"a StripedHandle needs a file name, got {type(filename).__name__}")
+            raise TypeError(f"a striped file needs a name, got {type(filename).__name__}")
         relative = os.path.relpath(os.path.abspath(os.fspath(filename)), self.folders[0])
         if relative == os.curdir or relative.split(os.sep)[0] == os.pardir:
             raise ValueError(f"{filename} is not inside {self.folders[0]}, the first stripe "
@@ -157,6 +149,32 @@ class StripedHandle:
         for path in self.paths(folder):
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(path)
+
+
+class StripedHandle(StripeSet):
+    """Transfers striped over ``folders`` (Note [stripes]), each folder's through an
+    ``aio_handle`` of its own.
+
+    Parameters
+    ----------
+    folders, stripe_bytes
+        As ``StripeSet``'s.
+    **handle_args
+        ``aio_handle``'s arguments, for the handle of each folder.
+    """
+
+    def __init__(self, folders: Any, *, stripe_bytes: int = STRIPE_BYTES,
+                 **handle_args: Any) -> None:
+        self.closed = False
+        self._pending: list[StripedFuture] = []
+        self.handles: list[aio_handle] = []
+        super().__init__(folders, stripe_bytes=stripe_bytes)
+        try:
+            for _ in self.folders:
+                self.handles.append(aio_handle(**handle_args))
+        except BaseException:
+            self.close()
+            raise
 
     # -- transfers -----------------------------------------------------------------------
     def _start(self, buffer, filename, file_offset, is_read):
@@ -293,11 +311,10 @@ def stripe_pieces(devices: int, stripe_bytes: int, nbytes: int,
     return out
 
 
-def create_files(paths, exclusive=False):
-    """Make each of ``paths`` (empty if new; with ``exclusive``, refusing one that exists)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+def create_files(paths):
+    """Make each of ``paths`` that does not exist, empty."""
     for path in paths:
-        os.close(os.open(path, flags, 0o644))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
 
 
 def unlink_quietly(paths):
