@@ -1,5 +1,6 @@
 """Note [stripes] and Note [striped checkpoints]: bytes spread round-robin over several
 folders come back whole, through StripedHandle, striped checkpoints and the swapper."""
+import errno
 import json
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from nvmeswap.checkpoint.stripes import StripedHandle
 from nvmeswap.training import TensorSwapper
 
 STRIPE = 64 << 10
+ODD_STRIPE = 48 << 10     # a multiple of 4096, not a power of two
 
 
 @pytest.fixture
@@ -129,3 +131,60 @@ def test_a_plain_checkpointer_moving_a_striped_load_keeps_no_locked_memory(folde
         moved = checkpointer.load(path, map_location=lambda storage, location: storage.clone())
         assert_same(state, moved)
         assert checkpointer.handle.memory_in_use == before
+
+
+def stripe_files(path):
+    """The bytes of each stripe file of the striped checkpoint at ``path``, in order."""
+    layout = json.loads(Path(path).read_text())
+    return [Path(folder, layout["name"]).read_bytes() for folder in layout["folders"]]
+
+
+def test_a_striped_save_without_a_handle_starts_no_worker_and_lays_out_as_one(folders,
+                                                                             monkeypatch):
+    """Note [saves without a handle]: one queue writes every stripe file, the unaligned
+    end included; the stripes are those a StripedHandle writes, byte for byte."""
+    from test_checkpoint_fresh import refuse_workers
+
+    state = mixed_state()
+    path = os.path.join(folders[0], "queue.pt")
+    refuse_workers(monkeypatch)
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=ODD_STRIPE,
+                               chunk_bytes=1 << 20) as checkpointer:
+        checkpointer.save(state, path)
+        checkpointer.save(state, path)          # the kept ring, the old stripes replaced
+    monkeypatch.undo()
+    size = json.loads(Path(path).read_text())["size"]
+    assert size % 4096 and (size - 1) // ODD_STRIPE % 3      # the tail ends off the first folder
+    assert all(len(os.listdir(folder)) == 1 + (folder == folders[0]) for folder in folders)
+    by_handle = os.path.join(folders[0], "handle.pt")
+    with StripedHandle(folders, stripe_bytes=ODD_STRIPE) as handle, \
+            nvmeswap.Checkpointer(handle) as checkpointer:
+        checkpointer.save(state, by_handle)
+    assert stripe_files(path) == stripe_files(by_handle)
+    assert_same(state, nvmeswap.load(path))
+
+
+@pytest.mark.parametrize("space", ["allocated", "written"])
+def test_a_full_stripe_folder_fails_the_save_and_keeps_the_previous(folders, small_filesystem,
+                                                                   monkeypatch, space):
+    """A stripe folder without room (a 4 MiB tmpfs): ENOSPC naming its stripe file, when
+    the stripes' space is allocated or (without fallocate) when a write meets the full
+    disk; no stripe file is left anywhere and the previous checkpoint loads."""
+    folders = [folders[0], folders[1], str(small_filesystem)]
+    path = os.path.join(folders[0], "s.pt")
+    old = {"w": random_tensor((1 << 20,), torch.uint8, 7)}
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save(old, path)
+        kept = [sorted(os.listdir(folder)) for folder in folders]
+        if space == "written":
+            def unsupported(fd, offset, length):
+                raise OSError(errno.EOPNOTSUPP, "not supported")
+            monkeypatch.setattr(os, "posix_fallocate", unsupported)
+        with pytest.raises(OSError) as raised:
+            checkpointer.save({"w": random_tensor((16 << 20,), torch.uint8, 8)}, path)
+    assert raised.value.errno == errno.ENOSPC
+    assert os.path.dirname(raised.value.filename) == folders[2]
+    assert raised.value.filename.endswith(".stripe")
+    assert ("cannot allocate" in str(raised.value)) == (space == "allocated")
+    assert [sorted(os.listdir(folder)) for folder in folders] == kept
+    assert_same(old, nvmeswap.load(path))

@@ -18,7 +18,7 @@ from .image import FileImage, StreamWriter, TensorRun
 from .own_queue import QueueReader, QueueWriter
 from .state import state_tensors
 from .striped_checkpoints import write_striped
-from .stripes import STRIPE_BYTES, StripedHandle
+from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
 from .torch_zip import layout
 
 #: The ring a synchronous save copies through (Note [streamed checkpoint writes]).
@@ -109,10 +109,15 @@ def by_own_queue(handle: Any) -> bool:
 class QueueCheckpointer:
     """The parts of a ``Checkpointer`` that the calls made without a handle use, through
     the process's own queue: ``write_image`` (Note [saves without a handle] in
-    own_queue.py) and ``handle``, a ``QueueReader`` for reads into given tensors. A
-    context manager; ``close()`` waits for what is in flight."""
+    own_queue.py), striped over ``stripes`` (a StripeSet) if given, and ``handle``, a
+    ``QueueReader`` for reads into given tensors. Its ring is ``chunks`` buffers of
+    ``chunk_bytes``, by default no larger than the first image needs. A context
+    manager; ``close()`` waits for what is in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_bytes: int | None = None, chunks: int = CHUNKS,
+                 stripes: StripeSet | None = None) -> None:
+        self._chunk_bytes, self._chunks = chunk_bytes, chunks
+        self._stripes = stripes
         self._queue: QueueWriter | None = None
         self._writer: StreamWriter | None = None
         self._reader: QueueReader | None = None
@@ -121,11 +126,15 @@ class QueueCheckpointer:
         """Write ``image`` to ``path`` through a private ring, crash-consistently."""
         if self._writer is None:
             # A ring no larger than the first image needs: it is locked, page by page.
-            chunk_bytes = min(CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // CHUNKS),
-                                                                 ALIGNMENT)))
-            self._queue = QueueWriter(f"writing {path}")
-            self._writer = StreamWriter(self._queue, chunk_bytes, CHUNKS)
+            chunk_bytes = self._chunk_bytes or min(
+                CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // self._chunks), ALIGNMENT)))
+            self._queue = QueueWriter(f"writing {path}", self._stripes)
+            self._writer = StreamWriter(self._queue, chunk_bytes, self._chunks)
         writer = self._writer
+        if self._stripes is not None:
+            write_striped(self._stripes, image.size, path,
+                          lambda name: writer.write(image, name))
+            return
         commit.write_whole(path, image.size, lambda temporary: writer.write(image, temporary))
 
     @property
@@ -152,7 +161,7 @@ class QueueCheckpointer:
 
 
 class Checkpointer:
-    """Saves and loads checkpoints through one nvmeswap handle.
+    """Saves and loads checkpoints through one nvmeswap handle, kept with its buffers.
 
     Parameters
     ----------
@@ -169,9 +178,13 @@ class Checkpointer:
         which then holds the layout (Note [striped checkpoints]). ``load`` reads striped
         checkpoints whatever the checkpointer.
 
-    ``async_save`` snapshots into one locked buffer of the checkpoint's size, kept and
-    reused by later saves (grown if a later checkpoint is larger). ``close()`` waits for
-    a save in flight, then frees the buffers. A context manager.
+    Without a handle, and where CUDA is not in use, synchronous saves start none: the
+    ring is private memory written by the process's own queue, to every stripe folder at
+    once (Note [saves without a handle]); the handle is made at the first load or
+    asynchronous save. ``async_save`` snapshots into one locked buffer of the
+    checkpoint's size, kept and reused by later saves (grown if a later checkpoint is
+    larger). ``close()`` waits for a save in flight, then frees the buffers. A context
+    manager.
     """
 
     def __init__(self, handle: aio_handle | StripedHandle | None = None, *,
@@ -187,18 +200,18 @@ class Checkpointer:
                              f"{chunk_bytes!r}")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-        if stripe_folders is not None:
-            handle = StripedHandle(stripe_folders, stripe_bytes=stripe_bytes, **HANDLE_ARGS)
-            self._own_handle = True
-        else:
-            self._own_handle = handle is None
+        self._stripes = StripeSet(stripe_folders, stripe_bytes=stripe_bytes) \
+            if stripe_folders is not None else \
+            handle if isinstance(handle, StripedHandle) else None
+        self._own_handle = handle is None
         # A handle of our own starts at its first use: a one-off async save's on the
         # thread that writes, not in its caller's time (Note [async checkpoint snapshot]).
-        self._handle = handle
+        self._given = self._handle = handle
         self._handle_lock = threading.Lock()
-        self.striped = isinstance(handle, StripedHandle)
+        self.striped = self._stripes is not None
         self._chunk_bytes, self._chunks = chunk_bytes, chunks
         self._writer: StreamWriter | None = None
+        self._saver: QueueCheckpointer | None = None     # the saves by the own queue
         self._snapshot = None
         self._snapshot_locked = False
         self._in_flight: Future | None = None
@@ -211,7 +224,9 @@ class Checkpointer:
         with self._handle_lock:
             if self._handle is None:
                 self._check_open()
-                self._handle = aio_handle(**HANDLE_ARGS)
+                self._handle = aio_handle(**HANDLE_ARGS) if self._stripes is None else \
+                    StripedHandle(self._stripes.folders, stripe_bytes=self._stripes.stripe_bytes,
+                                  **HANDLE_ARGS)
             return self._handle
 
     # -- torch.save format -------------------------------------------------------------
@@ -225,6 +240,12 @@ class Checkpointer:
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through the ring, crash-consistently."""
         with self._lock:
+            if by_own_queue(self._given):
+                if self._saver is None:
+                    self._saver = QueueCheckpointer(self._chunk_bytes, self._chunks,
+                                                    self._stripes)
+                self._saver.write_image(image, path)
+                return
             if self._writer is None:
                 self._writer = StreamWriter(self.handle, self._chunk_bytes, self._chunks)
             if self.striped:
@@ -471,11 +492,13 @@ class Checkpointer:
             self.wait_in_flight()
         finally:
             try:
+                if self._saver is not None:
+                    self._saver.close()
                 if self._writer is not None:
                     self._writer.close()
                 self._free_snapshot()
             finally:
-                self._writer = self._snapshot = None
+                self._writer = self._snapshot = self._saver = None
                 if self._own_handle and self._handle is not None:
                     self._handle.close()
 

@@ -12,7 +12,10 @@ GiB save. Only the ring's writes need the kernel, and O_DIRECT writes need no wo
 and writes each slot with the calling process's own queue (requests of 1 MiB, at most
 64 in flight; the unaligned tail of a file, under 4096 bytes, with one buffered write,
 as Note [O_DIRECT tail]). The ring copies, the CRCs and the commit are the
-Checkpointer's own.
+Checkpointer's own. A ``Checkpointer`` made without a handle saves this way too, its
+ring kept from one save to the next; where it stripes, the one queue has requests to
+every stripe file in flight together (a ``StripedHandle`` started a handle, two
+workers, per device).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
 from ..io.operation import transfer_error
 from ..units import ALIGNMENT
-from .stripes import stripe_pieces
+from .stripes import StripeSet, stripe_pieces
 
 REQUEST_BYTES = 1 << 20
 IN_FLIGHT = 64
@@ -133,11 +136,11 @@ def lock(mapping: mmap.mmap, name: str) -> None:
 
 
 class _Write:
-    """One ``submit_pwrite``: done when its requests are; holds its file open until then."""
+    """One ``submit_pwrite``: done when its requests are; holds its files open until then."""
 
-    def __init__(self, writer: QueueWriter, file: Any) -> None:
+    def __init__(self, writer: QueueWriter) -> None:
         self.writer = writer
-        self.file = file
+        self.files: list[Any] = []
         self.left = 0
         self.error: BaseException | None = None
 
@@ -153,10 +156,13 @@ class QueueWriter:
     """The part of ``aio_handle`` that ``StreamWriter`` uses, through an ``OwnQueue``
     (Note [saves without a handle]): locked tensors of private memory, and
     ``submit_pwrite`` of one of them, whose future's ``result()`` waits for its
-    requests. ``close()`` waits for what is in flight and closes every file."""
+    requests; with ``stripes`` (a StripeSet), to the logical files striped over its
+    folders (Note [stripes]). ``close()`` waits for what is in flight and closes every
+    file."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, stripes: StripeSet | None = None) -> None:
         self.own = OwnQueue(what)
+        self.stripes = stripes
         self._writes: list[_Write] = []
         self._interrupted: BaseException | None = None
 
@@ -171,31 +177,43 @@ class QueueWriter:
         return True     # its memory goes with the tensor
 
     def submit_pwrite(self, buffer: Any, filename: str, file_offset: int) -> _Write:
+        """Start writing ``buffer`` at ``file_offset`` (aligned, as the ring's slots are)."""
         nbytes = buffer.numel()
-        file = open_target(filename, for_write=True, offset=file_offset, nbytes=nbytes,
-                           o_direct=None)
-        write = _Write(self, file)
+        write = _Write(self)
         self._writes.append(write)
-        address = buffer.data_ptr()
-        direct = nbytes - (file_offset + nbytes) % file.alignment \
+        if self.stripes is None:
+            pieces = [(filename, file_offset, 0, nbytes)]
+        else:
+            paths = self.stripes.paths(filename)
+            pieces = [(paths[device], offset, at, length) for device, offset, at, length
+                      in self.stripes.pieces(nbytes, file_offset)]
+        for path, offset, at, length in pieces:
+            self._write_piece(write, path, offset, buffer[at:at + length])
+        return write
+
+    def _write_piece(self, write, path, offset, piece):
+        nbytes = piece.numel()
+        file = open_target(path, for_write=True, offset=offset, nbytes=nbytes, o_direct=None)
+        write.files.append(file)
+        address = piece.data_ptr()
+        direct = nbytes - (offset + nbytes) % file.alignment \
             if file.buffered_fd >= 0 else nbytes
         for at in range(0, direct, REQUEST_BYTES):
             length = min(REQUEST_BYTES, direct - at)
-            while not self.own.submit(file, False, file_offset + at, address + at, length,
+            while not self.own.submit(file, False, offset + at, address + at, length,
                                       length, write):
                 self.settle()
             write.left += 1
         if direct < nbytes:         # the unaligned tail (Note [O_DIRECT tail])
-            tail = buffer[direct:].numpy().tobytes()
+            tail = piece[direct:].numpy().tobytes()
             err, wrote = 0, 0
             try:
-                wrote = os.pwrite(file.buffered_fd, tail, file_offset + direct)
+                wrote = os.pwrite(file.buffered_fd, tail, offset + direct)
             except OSError as error:
                 err = error.errno
             if err or wrote != len(tail):
                 write.error = write.error or transfer_error(
-                    file.name, False, err, file_offset + direct, len(tail), wrote)
-        return write
+                    file.name, False, err, offset + direct, len(tail), wrote)
 
     def settle(self) -> None:
         """Wait for some requests to end, each counted against its write. Once a reap has
@@ -218,7 +236,8 @@ class QueueWriter:
     def forget(self, write: _Write) -> None:
         if write in self._writes:
             self._writes.remove(write)
-            write.file.close()
+            for file in write.files:
+                file.close()
 
     def close(self) -> None:
         self.own.close()
