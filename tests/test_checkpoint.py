@@ -300,36 +300,53 @@ def test_async_save_snapshots_and_writes_in_the_background(tmp_path):
     assert_same({"y": torch.arange(3)}, torch.load(path))
 
 
-def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch):
+def _vm_locked_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmLck"))
+
+
+@pytest.mark.parametrize("road", ["own queue", "handle"])
+def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, road):
     """Note [async checkpoint snapshot]: the one-call async_save's snapshot is plain memory
-    (locking a fresh buffer kept the caller longer than a whole synchronous save) and its
-    handle starts on the writing thread; a kept Checkpointer's snapshot is locked. Either
-    way the state may change once the call returns, and the file holds it as it was."""
+    (locking a fresh buffer kept the caller longer than a whole synchronous save); a kept
+    Checkpointer's snapshot is locked. Through the process's own queue (no handle, CUDA
+    not in use) the snapshots are private memory and no worker starts; on the handle's
+    road (taken where CUDA is in use: forced here) the kept one is in the handle's locked
+    set and the one-call save's handle starts on the writing thread. Either way the
+    state may change once the call returns, and the file holds it as it was."""
+    from test_checkpoint_fresh import refuse_workers
+
+    import nvmeswap.checkpoint.checkpointer as checkpointer_module
     from nvmeswap.checkpoint.checkpointer import Checkpointer
     from nvmeswap.io.regions import locked_memory
 
-    made = []       # (bytes, whether the process's locked set holds them), as made
+    made = []       # (bytes, in the locked set?, page-locked?) of each snapshot, as made
     original = Checkpointer._snapshot_buffer
 
     def recorded(self, nbytes, locked):
+        before = _vm_locked_kib()
         snapshot = original(self, nbytes, locked)
         made.append((snapshot.numel(), locked_memory().table.containing(
-            snapshot.data_ptr(), snapshot.numel()) is not None))
+            snapshot.data_ptr(), snapshot.numel()) is not None,
+            _vm_locked_kib() - before >= snapshot.numel() >> 10))
         return snapshot
 
     monkeypatch.setattr(Checkpointer, "_snapshot_buffer", recorded)
     import threading
 
-    import nvmeswap.checkpoint.checkpointer as checkpointer_module
-
     started_on = []     # for each Checkpointer's own handle: started on the main thread?
-    make_handle = checkpointer_module.aio_handle
-    monkeypatch.setattr(checkpointer_module, "aio_handle", lambda **kwargs: started_on.append(
-        threading.get_ident() == threading.main_thread().ident) or make_handle(**kwargs))
+    if road == "handle":
+        monkeypatch.setattr(checkpointer_module, "by_own_queue", lambda handle: False)
+        make_handle = checkpointer_module.aio_handle
+        monkeypatch.setattr(checkpointer_module, "aio_handle", lambda **kwargs: started_on.append(
+            threading.get_ident() == threading.main_thread().ident) or make_handle(**kwargs))
+    else:
+        refuse_workers(monkeypatch)
     state = {"w": torch.from_numpy(np.frombuffer(random_bytes(24 << 20, seed=31),
                                                  np.uint8).copy()),
              "b": torch.arange(1000, dtype=torch.float64)}
     expected = {name: tensor.clone() for name, tensor in state.items()}
+    locked_before = _vm_locked_kib()
     for path in (tmp_path / "one.pt", tmp_path / "kept.pt"):
         if path.name == "one.pt":
             future = nvmeswap.async_save(state, path)
@@ -342,9 +359,14 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch):
         assert_same(expected, torch.load(path))
         state = {name: tensor.clone() for name, tensor in expected.items()}
     checkpointer.close()
-    assert [locked for _, locked in made] == [False, True]
-    assert started_on == [False, True]      # the one-call save's on its writing thread
-    assert all(nbytes >= 24 << 20 for nbytes, _ in made)
+    if road == "handle":
+        assert [in_set for _, in_set, _ in made] == [False, True]
+        assert started_on == [False, True]      # the one-call save's on its writing thread
+    else:
+        assert [(in_set, locked) for _, in_set, locked in made] == [(False, False),
+                                                                   (False, True)]
+        assert _vm_locked_kib() == locked_before    # the snapshot went with close()
+    assert all(nbytes >= 24 << 20 for nbytes, _, _ in made)
 
 
 def test_one_call_async_save_of_clones_writes_through_the_ring(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from ..units import ALIGNMENT, round_up
 from . import commit, loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
-from .own_queue import QueueReader, QueueWriter
+from .own_queue import QueueReader, QueueWriter, private_tensor
 from .state import state_tensors
 from .striped_checkpoints import write_striped
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
@@ -128,14 +128,31 @@ class QueueCheckpointer:
             # A ring no larger than the first image needs: it is locked, page by page.
             chunk_bytes = self._chunk_bytes or min(
                 CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // self._chunks), ALIGNMENT)))
-            self._queue = QueueWriter(f"writing {path}", self._stripes)
-            self._writer = StreamWriter(self._queue, chunk_bytes, self._chunks)
+            self._writer = StreamWriter(self._queue_writer(path), chunk_bytes, self._chunks)
         writer = self._writer
+        self._write_whole(path, image.size, lambda name: writer.write(image, name))
+
+    def write_buffer(self, buffer: Any, size: int, path: str) -> None:
+        """Write the first ``size`` bytes of ``buffer`` (page-aligned: a snapshot) to
+        ``path`` straight from it, crash-consistently."""
+        queue = self._queue_writer(path)
+
+        def write(name):
+            if size:
+                queue.submit_pwrite(buffer[:size], name, 0).result()
+        self._write_whole(path, size, write)
+
+    def _queue_writer(self, path):
+        if self._queue is None:
+            self._queue = QueueWriter(f"writing {path}", self._stripes)
+        return self._queue
+
+    def _write_whole(self, path, size, write):
+        """``write(name)`` fills the file (or striped file) ``name``, committed as ``path``."""
         if self._stripes is not None:
-            write_striped(self._stripes, image.size, path,
-                          lambda name: writer.write(image, name))
-            return
-        commit.write_whole(path, image.size, lambda temporary: writer.write(image, temporary))
+            write_striped(self._stripes, size, path, write)
+        else:
+            commit.write_whole(path, size, write)
 
     @property
     def handle(self) -> QueueReader:
@@ -178,11 +195,10 @@ class Checkpointer:
         which then holds the layout (Note [striped checkpoints]). ``load`` reads striped
         checkpoints whatever the checkpointer.
 
-    Without a handle, and where CUDA is not in use, synchronous saves start none: the
-    ring is private memory written by the process's own queue, to every stripe folder at
-    once (Note [saves without a handle]); the handle is made at the first load or
-    asynchronous save. ``async_save`` snapshots into one locked buffer of the
-    checkpoint's size, kept and reused by later saves (grown if a later checkpoint is
+    Without a handle, and where CUDA is not in use, saves start none: the ring and the
+    snapshots are private memory written by the process's own queue, to every stripe
+    folder at once (Note [saves without a handle]); the handle is made at the first
+    load. ``async_save`` snapshots into one locked buffer of the checkpoint's size, kept and reused by later saves (grown if a later checkpoint is
     larger). ``close()`` waits for a save in flight, then frees the buffers. A context
     manager.
     """
@@ -213,7 +229,7 @@ class Checkpointer:
         self._writer: StreamWriter | None = None
         self._saver: QueueCheckpointer | None = None     # the saves by the own queue
         self._snapshot = None
-        self._snapshot_locked = False
+        self._snapshot_in_handle = False    # in the handle's locked set: freed through it
         self._in_flight: Future | None = None
         self._lock = threading.Lock()
         self.closed = False
@@ -240,11 +256,9 @@ class Checkpointer:
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through the ring, crash-consistently."""
         with self._lock:
-            if by_own_queue(self._given):
-                if self._saver is None:
-                    self._saver = QueueCheckpointer(self._chunk_bytes, self._chunks,
-                                                    self._stripes)
-                self._saver.write_image(image, path)
+            saver = self._own_queue_saver()
+            if saver is not None:
+                saver.write_image(image, path)
                 return
             if self._writer is None:
                 self._writer = StreamWriter(self.handle, self._chunk_bytes, self._chunks)
@@ -254,6 +268,15 @@ class Checkpointer:
                 return
             commit.write_whole(path, image.size,
                                lambda temporary: self._writer.write(image, temporary))
+
+    def _own_queue_saver(self) -> QueueCheckpointer | None:
+        """What saves through the process's own queue (made at its first use), where
+        they go that way: no handle was given and CUDA is not in use."""
+        if not by_own_queue(self._given):
+            return None
+        if self._saver is None:
+            self._saver = QueueCheckpointer(self._chunk_bytes, self._chunks, self._stripes)
+        return self._saver
 
     def load(self, path: str | os.PathLike, map_location: Any = None, *,
              weights_only: bool = True) -> Any:
@@ -330,11 +353,13 @@ class Checkpointer:
         # and the write run on a thread of their own, whose work releases the GIL too
         # (zlib's CRC, nvmeswap's wait). The buffer is the size of one checkpoint, kept
         # for the next save; so that it stays one, a save waits for the one before it.
-        # A one-off save's buffer is never used again: plain memory, which the handle
-        # stages on the writing thread. Locking fresh memory would keep the caller
-        # longer than a whole synchronous save (0.7 s a GiB with 4 KiB pages, against
-        # 0.4-0.7 s for nvmeswap.save of it, measured 2026-11-26); and its handle, if
-        # its own, starts on that thread too.
+        # A one-off save's buffer is never used again: plain memory. Locking fresh
+        # memory would keep the caller longer than a whole synchronous save (0.7 s a GiB
+        # with 4 KiB pages, against 0.4-0.7 s for nvmeswap.save of it, measured
+        # 2026-11-26). Where saves go through the process's own queue (no handle given,
+        # CUDA not in use) every snapshot is private memory, page-aligned, which the
+        # queue writes straight from; otherwise the handle stages a plain snapshot on
+        # the writing thread, and a handle of our own starts on that thread too.
         # Note [snapshot in the background]: with ``background_snapshot`` the copy moves
         # to the saving thread as well, as DCP's asynchronous staging does: the caller
         # returns after the layout (milliseconds) and the copy overlaps its next forward
@@ -405,15 +430,21 @@ class Checkpointer:
         if self._snapshot is None or self._snapshot.numel() < nbytes:
             self._free_snapshot()
             size = round_up(max(nbytes, 1), ALIGNMENT)
-            self._snapshot = (self.handle.new_cpu_locked_tensor(
-                size, torch.empty(0, dtype=torch.uint8)) if locked
-                else torch.empty(size, dtype=torch.uint8))
-            self._snapshot_locked = locked
+            if by_own_queue(self._given):   # written straight from it: page-aligned
+                self._snapshot = private_tensor(size, locked=locked)
+                self._snapshot_in_handle = False
+            elif locked:
+                self._snapshot = self.handle.new_cpu_locked_tensor(
+                    size, torch.empty(0, dtype=torch.uint8))
+                self._snapshot_in_handle = True
+            else:
+                self._snapshot = torch.empty(size, dtype=torch.uint8)
+                self._snapshot_in_handle = False
         return self._snapshot
 
     def _free_snapshot(self):
         snapshot, self._snapshot = self._snapshot, None
-        if snapshot is not None and self._snapshot_locked:
+        if snapshot is not None and self._snapshot_in_handle:
             self.handle.free_cpu_locked_tensor(snapshot)
 
     def _save_in_background(self, image, path, future, one_off, take, write):
@@ -458,18 +489,18 @@ class Checkpointer:
         finally:
             view.release()
         with self._lock:
+            saver = self._own_queue_saver()
+            if saver is not None:
+                saver.write_buffer(snapshot, image.size, path)
+                return
+
+            def write(name):
+                if image.size:
+                    self.handle.sync_pwrite(snapshot[:image.size], name)
             if self.striped:
-                write_striped(self.handle, image.size, path, lambda name: image.size and
-                              self.handle.sync_pwrite(snapshot[:image.size], name))
+                write_striped(self.handle, image.size, path, write)
             else:
-                temporary = commit.start(path, image.size)
-                try:
-                    if image.size:
-                        self.handle.sync_pwrite(snapshot[:image.size], temporary)
-                    commit.finish(temporary, path, image.size)
-                except BaseException:
-                    commit.abandon(temporary)
-                    raise
+                commit.write_whole(path, image.size, write)
 
     def wait_in_flight(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error stays with its

@@ -125,6 +125,17 @@ def private_memory(nbytes: int, *, huge_pages: bool = False) -> mmap.mmap:
     return mapping
 
 
+def private_tensor(nbytes: int, *, locked: bool) -> Any:
+    """A uint8 tensor of ``nbytes`` of fresh private memory (page-aligned: O_DIRECT
+    reaches it), page-locked if ``locked``; its memory goes with the tensor."""
+    import torch
+
+    mapping = private_memory(nbytes)
+    if locked:
+        lock(mapping, "a save's buffers")
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 def lock(mapping: mmap.mmap, name: str) -> None:
     """Page-lock ``mapping``; where the system refuses, one warning and it stays unlocked."""
     address, nbytes = buffer_address(mapping, True)
@@ -167,11 +178,7 @@ class QueueWriter:
         self._interrupted: BaseException | None = None
 
     def new_cpu_locked_tensor(self, nbytes: int, example: Any) -> Any:
-        import torch
-
-        mapping = private_memory(nbytes)
-        lock(mapping, "a save's ring of buffers")
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        return private_tensor(nbytes, locked=True)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
         return True     # its memory goes with the tensor
