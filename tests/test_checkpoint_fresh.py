@@ -371,6 +371,34 @@ def test_a_save_past_the_file_size_limit_says_so_and_keeps_the_previous(tmp_path
     assert_same(fits, torch.load(tmp_path / "fits.pt"))
 
 
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_a_kept_checkpointer_saves_again_after_an_interrupted_save(tmp_path, monkeypatch,
+                                                                    call):
+    """A reap cut short (a Ctrl-C) ends that save with the interrupt; the checkpointer's
+    next save waits for what the first left in flight, starts a fresh queue and writes
+    the file whole, and nothing of the first is left."""
+    state = two_group_state()
+    path = tmp_path / "s.pt"
+
+    def save(checkpointer):
+        if call == "save":
+            checkpointer.save(state, path)
+        else:
+            checkpointer.async_save(state, path).result()
+
+    made = fail_own_queues(monkeypatch, 2, 0, True)
+    before_fds = open_fds()
+    with nvmeswap.Checkpointer() as checkpointer:
+        with pytest.raises(KeyboardInterrupt):
+            save(checkpointer)
+        monkeypatch.undo()
+        save(checkpointer)
+        assert len(made) == 1 and made[0].closed_with_in_flight is not None
+    assert_same(state, torch.load(path))
+    assert os.listdir(tmp_path) == ["s.pt"]
+    assert open_fds() == before_fds
+
+
 def zeros_like_state(state):
     return {key: torch.zeros_like(value) for key, value in state.items()}
 

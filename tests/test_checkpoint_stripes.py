@@ -133,10 +133,14 @@ def test_a_plain_checkpointer_moving_a_striped_load_keeps_no_locked_memory(folde
         assert checkpointer.handle.memory_in_use == before
 
 
-def stripe_files(path):
-    """The bytes of each stripe file of the striped checkpoint at ``path``, in order."""
+def stripe_paths_of(path):
+    """The stripe files of the striped checkpoint at ``path``, in order."""
     layout = json.loads(Path(path).read_text())
-    return [Path(folder, layout["name"]).read_bytes() for folder in layout["folders"]]
+    return [os.path.join(folder, layout["name"]) for folder in layout["folders"]]
+
+
+def stripe_files(path):
+    return [Path(part).read_bytes() for part in stripe_paths_of(path)]
 
 
 def test_a_striped_save_without_a_handle_starts_no_worker_and_lays_out_as_one(folders,
@@ -188,3 +192,24 @@ def test_a_full_stripe_folder_fails_the_save_and_keeps_the_previous(folders, sma
     assert ("cannot allocate" in str(raised.value)) == (space == "allocated")
     assert [sorted(os.listdir(folder)) for folder in folders] == kept
     assert_same(old, nvmeswap.load(path))
+
+
+def test_a_striped_save_without_a_handle_opens_each_stripe_file_once(folders, monkeypatch):
+    """An async save writes its snapshot in one go, 384 stripe pieces here: each of the
+    three stripe files is opened once for them, not once a piece."""
+    from nvmeswap.checkpoint import own_queue
+
+    opened = []
+    real_open = own_queue.open_target
+
+    def counted(path, **kwargs):
+        opened.append(path)
+        return real_open(path, **kwargs)
+
+    monkeypatch.setattr(own_queue, "open_target", counted)
+    state = {"w": random_tensor((24 << 20,), torch.uint8, 9)}
+    path = os.path.join(folders[0], "s.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.async_save(state, path).result()
+    assert sorted(opened) == sorted(stripe_paths_of(path))
+    assert_same(state, nvmeswap.load(path))

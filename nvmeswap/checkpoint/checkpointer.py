@@ -178,7 +178,8 @@ class QueueCheckpointer:
 
 
 class Checkpointer:
-    """Saves and loads checkpoints through one nvmeswap handle, kept with its buffers.
+    """Saves and loads checkpoints, keeping what moves their bytes (a handle, or the
+    process's own queue) and its buffers from one checkpoint to the next.
 
     Parameters
     ----------
@@ -198,9 +199,9 @@ class Checkpointer:
     Without a handle, and where CUDA is not in use, saves start none: the ring and the
     snapshots are private memory written by the process's own queue, to every stripe
     folder at once (Note [saves without a handle]); the handle is made at the first
-    load. ``async_save`` snapshots into one locked buffer of the checkpoint's size, kept and reused by later saves (grown if a later checkpoint is
-    larger). ``close()`` waits for a save in flight, then frees the buffers. A context
-    manager.
+    load. ``async_save`` snapshots into one locked buffer of the checkpoint's size,
+    kept and reused by later saves (grown if a later checkpoint is larger).
+    ``close()`` waits for a save in flight, then frees the buffers. A context manager.
     """
 
     def __init__(self, handle: aio_handle | StripedHandle | None = None, *,
@@ -273,6 +274,9 @@ class Checkpointer:
         """What saves through the process's own queue (made at its first use), where
         they go that way: no handle was given and CUDA is not in use."""
         if not by_own_queue(self._given):
+            if self._saver is not None:     # CUDA came into use: its ring goes now
+                saver, self._saver = self._saver, None
+                saver.close()
             return None
         if self._saver is None:
             self._saver = QueueCheckpointer(self._chunk_bytes, self._chunks, self._stripes)

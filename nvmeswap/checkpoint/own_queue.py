@@ -113,6 +113,27 @@ def read_requests(files: list[Any], stripe_bytes: int | None, start: int, end: i
                    min(piece, max(0, needed - within)))
 
 
+def _open_once(pieces):
+    """``{path: TargetFile}`` of the files that ``(path, offset, _, length)`` pieces go
+    to, each opened once over the span of its pieces (so that only a span that ends
+    unaligned, the file's end, gets a buffered descriptor for its tail). On a failure
+    none stays open."""
+    spans: dict[str, tuple[int, int]] = {}
+    for path, offset, _, length in pieces:
+        start, end = spans.get(path, (offset, offset + length))
+        spans[path] = min(start, offset), max(end, offset + length)
+    files: dict[str, Any] = {}
+    try:
+        for path, (start, end) in spans.items():
+            files[path] = open_target(path, for_write=True, offset=start, nbytes=end - start,
+                                      o_direct=None)
+    except BaseException:
+        for file in files.values():
+            file.close()
+        raise
+    return files
+
+
 def private_memory(nbytes: int, *, huge_pages: bool = False) -> mmap.mmap:
     """Fresh private anonymous memory of ``nbytes``, not yet touched; advised for huge
     pages if asked."""
@@ -149,9 +170,9 @@ def lock(mapping: mmap.mmap, name: str) -> None:
 class _Write:
     """One ``submit_pwrite``: done when its requests are; holds its files open until then."""
 
-    def __init__(self, writer: QueueWriter) -> None:
+    def __init__(self, writer: QueueWriter, files: dict[str, Any]) -> None:
         self.writer = writer
-        self.files: list[Any] = []
+        self.files = files          # path -> TargetFile
         self.left = 0
         self.error: BaseException | None = None
 
@@ -168,10 +189,12 @@ class QueueWriter:
     (Note [saves without a handle]): locked tensors of private memory, and
     ``submit_pwrite`` of one of them, whose future's ``result()`` waits for its
     requests; with ``stripes`` (a StripeSet), to the logical files striped over its
-    folders (Note [stripes]). ``close()`` waits for what is in flight and closes every
-    file."""
+    folders (Note [stripes]). A reap cut short (a Ctrl-C) ends every write in flight
+    with that error; the next ``submit_pwrite`` starts a fresh queue. ``close()`` waits
+    for what is in flight and closes every file."""
 
     def __init__(self, what: str, stripes: StripeSet | None = None) -> None:
+        self._what = what
         self.own = OwnQueue(what)
         self.stripes = stripes
         self._writes: list[_Write] = []
@@ -185,33 +208,32 @@ class QueueWriter:
 
     def submit_pwrite(self, buffer: Any, filename: str, file_offset: int) -> _Write:
         """Start writing ``buffer`` at ``file_offset`` (aligned, as the ring's slots are)."""
+        if self._interrupted is not None:
+            self._recover()
         nbytes = buffer.numel()
-        write = _Write(self)
-        self._writes.append(write)
         if self.stripes is None:
             pieces = [(filename, file_offset, 0, nbytes)]
         else:
             paths = self.stripes.paths(filename)
             pieces = [(paths[device], offset, at, length) for device, offset, at, length
                       in self.stripes.pieces(nbytes, file_offset)]
+        write = _Write(self, _open_once(pieces))
+        self._writes.append(write)
         for path, offset, at, length in pieces:
-            self._write_piece(write, path, offset, buffer[at:at + length])
+            self._write_piece(write, write.files[path], offset, buffer[at:at + length])
         return write
 
-    def _write_piece(self, write, path, offset, piece):
+    def _write_piece(self, write, file, offset, piece):
         nbytes = piece.numel()
-        file = open_target(path, for_write=True, offset=offset, nbytes=nbytes, o_direct=None)
-        write.files.append(file)
         address = piece.data_ptr()
-        direct = nbytes - (offset + nbytes) % file.alignment \
-            if file.buffered_fd >= 0 else nbytes
+        direct = nbytes - (offset + nbytes) % file.alignment
         for at in range(0, direct, REQUEST_BYTES):
             length = min(REQUEST_BYTES, direct - at)
             while not self.own.submit(file, False, offset + at, address + at, length,
                                       length, write):
                 self.settle()
             write.left += 1
-        if direct < nbytes:         # the unaligned tail (Note [O_DIRECT tail])
+        if direct < nbytes:         # the file's unaligned end (Note [O_DIRECT tail])
             tail = piece[direct:].numpy().tobytes()
             err, wrote = 0, 0
             try:
@@ -240,10 +262,20 @@ class QueueWriter:
             write.left = 0
             write.error = write.error or self._interrupted
 
+    def _recover(self):
+        """After a reap cut short: wait for what is in flight, end every write with
+        that error and close its files, then a fresh queue for the writes to come (a
+        kept Checkpointer's next save)."""
+        self.settle()
+        for write in list(self._writes):
+            self.forget(write)
+        self.own = OwnQueue(self._what)
+        self._interrupted = None
+
     def forget(self, write: _Write) -> None:
         if write in self._writes:
             self._writes.remove(write)
-            for file in write.files:
+            for file in write.files.values():
                 file.close()
 
     def close(self) -> None:
