@@ -399,6 +399,67 @@ def test_a_kept_checkpointer_saves_again_after_an_interrupted_save(tmp_path, mon
     assert open_fds() == before_fds
 
 
+_FORKED_SAVES = r"""
+import os, sys
+import torch, nvmeswap
+from nvmeswap.checkpoint.own_queue import OwnQueue
+from nvmeswap.io.files import open_target
+
+torch.set_num_threads(1)        # GNU OpenMP's threads do not survive a fork
+folder = sys.argv[1]
+parent_state = {"w": torch.arange(3 << 20, dtype=torch.float32)}
+child_state = {"w": torch.ones(3 << 20), "step": 7}
+checkpointer = nvmeswap.Checkpointer()
+checkpointer.save(parent_state, folder + "/parent.pt")      # its queue and ring made here
+queue = OwnQueue("a test")
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        checkpointer.async_save(child_state, folder + "/child.pt").result()
+        checkpointer.save(child_state, folder + "/child2.pt")
+        checkpointer.close()
+        file = open_target(folder + "/parent.pt", for_write=False, offset=0, nbytes=0,
+                           o_direct=None)
+        try:
+            queue.submit(file, True, 0, 0, 4096, 4096)
+        except RuntimeError as error:
+            print("refused:", error, flush=True)
+            code = 0
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+checkpointer.save(parent_state, folder + "/parent2.pt")
+checkpointer.close()
+queue.close()
+"""
+
+
+@pytest.mark.parametrize("engine", ["aio", "uring"])
+def test_a_forked_child_saves_through_a_kept_checkpointer_with_a_queue_of_its_own(tmp_path,
+                                                                                   engine):
+    """A kept Checkpointer's queue and ring are its process's: a forked child that saves
+    through it gets its own (the parent's kernel AIO context is not the child's, and an
+    io_uring ring would be shared with the parent), and the parent's stay its own. An
+    own queue used in a child is refused, naming its process."""
+    from conftest import package_env
+
+    done = subprocess.run([sys.executable, "-c", _FORKED_SAVES, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env=package_env(NVMESWAP_ENGINE=engine))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "child exit 0", lines
+    assert lines[0].startswith("refused: this kernel queue belongs to process ")
+    child_state = {"w": torch.ones(3 << 20), "step": 7}
+    for name, expected in [("child.pt", child_state), ("child2.pt", child_state),
+                           ("parent2.pt", {"w": torch.arange(3 << 20, dtype=torch.float32)})]:
+        assert_same(expected, torch.load(tmp_path / name))
+    assert sorted(os.listdir(tmp_path)) == ["child.pt", "child2.pt", "parent.pt",
+                                            "parent2.pt"]
+
+
 def zeros_like_state(state):
     return {key: torch.zeros_like(value) for key, value in state.items()}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..aio import aio_handle
 from ..gpu.copies import mark_queued_work
+from ..io import process_state
 from ..locked_tensors import registers_with_cuda_now
 from ..units import ALIGNMENT, round_up
 from . import commit, loading
@@ -112,7 +113,8 @@ class QueueCheckpointer:
     own_queue.py), striped over ``stripes`` (a StripeSet) if given, and ``handle``, a
     ``QueueReader`` for reads into given tensors. Its ring is ``chunks`` buffers of
     ``chunk_bytes``, by default no larger than the first image needs. A context
-    manager; ``close()`` waits for what is in flight."""
+    manager; ``close()`` waits for what is in flight. A forked child that goes on using
+    one (a kept Checkpointer's) gets a queue and a ring of its own."""
 
     def __init__(self, chunk_bytes: int | None = None, chunks: int = CHUNKS,
                  stripes: StripeSet | None = None) -> None:
@@ -121,9 +123,18 @@ class QueueCheckpointer:
         self._queue: QueueWriter | None = None
         self._writer: StreamWriter | None = None
         self._reader: QueueReader | None = None
+        self._pid = process_state.pid
+
+    def _in_this_process(self):
+        """In a forked child, leave the parent's queue, ring and reader to it (what the
+        child holds of them goes with their objects) and start afresh."""
+        if self._pid != process_state.pid:
+            self._queue = self._writer = self._reader = None
+            self._pid = process_state.pid
 
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through a private ring, crash-consistently."""
+        self._in_this_process()
         if self._writer is None:
             # A ring no larger than the first image needs: it is locked, page by page.
             chunk_bytes = self._chunk_bytes or min(
@@ -135,6 +146,7 @@ class QueueCheckpointer:
     def write_buffer(self, buffer: Any, size: int, path: str) -> None:
         """Write the first ``size`` bytes of ``buffer`` (page-aligned: a snapshot) to
         ``path`` straight from it, crash-consistently."""
+        self._in_this_process()
         queue = self._queue_writer(path)
 
         def write(name):
@@ -156,11 +168,13 @@ class QueueCheckpointer:
 
     @property
     def handle(self) -> QueueReader:
+        self._in_this_process()
         if self._reader is None:
             self._reader = QueueReader()
         return self._reader
 
     def close(self) -> None:
+        self._in_this_process()
         try:
             if self._queue is not None:
                 self._queue.close()     # waits for the requests in flight, before their ring

@@ -33,6 +33,7 @@ from ..errors import (
     uring_setup_refused,
     warn_once,
 )
+from ..io import process_state
 from ..io.engines import caller_queue_type, checked_engine, resolve
 from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
@@ -47,7 +48,9 @@ IN_FLIGHT = 64
 class OwnQueue:
     """A caller queue (Note [caller queue] in io/workforce.py) on the engine the
     environment names, each request kept with its file, so that a failure names it.
-    ``close()`` waits for what is in flight: until then its memory must stay."""
+    ``close()`` waits for what is in flight: until then its memory must stay. It is the
+    process's that made it: a forked child is refused it (its kernel AIO context is not
+    the child's; an io_uring ring would be shared with the parent)."""
 
     def __init__(self, what: str) -> None:
         engine = resolve(checked_engine(None))
@@ -58,11 +61,15 @@ class OwnQueue:
             raise refused(error.errno, f" for {what}") from None
         self.requests: dict[int, tuple] = {}    # id -> (file, is_read, offset, needed, owner)
         self._ids = itertools.count()
+        self.creator = process_state.pid
 
     def submit(self, file: Any, is_read: bool, offset: int, address: int, length: int,
                needed: int, owner: Any = None) -> bool:
         """Start one request; False if the queue is full. ``needed``: how many of its
         bytes must move (a read may end short past them, at the file's end)."""
+        if process_state.pid != self.creator:
+            raise RuntimeError(f"this kernel queue belongs to process {self.creator}, not "
+                               f"to this forked child ({file.name})")
         request = next(self._ids)
         if not self.queue.submit(request, 0, is_read, file.direct_fd, address, length,
                                  offset):
