@@ -400,8 +400,9 @@ def test_a_kept_checkpointer_saves_again_after_an_interrupted_save(tmp_path, mon
 
 
 _FORKED_SAVES = r"""
-import os, sys
+import os, sys, threading, time
 import torch, nvmeswap
+from nvmeswap.checkpoint.checkpointer import QueueCheckpointer
 from nvmeswap.checkpoint.own_queue import OwnQueue
 from nvmeswap.io.files import open_target
 
@@ -412,6 +413,17 @@ child_state = {"w": torch.ones(3 << 20), "step": 7}
 checkpointer = nvmeswap.Checkpointer()
 checkpointer.save(parent_state, folder + "/parent.pt")      # its queue and ring made here
 queue = OwnQueue("a test")
+# The fork comes while the parent's saving thread holds the checkpointer's lock.
+real_write = QueueCheckpointer.write_buffer
+writing = threading.Event()
+def slow_write(self, *args):
+    writing.set()
+    time.sleep(2)
+    return real_write(self, *args)
+QueueCheckpointer.write_buffer = slow_write
+pending = checkpointer.async_save(parent_state, folder + "/parent_async.pt")
+writing.wait()
+QueueCheckpointer.write_buffer = real_write
 pid = os.fork()
 if pid == 0:
     code = 1
@@ -430,6 +442,7 @@ if pid == 0:
         os._exit(code)
 _, status = os.waitpid(pid, 0)
 print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+pending.result()
 checkpointer.save(parent_state, folder + "/parent2.pt")
 checkpointer.close()
 queue.close()
@@ -441,8 +454,10 @@ def test_a_forked_child_saves_through_a_kept_checkpointer_with_a_queue_of_its_ow
                                                                                    engine):
     """A kept Checkpointer's queue and ring are its process's: a forked child that saves
     through it gets its own (the parent's kernel AIO context is not the child's, and an
-    io_uring ring would be shared with the parent), and the parent's stay its own. An
-    own queue used in a child is refused, naming its process."""
+    io_uring ring would be shared with the parent), and the parent's stay its own. The
+    fork comes while the parent's saving thread holds the checkpointer's lock, which the
+    child does not wait for (nor for that save). An own queue used in a child is
+    refused, naming its process."""
     from conftest import package_env
 
     done = subprocess.run([sys.executable, "-c", _FORKED_SAVES, str(tmp_path)],
@@ -453,11 +468,12 @@ def test_a_forked_child_saves_through_a_kept_checkpointer_with_a_queue_of_its_ow
     assert lines[-1] == "child exit 0", lines
     assert lines[0].startswith("refused: this kernel queue belongs to process ")
     child_state = {"w": torch.ones(3 << 20), "step": 7}
+    parent_state = {"w": torch.arange(3 << 20, dtype=torch.float32)}
     for name, expected in [("child.pt", child_state), ("child2.pt", child_state),
-                           ("parent2.pt", {"w": torch.arange(3 << 20, dtype=torch.float32)})]:
+                           ("parent_async.pt", parent_state), ("parent2.pt", parent_state)]:
         assert_same(expected, torch.load(tmp_path / name))
     assert sorted(os.listdir(tmp_path)) == ["child.pt", "child2.pt", "parent.pt",
-                                            "parent2.pt"]
+                                            "parent2.pt", "parent_async.pt"]
 
 
 def zeros_like_state(state):

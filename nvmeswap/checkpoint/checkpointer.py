@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -248,6 +249,7 @@ class Checkpointer:
         self._in_flight: Future | None = None
         self._lock = threading.Lock()
         self.closed = False
+        _checkpointers.add(self)
 
     @property
     def handle(self) -> aio_handle | StripedHandle:
@@ -528,6 +530,13 @@ class Checkpointer:
             future.exception()
 
     # -- lifetime ------------------------------------------------------------------------
+    def _forget_parent(self):
+        """In a forked child: the parent's saving thread is not here, and the locks it or
+        another thread held at the fork would stay held for ever."""
+        self._lock = threading.Lock()
+        self._handle_lock = threading.Lock()
+        self._in_flight = None
+
     def _check_open(self):
         if self.closed:
             raise ValueError("this Checkpointer is closed")
@@ -556,3 +565,15 @@ class Checkpointer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+#: Every Checkpointer of the process, for the fork hook below.
+_checkpointers: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_parents_in_child():
+    for checkpointer in list(_checkpointers):
+        checkpointer._forget_parent()
+
+
+os.register_at_fork(after_in_child=_forget_parents_in_child)
