@@ -525,6 +525,42 @@ def test_async_save_without_a_thread_raises_and_leaves_nothing_in_flight(
     assert_same({"x": torch.arange(4)}, torch.load(tmp_path / "a.pt"))
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_async_saves_from_two_threads_take_turns(tmp_path, background):
+    """Two threads saving through one Checkpointer at once: the snapshot buffer is one,
+    so the saves take turns, and every file holds its own state."""
+    import threading
+
+    states = {f"{thread}-{k}": {"w": random_tensor((8 << 20,), torch.uint8, 10 * thread + k),
+                                "k": k}
+              for thread in range(2) for k in range(6)}
+    futures, errors = {}, []
+    start = threading.Barrier(2)
+
+    def save_all(thread, checkpointer):
+        try:
+            start.wait()
+            for k in range(6):
+                name = f"{thread}-{k}"
+                futures[name] = checkpointer.async_save(states[name], tmp_path / f"{name}.pt",
+                                                        background_snapshot=background)
+        except BaseException as error:
+            errors.append(error)
+
+    with nvmeswap.Checkpointer() as checkpointer:
+        threads = [threading.Thread(target=save_all, args=(thread, checkpointer))
+                   for thread in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for future in futures.values():
+            future.result()
+    assert not errors
+    for name, state in states.items():
+        assert_same(state, torch.load(tmp_path / f"{name}.pt"))
+
+
 def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):
     big = {"t": torch.zeros(8 << 20, dtype=torch.uint8)}       # more than the 4 MiB tmpfs
     path = small_filesystem / "full.pt"

@@ -247,7 +247,8 @@ class Checkpointer:
         self._snapshot = None
         self._snapshot_in_handle = False    # in the handle's locked set: freed through it
         self._in_flight: Future | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()           # one write at a time
+        self._snapshot_lock = threading.Lock()  # one snapshot started at a time
         self.closed = False
         _checkpointers.add(self)
 
@@ -401,40 +402,44 @@ class Checkpointer:
         write = self._write_from_snapshot
         future = SaveFuture()
         future.set_running_or_notify_cancel()
-        if background_snapshot:
-            watched = _tensor_versions(obj)
-            # CUDA tensors: the copy must see the work queued for them so far, whatever
-            # stream the saving thread copies on (Note [stream order]).
-            queued = [mark_queued_work(device) for device in image.cuda_bytes()]
-            previous, self._in_flight = self._in_flight, future
+        # Saves from several threads take turns: each is snapshotted after the save
+        # before it is written (or, with background_snapshot, chained after it), never
+        # two copies into the one buffer at once.
+        with self._snapshot_lock:
+            if background_snapshot:
+                watched = _tensor_versions(obj)
+                # CUDA tensors: the copy must see the work queued for them so far, whatever
+                # stream the saving thread copies on (Note [stream order]).
+                queued = [mark_queued_work(device) for device in image.cuda_bytes()]
+                previous, self._in_flight = self._in_flight, future
 
-            def take():
-                if previous is not None:
-                    previous.exception()        # its error stays with its own future
-                for event in queued:
-                    event.synchronize()
-                self._copy_into_snapshot(image, one_off)
-                _check_unchanged(watched, path)
-        else:
-            self.wait_in_flight()
-            if one_off and _room_on_device(image):
-                _clone_runs(image)
-                write = self.write_image        # from the clones, through the ring
+                def take():
+                    if previous is not None:
+                        previous.exception()        # its error stays with its own future
+                    for event in queued:
+                        event.synchronize()
+                    self._copy_into_snapshot(image, one_off)
+                    _check_unchanged(watched, path)
             else:
-                self._copy_into_snapshot(image, one_off)
-            future.snapshot_taken.set_result(None)
-            self._in_flight = future
-            take = None
-        thread = threading.Thread(target=self._save_in_background,
-                                  args=(image, path, future, one_off, take, write),
-                                  name="nvmeswap-async-save", daemon=True)
-        try:
-            thread.start()
-        except BaseException as failure:    # no thread (RuntimeError): no save in flight
-            for pending in (future.snapshot_taken, future):
-                if not pending.done():
-                    pending.set_exception(failure)
-            raise
+                self.wait_in_flight()
+                if one_off and _room_on_device(image):
+                    _clone_runs(image)
+                    write = self.write_image        # from the clones, through the ring
+                else:
+                    self._copy_into_snapshot(image, one_off)
+                future.snapshot_taken.set_result(None)
+                self._in_flight = future
+                take = None
+            thread = threading.Thread(target=self._save_in_background,
+                                      args=(image, path, future, one_off, take, write),
+                                      name="nvmeswap-async-save", daemon=True)
+            try:
+                thread.start()
+            except BaseException as failure:    # no thread (RuntimeError): no save in flight
+                for pending in (future.snapshot_taken, future):
+                    if not pending.done():
+                        pending.set_exception(failure)
+                raise
         return future
 
     def _copy_into_snapshot(self, image, one_off):
@@ -535,6 +540,7 @@ class Checkpointer:
         another thread held at the fork would stay held for ever."""
         self._lock = threading.Lock()
         self._handle_lock = threading.Lock()
+        self._snapshot_lock = threading.Lock()
         self._in_flight = None
 
     def _check_open(self):
