@@ -561,6 +561,47 @@ def test_async_saves_from_two_threads_take_turns(tmp_path, background):
         assert_same(state, torch.load(tmp_path / f"{name}.pt"))
 
 
+def test_saves_of_one_path_from_two_threads_each_land_whole(tmp_path):
+    """Two threads saving one path at once, while a third loads it: every save returns
+    with its file whole (each has a temporary file of its own: with one name per process
+    a save renamed the other's half-written file over the path), every load sees one
+    state whole, and no temporary file is left."""
+    import threading
+
+    path = tmp_path / "s.pt"
+    states = [{"w": torch.full((4 << 20,), k, dtype=torch.uint8)} for k in range(2)]
+    nvmeswap.save(states[0], path)
+    errors, seen, saving = [], [], [True]
+
+    def save_again(k):
+        try:
+            for _ in range(12):
+                nvmeswap.save(states[k], path)
+        except BaseException as error:
+            errors.append(error)
+
+    def load_meanwhile():
+        try:
+            while saving[0]:
+                w = torch.load(path)["w"]
+                seen.append(int(w[0]))
+                assert int(w.min()) == int(w.max()), "a load saw two states in one file"
+        except BaseException as error:
+            errors.append(error)
+
+    savers = [threading.Thread(target=save_again, args=(k,)) for k in range(2)]
+    loader = threading.Thread(target=load_meanwhile)
+    for thread in [*savers, loader]:
+        thread.start()
+    for thread in savers:
+        thread.join()
+    saving[0] = False
+    loader.join()
+    assert not errors, errors
+    assert seen and int(torch.load(path)["w"].min()) in (0, 1)
+    assert os.listdir(tmp_path) == ["s.pt"]
+
+
 def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):
     big = {"t": torch.zeros(8 << 20, dtype=torch.uint8)}       # more than the 4 MiB tmpfs
     path = small_filesystem / "full.pt"

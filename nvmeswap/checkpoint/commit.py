@@ -1,10 +1,10 @@
 """Checkpoint files appear whole or not at all: written under a temporary name, made
 durable, then renamed over the old one.
 
-Note [crash-consistent checkpoints]: a checkpoint is written to ``<name>.nvmeswap-tmp-<pid>``
-in the same folder, every byte of it written and ``fsync``-ed, then renamed over
-``<name>`` (``os.replace``, atomic within a filesystem) and the folder ``fsync``-ed so the
-rename itself survives a power cut. A save killed at any instant leaves either the old
+Note [crash-consistent checkpoints]: a checkpoint is written to
+``<name>.nvmeswap-tmp-<pid>-<n>`` in the same folder, every byte of it written and
+``fsync``-ed, then renamed over ``<name>`` (``os.replace``, atomic within a filesystem)
+and the folder ``fsync``-ed so the rename itself survives a power cut. A save killed at any instant leaves either the old
 file or the new one under the name, never a mixture, and a file under the name is never
 shorter or other than what was written. The temporary file of a killed save is left
 behind; the next save of the same name removes those whose process is gone.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 from collections.abc import Callable
 
@@ -20,11 +21,14 @@ from ..errors import os_error
 from ..io.files import NO_ROOM
 
 TEMPORARY = ".nvmeswap-tmp-"
+_saves = itertools.count()
 
 
 def temporary_name(path: str) -> str:
-    """Where the checkpoint for ``path`` is written before the rename."""
-    return f"{path}{TEMPORARY}{os.getpid()}"
+    """Where a save of ``path`` writes before the rename: ``<path>.nvmeswap-tmp-<pid>-<n>``,
+    a name of its own (two threads saving one path at once must not share one: each
+    would rename the other's half-written file)."""
+    return f"{path}{TEMPORARY}{os.getpid()}-{next(_saves)}"
 
 
 def remove_stale(path: str) -> None:
@@ -38,7 +42,7 @@ def remove_stale(path: str) -> None:
     for other in names:
         if not other.startswith(prefix):
             continue
-        pid = other[len(prefix):]
+        pid = other[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or _alive(int(pid)):
             continue
         with contextlib.suppress(FileNotFoundError):
