@@ -602,6 +602,67 @@ def test_saves_of_one_path_from_two_threads_each_land_whole(tmp_path):
     assert os.listdir(tmp_path) == ["s.pt"]
 
 
+@pytest.mark.parametrize("form", ["load", "kept load", "load_into", "safetensors"])
+def test_a_load_meanwhile_a_save_replaces_the_file_reads_one_file(tmp_path, form):
+    """Note [one file per load]: a save renames its new file over the path while a load
+    reads it. The load opens the path once: it returns the old checkpoint or the new one,
+    whole. (Opening the path again for the tensors' bytes read them from the new file at
+    the old one's offsets: tensors of the old shape holding the new file's bytes.)"""
+    import threading
+
+    path = tmp_path / ("s.safetensors" if form == "safetensors" else "s.pt")
+    states = [{"a": torch.full((4 << 20,), 0, dtype=torch.uint8),
+               "m": torch.full((1000,), 0, dtype=torch.uint8)},
+              {"a": torch.full(((6 << 20) + 12288,), 1, dtype=torch.uint8),
+               "m": torch.full((1000,), 1, dtype=torch.uint8)}]
+    save = nvmeswap.save_safetensors if form == "safetensors" else nvmeswap.save
+    save(states[0], path)
+    errors, loads, saving = [], [0], [True]
+
+    def save_alternately():
+        try:
+            for index in range(40):
+                save(states[index % 2], path)
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            saving[0] = False
+
+    def load_meanwhile(checkpointer):
+        try:
+            while saving[0]:
+                if form == "load":
+                    loaded = nvmeswap.load(path)
+                elif form == "kept load":
+                    loaded = checkpointer.load(path)
+                    checkpointer.free(loaded)
+                elif form == "load_into":
+                    loaded = {"a": torch.empty(4 << 20, dtype=torch.uint8),
+                              "m": torch.empty(1000, dtype=torch.uint8)}
+                    try:
+                        nvmeswap.load_into(path, loaded)
+                    except ValueError:      # the other state's shape: refused before reading
+                        continue
+                else:
+                    loaded = nvmeswap.load_safetensors(path)
+                k = int(loaded["m"][0])
+                assert torch.equal(loaded["a"], states[k]["a"]), "a load mixed two files"
+                assert torch.equal(loaded["m"], states[k]["m"]), "a load mixed two files"
+                loads[0] += 1
+        except BaseException as error:
+            errors.append(error)
+
+    with nvmeswap.Checkpointer() as checkpointer:
+        threads = [threading.Thread(target=save_alternately),
+                   threading.Thread(target=load_meanwhile, args=(checkpointer,))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors
+    assert loads[0] > 0
+
+
 def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):
     big = {"t": torch.zeros(8 << 20, dtype=torch.uint8)}       # more than the 4 MiB tmpfs
     path = small_filesystem / "full.pt"

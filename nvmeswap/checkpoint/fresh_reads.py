@@ -45,11 +45,12 @@ from .own_queue import OwnQueue, lock, private_memory, read_requests
 TORCH_THP = "THP_MEM_ALLOC_ENABLE"
 
 
-def read_fresh(paths: list[str], stripe_bytes: int | None,
+def read_fresh(paths: list[int | str], stripe_bytes: int | None,
                groups: list[tuple[int, int]]) -> list[Any]:
     """A fresh locked uint8 tensor for each ``(start, end)`` of ``groups`` (``start``
-    aligned), holding those bytes of the file at ``paths[0]``, or of the file striped
-    over ``paths`` (one per device, Note [stripes]) in stripes of ``stripe_bytes``."""
+    aligned), holding those bytes of the file at ``paths[0]`` (a path or a descriptor),
+    or of the file striped over ``paths`` (one per device, Note [stripes]) in stripes of
+    ``stripe_bytes``."""
     import torch
 
     files: list[Any] = []
@@ -60,7 +61,7 @@ def read_fresh(paths: list[str], stripe_bytes: int | None,
             files.append(open_target(path, for_write=False, offset=0, nbytes=0,
                                      o_direct=None))
         if groups:
-            own = OwnQueue(f"reading {paths[0]}")
+            own = OwnQueue(f"reading {files[0].name}")
             _read(own, _requests(files, stripe_bytes, groups, memory))
     finally:
         with deferred_interrupts():
@@ -69,7 +70,7 @@ def read_fresh(paths: list[str], stripe_bytes: int | None,
             for file in files:
                 file.close()
     for mapping in memory:
-        lock(mapping, f"{paths[0]}: the loaded tensors")
+        lock(mapping, f"{files[0].name}: the loaded tensors")
     return [torch.frombuffer(mapping, dtype=torch.uint8)[:end - start]
             for mapping, (start, end) in zip(memory, groups)]
 

@@ -30,9 +30,8 @@ from ..units import ALIGNMENT
 from .fresh_reads import read_fresh
 from .own_queue import QueueReader
 from .striped_checkpoints import (
-    StripedFile,
     layout_file,
-    read_layout,
+    opened,
     stripe_paths,
     striped_reader,
     unstriped,
@@ -164,21 +163,22 @@ def _groups(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in groups]
 
 
-def read_data(path: str, layout: dict | None, handle: Any,
+def read_data(source: int | str, layout: dict | None, handle: Any,
               ranges: list[tuple[int, int]]) -> Pieces:
-    """The file ranges ``[(start, end)]`` of the checkpoint at ``path`` (striped if it
-    has a ``layout``, Note [striped checkpoints]: then through every device at once), in
-    ``handle``'s locked buffers, or without a handle in fresh private memory."""
+    """The file ranges ``[(start, end)]`` of a checkpoint (``opened``'s ``source``: a
+    descriptor of the file; striped if it has a ``layout``, Note [striped checkpoints]:
+    then through every device at once), in ``handle``'s locked buffers, or without a
+    handle in fresh private memory."""
     if handle is None:
         pieces = Pieces()
         groups = _groups(ranges)
-        paths = [path] if layout is None else stripe_paths(layout)
+        paths = [source] if layout is None else stripe_paths(layout)
         stripe_bytes = None if layout is None else layout["stripe_bytes"]
         for (start, _), buffer in zip(groups, read_fresh(paths, stripe_bytes, groups)):
             pieces.add(start, buffer)
         return pieces
     if layout is None:
-        pieces = read_ranges(unstriped(handle), path, ranges)
+        pieces = read_ranges(unstriped(handle), source, ranges)
     else:
         with striped_reader(layout, handle) as reader:
             pieces = read_ranges(reader, layout_file(layout), ranges)
@@ -186,7 +186,7 @@ def read_data(path: str, layout: dict | None, handle: Any,
     return pieces
 
 
-def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces:
+def read_ranges(handle: Any, path: int | str, ranges: list[tuple[int, int]]) -> Pieces:
     """Read the file ranges ``[(start, end)]`` (non-overlapping) into locked buffers, in
     groups of at least ``GROUP_BYTES``, allocating each while the one before is read."""
     import torch
@@ -213,14 +213,11 @@ def read_ranges(handle: Any, path: str, ranges: list[tuple[int, int]]) -> Pieces
 
 def _read_archive(path, handle):
     """``(entries, pieces)``: the archive's records and the bytes of every storage (Note
-    [checkpoint reads]), through ``handle`` or (None) into fresh memory."""
-    layout = read_layout(path)
-    if layout is None:
-        entries = ZipEntries(path)
-    else:
-        with StripedFile(layout) as file:
-            entries = ZipEntries(path, file=file)
-    return entries, read_data(path, layout, handle, _data_ranges(entries))
+    [checkpoint reads]), through ``handle`` or (None) into fresh memory, all from the
+    one file (Note [one file per load])."""
+    with opened(path) as (layout, file, source):
+        entries = ZipEntries(path, file=file)
+        return entries, read_data(source, layout, handle, _data_ranges(entries))
 
 
 def _data_ranges(entries):
@@ -282,38 +279,36 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     """``nvmeswap.load_into``: each saved tensor read straight into the matching tensor of
     ``into`` (through ``handle``, or without one the process's own queue); every match
     checked before any read."""
-    layout = read_layout(path)
-    if layout is None:
-        reads = _placed(path, ZipEntries(path), into, strict)
-    else:
-        with StripedFile(layout) as file:
-            reads = _placed(path, ZipEntries(path, file=file), into, strict)
-    with reading(path, layout, handle) as (reader, file_name):
-        read_each(reader, file_name, reads)
+    with opened(path) as (layout, file, source):
+        reads = _placed(path, ZipEntries(path, file=file), into, strict)
+        with reading(source, layout, handle) as (reader, file_name):
+            read_each(reader, file_name, reads)
     return into
 
 
 @contextlib.contextmanager
-def reading(path: str, layout: dict | None, handle: Any) -> Iterator[tuple[Any, str]]:
-    """``(reader, file name)``: what reads the bytes of the checkpoint at ``path`` (with
-    its ``layout`` if striped, Note [striped checkpoints]) by file offset: ``handle``'s,
-    or without a handle a ``QueueReader`` of the process's own queue."""
+def reading(source: int | str, layout: dict | None,
+            handle: Any) -> Iterator[tuple[Any, int | str]]:
+    """``(reader, file)``: what reads the bytes of a checkpoint (``opened``'s ``source``,
+    with its ``layout`` if striped, Note [striped checkpoints]) by file offset, and the
+    file to name to it: ``handle``'s, or without a handle a ``QueueReader`` of the
+    process's own queue."""
     if handle is None:
         with QueueReader() as reader:
             if layout is None:
-                yield reader, path
+                yield reader, source
                 return
             reader.stripe(layout_file(layout), stripe_paths(layout), layout["stripe_bytes"])
             yield reader, layout_file(layout)
         return
     if layout is None:
-        yield unstriped(handle), path
+        yield unstriped(handle), source
         return
     with striped_reader(layout, handle) as reader:
         yield reader, layout_file(layout)
 
 
-def read_each(handle: Any, path: str, reads: list[tuple[Any, int]]) -> None:
+def read_each(handle: Any, path: int | str, reads: list[tuple[Any, int]]) -> None:
     """Each ``(tensor, file offset)`` of ``reads`` read from ``path``, all at once."""
     for target, start in reads:
         handle.async_pread(target, path, start)

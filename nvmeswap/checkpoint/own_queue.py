@@ -331,7 +331,7 @@ class QueueReader:
         if not jobs:
             return 0
         if self.own is None:
-            self.own = OwnQueue(f"reading {jobs[0][1]}")
+            self.own = OwnQueue(f"reading {self._name(jobs[0][1])}")
         if self.ring is None:
             mapping = private_memory(self.slot_bytes * self.slots)
             self.ring = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -383,6 +383,10 @@ class QueueReader:
         return [(file, True, file_offset, into, size, needed, slot)
                 for file, file_offset, into, size, needed
                 in read_requests(files, stripe_bytes, start, end, address, offset + length)]
+
+    def _name(self, filename):
+        """How errors name ``filename`` (a descriptor is named by its file's path)."""
+        return filename if filename in self._stripes else self._file(filename).name
 
     def _file(self, path):
         if path not in self._files:

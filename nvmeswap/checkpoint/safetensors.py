@@ -19,7 +19,7 @@ from typing import Any
 from ..units import ALIGNMENT, round_up
 from .image import FileImage, uint8_view
 from .loading import read_data, read_each, reading
-from .striped_checkpoints import StripedFile, read_layout
+from .striped_checkpoints import opened
 
 #: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
 _NAMES = {
@@ -144,22 +144,14 @@ class Header:
         return length
 
 
-def _header(path, layout):
-    """The header of the file at ``path``, striped if it has a ``layout``."""
-    if layout is None:
-        return Header(path)
-    with StripedFile(layout) as file:
-        return Header(path, file=file)
-
-
 @contextlib.contextmanager
 def _opened(path, handle):
-    """``(header, reader, name)``: the file's header, and the reader and file name to
-    read its bytes with (``loading.reading``)."""
-    layout = read_layout(path)
-    header = _header(path, layout)
-    with reading(path, layout, handle) as (reader, file_name):
-        yield header, reader, file_name
+    """``(header, reader, file)``: the file's header, and the reader and file to read its
+    bytes with (``loading.reading``), all of the one file (Note [one file per load])."""
+    with opened(path) as (layout, file, source):
+        header = Header(path, file=file)
+        with reading(source, layout, handle) as (reader, file_name):
+            yield header, reader, file_name
 
 
 def load_locked(path: str, handle: Any) -> dict:
@@ -167,10 +159,10 @@ def load_locked(path: str, handle: Any) -> dict:
     buffers, ``handle``'s or (no handle) fresh private ones (Note [checkpoint reads])."""
     import torch
 
-    layout = read_layout(path)
-    header = _header(path, layout)
-    pieces = read_data(path, layout, handle, [(start, end) for _, _, start, end
-                                              in header.tensors.values()])
+    with opened(path) as (layout, file, source):
+        header = Header(path, file=file)
+        pieces = read_data(source, layout, handle, [(start, end) for _, _, start, end
+                                                    in header.tensors.values()])
     try:
         result = {}
         for name, (dtype, shape, start, end) in header.tensors.items():

@@ -23,12 +23,16 @@ from .stripes import StripedHandle, StripeSet, unlink_quietly
 LAYOUT_KEY = "nvmeswap_stripes"
 
 
-def read_layout(path: str) -> dict | None:
-    """The layout at ``path``, or None if ``path`` is not a striped checkpoint."""
+def read_layout(path: str, fd: int | None = None) -> dict | None:
+    """The layout at ``path`` (read from ``fd`` if given, a descriptor open on it), or
+    None if ``path`` is not a striped checkpoint."""
     import json
 
-    with open(path, "rb") as file:
-        head = file.read(64 << 10)
+    if fd is None:
+        with open(path, "rb") as file:
+            head = file.read(64 << 10)
+    else:
+        head = os.pread(fd, 64 << 10, 0)
     if not head.startswith(b'{"' + LAYOUT_KEY.encode()):
         return None
     try:
@@ -113,6 +117,32 @@ def _gone(pid):
     except PermissionError:
         return False
     return False
+
+
+@contextlib.contextmanager
+def opened(path: str) -> Iterator[tuple[dict | None, Any, int | str]]:
+    """``(layout, file, source)``: the checkpoint at ``path`` as it is now, for one load.
+    ``layout`` is its stripe layout or None; ``file`` a binary file of its (logical) bytes,
+    for its headers; ``source`` what its bytes are read from by offset: a descriptor of
+    the file itself, or the logical file of its stripes.
+
+    Note [one file per load]: a load opens the path once. A save renames its new file
+    over the path when done (Note [crash-consistent checkpoints]); a load that opened
+    the path again for its tensors' bytes could read them from that new file at the
+    offsets of the old one's headers: another checkpoint's bytes, or its headers, in
+    the tensors. Every read of a load goes through the one descriptor (a striped
+    checkpoint's stripe files are never renamed over: each save writes new ones)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        layout = read_layout(path, fd)
+        if layout is None:
+            with os.fdopen(fd, "rb", closefd=False) as file:
+                yield None, file, fd
+        else:
+            with StripedFile(layout) as file:
+                yield layout, file, layout_file(layout)
+    finally:
+        os.close(fd)
 
 
 def unstriped(handle: Any) -> Any:
