@@ -663,6 +663,42 @@ def test_a_load_meanwhile_a_save_replaces_the_file_reads_one_file(tmp_path, form
     assert loads[0] > 0
 
 
+def test_a_wait_from_another_thread_does_not_let_the_next_save_in_early(tmp_path,
+                                                                       monkeypatch):
+    """``wait_in_flight`` from another thread, while a save is being written: the next
+    async save still waits for it before copying into the snapshot it is written from
+    (the wait used to clear the save in flight, and the next save's bytes then went
+    into the first save's file)."""
+    import threading
+    import time
+
+    from nvmeswap.checkpoint.checkpointer import QueueCheckpointer
+
+    real_write = QueueCheckpointer.write_buffer
+    writing = threading.Event()
+
+    def slow_write(self, *args):
+        writing.set()
+        time.sleep(0.5)
+        return real_write(self, *args)
+
+    monkeypatch.setattr(QueueCheckpointer, "write_buffer", slow_write)
+    first = {"w": torch.full((4 << 20,), 1, dtype=torch.uint8)}
+    second = {"w": torch.full((4 << 20,), 2, dtype=torch.uint8)}
+    with nvmeswap.Checkpointer() as checkpointer:
+        pending = checkpointer.async_save(first, tmp_path / "first.pt")
+        writing.wait()
+        waiter = threading.Thread(target=checkpointer.wait_in_flight)
+        waiter.start()
+        time.sleep(0.05)
+        after = checkpointer.async_save(second, tmp_path / "second.pt")
+        pending.result()
+        after.result()
+        waiter.join()
+    assert_same(first, torch.load(tmp_path / "first.pt"))
+    assert_same(second, torch.load(tmp_path / "second.pt"))
+
+
 def test_async_save_failure_is_raised_by_result(tmp_path, small_filesystem):
     big = {"t": torch.zeros(8 << 20, dtype=torch.uint8)}       # more than the 4 MiB tmpfs
     path = small_filesystem / "full.pt"

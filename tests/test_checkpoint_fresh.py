@@ -402,7 +402,7 @@ def test_a_kept_checkpointer_saves_again_after_an_interrupted_save(tmp_path, mon
 _FORKED_SAVES = r"""
 import os, sys, threading, time
 import torch, nvmeswap
-from nvmeswap.checkpoint.checkpointer import QueueCheckpointer
+from nvmeswap.checkpoint import own_queue
 from nvmeswap.checkpoint.own_queue import OwnQueue
 from nvmeswap.io.files import open_target
 
@@ -413,17 +413,18 @@ child_state = {"w": torch.ones(3 << 20), "step": 7}
 checkpointer = nvmeswap.Checkpointer()
 checkpointer.save(parent_state, folder + "/parent.pt")      # its queue and ring made here
 queue = OwnQueue("a test")
-# The fork comes while the parent's saving thread holds the checkpointer's lock.
-real_write = QueueCheckpointer.write_buffer
+# The fork comes while the parent's saving thread holds the checkpointer's lock and
+# the descriptors of the temporary file it writes.
+real_result = own_queue._Write.result
 writing = threading.Event()
-def slow_write(self, *args):
+def slow_result(self):
     writing.set()
     time.sleep(2)
-    return real_write(self, *args)
-QueueCheckpointer.write_buffer = slow_write
+    return real_result(self)
+own_queue._Write.result = slow_result
 pending = checkpointer.async_save(parent_state, folder + "/parent_async.pt")
 writing.wait()
-QueueCheckpointer.write_buffer = real_write
+own_queue._Write.result = real_result
 pid = os.fork()
 if pid == 0:
     code = 1
@@ -431,6 +432,14 @@ if pid == 0:
         checkpointer.async_save(child_state, folder + "/child.pt").result()
         checkpointer.save(child_state, folder + "/child2.pt")
         checkpointer.close()
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:         # the listing's own descriptor, closed by now
+                pass
+        print("child holds temporary files:", sum("nvmeswap-tmp" in name for name in held),
+              flush=True)
         file = open_target(folder + "/parent.pt", for_write=False, offset=0, nbytes=0,
                            o_direct=None)
         try:
@@ -466,7 +475,8 @@ def test_a_forked_child_saves_through_a_kept_checkpointer_with_a_queue_of_its_ow
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[-1] == "child exit 0", lines
-    assert lines[0].startswith("refused: this kernel queue belongs to process ")
+    assert lines[0] == "child holds temporary files: 0", lines
+    assert lines[1].startswith("refused: this kernel queue belongs to process ")
     child_state = {"w": torch.ones(3 << 20), "step": 7}
     parent_state = {"w": torch.arange(3 << 20, dtype=torch.float32)}
     for name, expected in [("child.pt", child_state), ("child2.pt", child_state),

@@ -127,9 +127,13 @@ class QueueCheckpointer:
         self._pid = process_state.pid
 
     def _in_this_process(self):
-        """In a forked child, leave the parent's queue, ring and reader to it (what the
-        child holds of them goes with their objects) and start afresh."""
+        """In a forked child, leave the parent's queue, ring and reader to it (closing
+        only the child's copies of their files' descriptors; the rest goes with their
+        objects) and start afresh."""
         if self._pid != process_state.pid:
+            for made in (self._queue, self._reader):
+                if made is not None:
+                    made.close_files()
             self._queue = self._writer = self._reader = None
             self._pid = process_state.pid
 
@@ -404,8 +408,9 @@ class Checkpointer:
         future.set_running_or_notify_cancel()
         # Saves from several threads take turns: each is snapshotted after the save
         # before it is written (or, with background_snapshot, chained after it), never
-        # two copies into the one buffer at once.
+        # two copies into the one buffer at once; close() takes the lock too.
         with self._snapshot_lock:
+            self._check_open()
             if background_snapshot:
                 watched = _tensor_versions(obj)
                 # CUDA tensors: the copy must see the work queued for them so far, whatever
@@ -529,8 +534,8 @@ class Checkpointer:
 
     def wait_in_flight(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error stays with its
-        future)."""
-        future, self._in_flight = self._in_flight, None
+        future). It stays the save in flight: the next one waits for it too."""
+        future = self._in_flight
         if future is not None:
             future.exception()
 
@@ -549,22 +554,27 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for a save in flight, free the buffers, close the handle if it is ours."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.wait_in_flight()
-        finally:
+        with self._snapshot_lock:       # no asynchronous save starts from now on
+            if self.closed:
+                return
+            self.closed = True
             try:
-                if self._saver is not None:
-                    self._saver.close()
-                if self._writer is not None:
-                    self._writer.close()
-                self._free_snapshot()
+                self.wait_in_flight()
             finally:
-                self._writer = self._snapshot = self._saver = None
-                if self._own_handle and self._handle is not None:
-                    self._handle.close()
+                with self._lock:        # nor does a synchronous save write meanwhile
+                    self._free_buffers()
+
+    def _free_buffers(self):
+        try:
+            if self._saver is not None:
+                self._saver.close()
+            if self._writer is not None:
+                self._writer.close()
+            self._free_snapshot()
+        finally:
+            self._writer = self._snapshot = self._saver = None
+            if self._own_handle and self._handle is not None:
+                self._handle.close()
 
     def __enter__(self) -> Checkpointer:
         return self

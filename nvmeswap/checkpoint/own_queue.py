@@ -279,6 +279,13 @@ class QueueWriter:
         self.own = OwnQueue(self._what)
         self._interrupted = None
 
+    def close_files(self) -> None:
+        """Close this process's descriptors of every write's files, and nothing else: in
+        a forked child, whose parent's writes are the parent's."""
+        for write in self._writes:
+            for file in write.files.values():
+                file.close()
+
     def forget(self, write: _Write) -> None:
         if write in self._writes:
             self._writes.remove(write)
@@ -405,6 +412,12 @@ class QueueReader:
             flat = target.view(-1).view(torch.uint8)
             flat[at:at + length].copy_(self.ring[source:source + length])
 
+    def close_files(self) -> None:
+        """Close this process's descriptors of the files read, and nothing else (in a
+        forked child)."""
+        for file in self._files.values():
+            file.close()
+
     def sync_pread(self, target: Any, filename: str, file_offset: int) -> int:
         self.async_pread(target, filename, file_offset)
         self.wait()
@@ -413,8 +426,7 @@ class QueueReader:
     def close(self) -> None:
         if self.own is not None:
             self.own.close()    # waits for the requests in flight, before the ring goes
-        for file in self._files.values():
-            file.close()
+        self.close_files()
         self._files.clear()
         self.ring = None
 
