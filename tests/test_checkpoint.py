@@ -20,6 +20,12 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 import nvmeswap
 from nvmeswap.checkpoint.commit import TEMPORARY
+from nvmeswap.locked_tensors import registers_with_cuda_now
+
+#: For tests of the saves through the process's own queue, a road that a process using
+#: CUDA does not take (its locked buffers are registered with CUDA: the handle's road).
+needs_own_queue = pytest.mark.skipif(registers_with_cuda_now(), reason="CUDA in use here: "
+                                     "saves take the handle's road")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
           torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
@@ -305,7 +311,7 @@ def _vm_locked_kib():
         return next(int(line.split()[1]) for line in status if line.startswith("VmLck"))
 
 
-@pytest.mark.parametrize("road", ["own queue", "handle"])
+@pytest.mark.parametrize("road", [pytest.param("own queue", marks=needs_own_queue), "handle"])
 def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, road):
     """Note [async checkpoint snapshot]: the one-call async_save's snapshot is plain memory
     (locking a fresh buffer kept the caller longer than a whole synchronous save); a kept
@@ -663,6 +669,7 @@ def test_a_load_meanwhile_a_save_replaces_the_file_reads_one_file(tmp_path, form
     assert loads[0] > 0
 
 
+@needs_own_queue
 def test_a_wait_from_another_thread_does_not_let_the_next_save_in_early(tmp_path,
                                                                        monkeypatch):
     """``wait_in_flight`` from another thread, while a save is being written: the next
