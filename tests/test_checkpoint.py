@@ -20,12 +20,10 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 import nvmeswap
 from nvmeswap.checkpoint.commit import TEMPORARY
-from nvmeswap.locked_tensors import registers_with_cuda_now
 
 #: For tests of the saves through the process's own queue, a road that a process using
-#: CUDA does not take (its locked buffers are registered with CUDA: the handle's road).
-needs_own_queue = pytest.mark.skipif(registers_with_cuda_now(), reason="CUDA in use here: "
-                                     "saves take the handle's road")
+#: CUDA does not take (conftest's ``own_queue_road``).
+needs_own_queue = pytest.mark.usefixtures("own_queue_road")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
           torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
@@ -311,8 +309,9 @@ def _vm_locked_kib():
         return next(int(line.split()[1]) for line in status if line.startswith("VmLck"))
 
 
-@pytest.mark.parametrize("road", [pytest.param("own queue", marks=needs_own_queue), "handle"])
-def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, road):
+@pytest.mark.parametrize("road", ["own queue", "handle"])
+def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, road,
+                                                         request):
     """Note [async checkpoint snapshot]: the one-call async_save's snapshot is plain memory
     (locking a fresh buffer kept the caller longer than a whole synchronous save); a kept
     Checkpointer's snapshot is locked. Through the process's own queue (no handle, CUDA
@@ -320,6 +319,8 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, 
     road (taken where CUDA is in use: forced here) the kept one is in the handle's locked
     set and the one-call save's handle starts on the writing thread. Either way the
     state may change once the call returns, and the file holds it as it was."""
+    if road == "own queue":
+        request.getfixturevalue("own_queue_road")
     from test_checkpoint_fresh import refuse_workers
 
     import nvmeswap.checkpoint.checkpointer as checkpointer_module

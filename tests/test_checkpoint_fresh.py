@@ -21,11 +21,8 @@ from nvmeswap._transfers import Completion
 from nvmeswap.checkpoint import fresh_reads, own_queue
 from nvmeswap.checkpoint.loading import GROUP_BYTES
 from nvmeswap.errors import ShortFileError
-from nvmeswap.locked_tensors import registers_with_cuda_now
 
-pytestmark = pytest.mark.skipif(registers_with_cuda_now(), reason="CUDA in use here: loads "
-                                "without a handle take the handle's road (locked buffers "
-                                "registered with CUDA)")
+pytestmark = pytest.mark.usefixtures("own_queue_road")   # not where CUDA is in use
 
 
 def locked_kib():
