@@ -4,10 +4,11 @@ durable, then renamed over the old one.
 Note [crash-consistent checkpoints]: a checkpoint is written to
 ``<name>.nvmeswap-tmp-<pid>-<n>`` in the same folder, every byte of it written and
 ``fsync``-ed, then renamed over ``<name>`` (``os.replace``, atomic within a filesystem)
-and the folder ``fsync``-ed so the rename itself survives a power cut. A save killed at any instant leaves either the old
-file or the new one under the name, never a mixture, and a file under the name is never
-shorter or other than what was written. The temporary file of a killed save is left
-behind; the next save of the same name removes those whose process is gone.
+and the folder ``fsync``-ed so the rename itself survives a power cut. A save killed at
+any instant leaves either the old file or the new one under the name, never a mixture,
+and a file under the name is never shorter or other than what was written. The
+temporary file of a killed save is left behind; the next save of the same name removes
+those whose process is gone.
 """
 from __future__ import annotations
 
