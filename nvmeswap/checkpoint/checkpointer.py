@@ -14,12 +14,12 @@ from ..gpu.copies import mark_queued_work
 from ..io import process_state
 from ..locked_tensors import registers_with_cuda_now
 from ..units import ALIGNMENT, round_up
-from . import commit, loading
+from . import loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
 from .own_queue import QueueReader, QueueWriter, private_tensor
 from .state import state_tensors
-from .striped_checkpoints import write_striped
+from .striped_checkpoints import write_committed
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
 from .torch_zip import layout
 
@@ -146,7 +146,7 @@ class QueueCheckpointer:
                 CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // self._chunks), ALIGNMENT)))
             self._writer = StreamWriter(self._queue_writer(path), chunk_bytes, self._chunks)
         writer = self._writer
-        self._write_whole(path, image.size, lambda name: writer.write(image, name))
+        write_committed(self._stripes, image.size, path, lambda name: writer.write(image, name))
 
     def write_buffer(self, buffer: Any, size: int, path: str) -> None:
         """Write the first ``size`` bytes of ``buffer`` (page-aligned: a snapshot) to
@@ -157,19 +157,12 @@ class QueueCheckpointer:
         def write(name):
             if size:
                 queue.submit_pwrite(buffer[:size], name, 0).result()
-        self._write_whole(path, size, write)
+        write_committed(self._stripes, size, path, write)
 
     def _queue_writer(self, path):
         if self._queue is None:
             self._queue = QueueWriter(f"writing {path}", self._stripes)
         return self._queue
-
-    def _write_whole(self, path, size, write):
-        """``write(name)`` fills the file (or striped file) ``name``, committed as ``path``."""
-        if self._stripes is not None:
-            write_striped(self._stripes, size, path, write)
-        else:
-            commit.write_whole(path, size, write)
 
     @property
     def handle(self) -> QueueReader:
@@ -244,7 +237,6 @@ class Checkpointer:
         # thread that writes, not in its caller's time (Note [async checkpoint snapshot]).
         self._given = self._handle = handle
         self._handle_lock = threading.Lock()
-        self.striped = self._stripes is not None
         self._chunk_bytes, self._chunks = chunk_bytes, chunks
         self._writer: StreamWriter | None = None
         self._saver: QueueCheckpointer | None = None     # the saves by the own queue
@@ -284,12 +276,9 @@ class Checkpointer:
                 return
             if self._writer is None:
                 self._writer = StreamWriter(self.handle, self._chunk_bytes, self._chunks)
-            if self.striped:
-                write_striped(self.handle, image.size, path,
-                              lambda name: self._writer.write(image, name))
-                return
-            commit.write_whole(path, image.size,
-                               lambda temporary: self._writer.write(image, temporary))
+            writer = self._writer
+            write_committed(self._stripes, image.size, path,
+                            lambda name: writer.write(image, name))
 
     def _own_queue_saver(self) -> QueueCheckpointer | None:
         """What saves through the process's own queue (made at its first use), where
@@ -527,10 +516,7 @@ class Checkpointer:
             def write(name):
                 if image.size:
                     self.handle.sync_pwrite(snapshot[:image.size], name)
-            if self.striped:
-                write_striped(self.handle, image.size, path, write)
-            else:
-                commit.write_whole(path, image.size, write)
+            write_committed(self._stripes, image.size, path, write)
 
     def wait_in_flight(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error stays with its

@@ -42,6 +42,19 @@ def read_layout(path: str, fd: int | None = None) -> dict | None:
     return layout
 
 
+def write_committed(stripes: StripeSet | None, size: int, path: str, write: Any) -> None:
+    """Make the checkpoint ``path`` whole or not at all from ``write(name)``, which fills
+    the file ``name`` with its ``size`` bytes: striped over ``stripes`` if given (Note
+    [striped checkpoints]), else one temporary file renamed over ``path`` (Note
+    [crash-consistent checkpoints])."""
+    from . import commit
+
+    if stripes is None:
+        commit.write_whole(path, size, write)
+    else:
+        write_striped(stripes, size, path, write)
+
+
 def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
     """Make the checkpoint ``path`` striped over the folders of ``stripes`` (a StripeSet
     or StripedHandle): ``write(name)`` writes its ``size`` bytes to the logical file
