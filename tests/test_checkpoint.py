@@ -758,6 +758,32 @@ def test_a_closed_checkpointer_refuses_work(tmp_path):
         checkpointer.save({}, tmp_path / "x.pt")
 
 
+@pytest.mark.parametrize("given_handle", [False, True])
+def test_a_one_call_save_locks_a_ring_its_checkpoint_needs(tmp_path, monkeypatch, handle,
+                                                           given_handle):
+    """The one-call saves lock a ring sized by their checkpoint (1 MiB chunks for one of
+    1 MiB), a kept Checkpointer the 16 MiB chunks of the checkpoints to come; with or
+    without a handle, the bytes land whole."""
+    from nvmeswap.checkpoint.image import StreamWriter
+    rings = []
+    real_init = StreamWriter.__init__
+
+    def init(self, handle, chunk_bytes, chunks):
+        rings.append(chunk_bytes * chunks)
+        real_init(self, handle, chunk_bytes, chunks)
+    monkeypatch.setattr(StreamWriter, "__init__", init)
+    given = handle if given_handle else None
+    state = {"w": random_tensor((1 << 20,), torch.uint8, 7)}
+    nvmeswap.save(state, tmp_path / "a.pt", handle=given)
+    nvmeswap.save_safetensors(state, tmp_path / "a.safetensors", handle=given)
+    with nvmeswap.Checkpointer(given) as kept:
+        kept.save(state, tmp_path / "b.pt")
+    assert rings == [4 << 20, 4 << 20, 64 << 20]
+    assert_same(state, torch.load(tmp_path / "a.pt"))
+    assert_same(state, torch.load(tmp_path / "b.pt"))
+    assert_same(state, nvmeswap.load_safetensors(tmp_path / "a.safetensors"))
+
+
 def test_a_given_handle_stays_open(handle, tmp_path):
     nvmeswap.save({"a": torch.arange(5)}, tmp_path / "a.pt", handle=handle)
     loaded = nvmeswap.load(tmp_path / "a.pt", handle=handle)

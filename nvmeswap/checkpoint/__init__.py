@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import loading, torch_zip
+from . import loading
 from . import safetensors as safetensors_format
 from .checkpointer import (
     Checkpointer,
-    QueueCheckpointer,
     SaveFuture,
     by_own_queue,
     checked_path,
@@ -38,12 +37,7 @@ def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
     checkpoints]): a save killed at any instant leaves the previous file at ``path``.
     Errors name the file; a missing folder is reported before any I/O.
     """
-    if by_own_queue(handle):
-        path = checked_path(path, writing=True)
-        with QueueCheckpointer() as checkpointer:
-            checkpointer.write_image(torch_zip.layout(obj), path)
-        return
-    with Checkpointer(handle) as checkpointer:
+    with Checkpointer(handle, chunk_bytes=None) as checkpointer:
         checkpointer.save(obj, path)
 
 
@@ -108,12 +102,7 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
     file that the ``safetensors`` package reads unchanged; ``metadata`` is a dict of str.
     Written crash-consistently, as ``save``; tensors that share memory are refused, as
     the package refuses them."""
-    if by_own_queue(handle):
-        path = checked_path(path, writing=True)
-        with QueueCheckpointer() as checkpointer:
-            checkpointer.write_image(safetensors_format.layout(tensors, metadata), path)
-        return
-    with Checkpointer(handle) as checkpointer:
+    with Checkpointer(handle, chunk_bytes=None) as checkpointer:
         checkpointer.save_safetensors(tensors, path, metadata)
 
 

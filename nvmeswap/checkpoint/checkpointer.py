@@ -102,6 +102,13 @@ def _clone_runs(image: FileImage) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def ring_chunk_bytes(chunk_bytes: int | None, image: FileImage, chunks: int) -> int:
+    """``chunk_bytes``, or where it is None a chunk no larger than ``image`` needs (at
+    most CHUNK_BYTES): a ring is locked, page by page, for a one-call save too."""
+    return chunk_bytes or min(CHUNK_BYTES,
+                              max(1 << 20, round_up(-(-image.size // chunks), ALIGNMENT)))
+
+
 def by_own_queue(handle: Any) -> bool:
     """Whether a call given ``handle`` goes through the process's own queue: no handle is
     given, and no locked buffer would be registered with CUDA (CUDA is not in use)."""
@@ -142,9 +149,9 @@ class QueueCheckpointer:
         self._in_this_process()
         if self._writer is None:
             # A ring no larger than the first image needs: it is locked, page by page.
-            chunk_bytes = self._chunk_bytes or min(
-                CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // self._chunks), ALIGNMENT)))
-            self._writer = StreamWriter(self._queue_writer(path), chunk_bytes, self._chunks)
+            self._writer = StreamWriter(self._queue_writer(path),
+                                        ring_chunk_bytes(self._chunk_bytes, image, self._chunks),
+                                        self._chunks)
         writer = self._writer
         write_committed(self._stripes, image.size, path, lambda name: writer.write(image, name))
 
@@ -201,7 +208,8 @@ class Checkpointer:
         A given handle is left open.
     chunk_bytes, chunks : int
         The ring of locked buffers a synchronous save copies through (default 4 x 16 MiB);
-        the only memory a synchronous save locks.
+        the only memory a synchronous save locks. ``chunk_bytes=None``: chunks no larger
+        than the first checkpoint needs (as the one-call ``nvmeswap.save`` makes).
     stripe_folders : sequence of folders, optional
         Stripe every checkpoint over these folders, one per device (Note [stripes]), with
         ``stripe_bytes`` a stripe (default 4 MiB): saves go to a path in the first folder,
@@ -217,15 +225,16 @@ class Checkpointer:
     """
 
     def __init__(self, handle: aio_handle | StripedHandle | None = None, *,
-                 chunk_bytes: int = CHUNK_BYTES, chunks: int = CHUNKS,
+                 chunk_bytes: int | None = CHUNK_BYTES, chunks: int = CHUNKS,
                  stripe_folders: Any = None, stripe_bytes: int = STRIPE_BYTES) -> None:
         if handle is not None and not isinstance(handle, (aio_handle, StripedHandle)):
             raise TypeError(f"handle must be an nvmeswap aio_handle or StripedHandle, got "
                             f"{type(handle).__name__}")
         if handle is not None and stripe_folders is not None:
             raise ValueError("give a handle or stripe_folders, not both")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < ALIGNMENT:
-            raise ValueError(f"chunk_bytes must be an int of at least {ALIGNMENT}, got "
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int)
+                                        or chunk_bytes < ALIGNMENT):
+            raise ValueError(f"chunk_bytes must be None or an int of at least {ALIGNMENT}, got "
                              f"{chunk_bytes!r}")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {chunks!r}")
@@ -275,7 +284,8 @@ class Checkpointer:
                 saver.write_image(image, path)
                 return
             if self._writer is None:
-                self._writer = StreamWriter(self.handle, self._chunk_bytes, self._chunks)
+                self._writer = StreamWriter(self.handle, ring_chunk_bytes(
+                    self._chunk_bytes, image, self._chunks), self._chunks)
             writer = self._writer
             write_committed(self._stripes, image.size, path,
                             lambda name: writer.write(image, name))
