@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -131,22 +130,19 @@ class QueueCheckpointer:
         self._queue: QueueWriter | None = None
         self._writer: StreamWriter | None = None
         self._reader: QueueReader | None = None
-        self._pid = process_state.pid
+        process_state.forget_in_child(self)
 
-    def _in_this_process(self):
+    def forget_parent(self):
         """In a forked child, leave the parent's queue, ring and reader to it (closing
         only the child's copies of their files' descriptors; the rest goes with their
-        objects) and start afresh."""
-        if self._pid != process_state.pid:
-            for made in (self._queue, self._reader):
-                if made is not None:
-                    made.close_files()
-            self._queue = self._writer = self._reader = None
-            self._pid = process_state.pid
+        objects): the child's are made at its first use."""
+        for made in (self._queue, self._reader):
+            if made is not None:
+                made.close_files()
+        self._queue = self._writer = self._reader = None
 
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through a private ring, crash-consistently."""
-        self._in_this_process()
         if self._writer is None:
             # A ring no larger than the first image needs: it is locked, page by page.
             self._writer = StreamWriter(self._queue_writer(path),
@@ -158,7 +154,6 @@ class QueueCheckpointer:
     def write_buffer(self, buffer: Any, size: int, path: str) -> None:
         """Write the first ``size`` bytes of ``buffer`` (page-aligned: a snapshot) to
         ``path`` straight from it, crash-consistently."""
-        self._in_this_process()
         queue = self._queue_writer(path)
 
         def write(name):
@@ -173,13 +168,11 @@ class QueueCheckpointer:
 
     @property
     def handle(self) -> QueueReader:
-        self._in_this_process()
         if self._reader is None:
             self._reader = QueueReader()
         return self._reader
 
     def close(self) -> None:
-        self._in_this_process()
         try:
             if self._queue is not None:
                 self._queue.close()     # waits for the requests in flight, before their ring
@@ -255,7 +248,7 @@ class Checkpointer:
         self._lock = threading.Lock()           # one write at a time
         self._snapshot_lock = threading.Lock()  # one snapshot started at a time
         self.closed = False
-        _checkpointers.add(self)
+        process_state.forget_in_child(self)
 
     @property
     def handle(self) -> aio_handle | StripedHandle:
@@ -536,7 +529,7 @@ class Checkpointer:
             future.exception()
 
     # -- lifetime ------------------------------------------------------------------------
-    def _forget_parent(self):
+    def forget_parent(self):
         """In a forked child: the parent's saving thread is not here, and the locks it or
         another thread held at the fork would stay held for ever."""
         self._lock = threading.Lock()
@@ -578,14 +571,3 @@ class Checkpointer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-
-#: Every Checkpointer of the process, for the fork hook below.
-_checkpointers: weakref.WeakSet = weakref.WeakSet()
-
-
-def _forget_parents_in_child():
-    for checkpointer in list(_checkpointers):
-        checkpointer._forget_parent()
-
-
-os.register_at_fork(after_in_child=_forget_parents_in_child)
