@@ -112,6 +112,13 @@ def checkpointer():
         yield made
 
 
+@pytest.fixture
+def handle_checkpointer(handle):
+    """A Checkpointer given a handle: its loads land in the handle's locked set."""
+    with nvmeswap.Checkpointer(handle, chunk_bytes=1 << 20, chunks=3) as made:
+        yield made
+
+
 def test_torch_load_reads_what_save_wrote(checkpointer, tmp_path):
     state = mixed_state()
     path = tmp_path / "state.pt"
@@ -124,7 +131,8 @@ def test_torch_load_reads_what_save_wrote(checkpointer, tmp_path):
         loaded["views"][0].untyped_storage().data_ptr()
 
 
-def test_load_reads_what_save_wrote_into_locked_memory(checkpointer, tmp_path):
+def test_load_reads_what_save_wrote_into_locked_memory(handle_checkpointer, tmp_path):
+    checkpointer = handle_checkpointer
     state = mixed_state()
     path = tmp_path / "state.pt"
     checkpointer.save(state, path)
@@ -236,10 +244,12 @@ def test_map_location_and_weights_only(checkpointer, tmp_path):
         fractions.Fraction(1, 3)
 
 
-def test_a_load_that_moves_every_storage_keeps_no_locked_memory(checkpointer, tmp_path):
+def test_a_load_that_moves_every_storage_keeps_no_locked_memory(handle_checkpointer,
+                                                                 tmp_path):
     """A CUDA checkpoint's storages move to the GPU as they load; map_location copying
     them does the same here. The locked buffers they were read into must not stay in
     the set (a kept checkpointer would hold one checkpoint's size per load)."""
+    checkpointer = handle_checkpointer
     state = mixed_state()
     checkpointer.save(state, tmp_path / "s.pt")
     before = checkpointer.handle.memory_in_use
@@ -792,8 +802,9 @@ def test_a_given_handle_stays_open(handle, tmp_path):
     handle.free_cpu_locked_tensor(loaded["a"])
 
 
-def test_a_load_read_in_several_groups_keeps_every_byte(checkpointer, tmp_path):
+def test_a_load_read_in_several_groups_keeps_every_byte(handle_checkpointer, tmp_path):
     """Note [checkpoint reads]: storages past 64 MiB go into further buffers."""
+    checkpointer = handle_checkpointer
     from nvmeswap.checkpoint.loading import GROUP_BYTES
 
     count = GROUP_BYTES // 2 // 8 + 1234

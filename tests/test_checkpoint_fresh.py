@@ -71,6 +71,44 @@ def test_a_load_without_a_handle_reads_into_locked_private_memory(tmp_path, monk
         assert not handle.is_pinned(loaded["t0"])
 
 
+def test_a_kept_checkpointer_without_a_handle_loads_as_the_one_call_forms(tmp_path,
+                                                                         monkeypatch):
+    """A Checkpointer given no handle starts none for its loads either: the storages land
+    in locked private memory, in no locked set (``free`` finds none), and the reads into
+    given tensors go through the own queue too; a striping one reads its stripes so."""
+    from safetensors import torch as safetensors_torch
+
+    state = two_group_state()
+    flat = flat_state()
+    torch.save(state, tmp_path / "torch.pt")
+    safetensors_torch.save_file(flat, tmp_path / "theirs.safetensors")
+    folders = stripe_folders(tmp_path)
+    refuse_workers(monkeypatch)
+    data_kib = sum(t.numel() * t.element_size() for t in state.values()) // 1024
+    with nvmeswap.Checkpointer() as checkpointer, \
+            nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=1 << 20) as striping:
+        checkpointer.save(state, tmp_path / "ours.pt")
+        striping.save(state, os.path.join(folders[0], "striped.pt"))
+        for loader, path in [(checkpointer, tmp_path / "ours.pt"),
+                             (checkpointer, tmp_path / "torch.pt"),
+                             (striping, os.path.join(folders[0], "striped.pt"))]:
+            before = locked_kib()
+            loaded = loader.load(path)
+            assert_same(state, loaded)
+            assert locked_kib() - before >= data_kib, path
+            assert loader.free(loaded) == 0
+            del loaded
+            assert locked_kib() == before, f"{path}: the locked pages went with the tensors"
+            into = zeros_like_state(state)
+            assert loader.load_into(path, into) is into
+            assert_same(state, into)
+        loaded = checkpointer.load_safetensors(tmp_path / "theirs.safetensors")
+        assert_same(flat, {k: loaded[k] for k in flat})
+        into = {k: torch.zeros_like(v) for k, v in flat.items()}
+        checkpointer.load_safetensors_into(tmp_path / "theirs.safetensors", into)
+        assert_same(flat, into)
+
+
 def test_every_container_and_dtype_comes_back(tmp_path):
     state = mixed_state()
     nvmeswap.save(state, tmp_path / "s.pt")

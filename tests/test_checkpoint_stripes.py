@@ -79,7 +79,7 @@ def test_a_striped_checkpoint_round_trips_and_replaces_its_stripes(folders):
         assert all(os.path.getsize(os.path.join(f, first)) > 0 for f in folders)
         loaded = checkpointer.load(path)
         assert_same(state, loaded)
-        checkpointer.handle.free_cpu_locked_tensor(loaded["big"])
+        checkpointer.free(loaded)
         checkpointer.async_save(state, path).result()
         second = json.loads(Path(path).read_text())["name"]
         assert second != first
@@ -126,7 +126,7 @@ def test_a_plain_checkpointer_moving_a_striped_load_keeps_no_locked_memory(folde
     path = os.path.join(folders[0], "state.pt")
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
         checkpointer.save(state, path)
-    with nvmeswap.Checkpointer() as checkpointer:
+    with nvmeswap.aio_handle() as handle, nvmeswap.Checkpointer(handle) as checkpointer:
         before = checkpointer.handle.memory_in_use
         moved = checkpointer.load(path, map_location=lambda storage, location: storage.clone())
         assert_same(state, moved)

@@ -209,10 +209,11 @@ class Checkpointer:
         which then holds the layout (Note [striped checkpoints]). ``load`` reads striped
         checkpoints whatever the checkpointer.
 
-    Without a handle, and where CUDA is not in use, saves start none: the ring and the
+    Without a handle, and where CUDA is not in use, nothing starts one: the ring and the
     snapshots are private memory written by the process's own queue, to every stripe
-    folder at once (Note [saves without a handle]); the handle is made at the first
-    load. ``async_save`` snapshots into one locked buffer of the checkpoint's size,
+    folder at once (Note [saves without a handle]), and loads read with it too, into
+    fresh private memory (Note [fresh private reads]) or, for ``load_into``, through a
+    ring of the call's own; ``handle`` makes one when asked for. ``async_save`` snapshots into one locked buffer of the checkpoint's size,
     kept and reused by later saves (grown if a later checkpoint is larger).
     ``close()`` waits for a save in flight, then frees the buffers. A context manager.
     """
@@ -252,7 +253,7 @@ class Checkpointer:
 
     @property
     def handle(self) -> aio_handle | StripedHandle:
-        """The handle that moves the bytes (one of its own made now if not yet)."""
+        """The handle given, or one of its own (made now if not yet)."""
         with self._handle_lock:
             if self._handle is None:
                 self._check_open()
@@ -283,6 +284,13 @@ class Checkpointer:
             write_committed(self._stripes, image.size, path,
                             lambda name: writer.write(image, name))
 
+    def _load_handle(self) -> aio_handle | StripedHandle | None:
+        """The handle that loads read with (into its locked set), or None where no
+        handle was given and CUDA is not in use: the process's own queue reads, into
+        fresh private memory or through a ring of the call's own (as ``nvmeswap.load``
+        and ``load_into`` without a handle)."""
+        return None if by_own_queue(self._given) else self.handle
+
     def _own_queue_saver(self) -> QueueCheckpointer | None:
         """What saves through the process's own queue (made at its first use), where
         they go that way: no handle was given and CUDA is not in use."""
@@ -298,25 +306,30 @@ class Checkpointer:
     def load(self, path: str | os.PathLike, map_location: Any = None, *,
              weights_only: bool = True) -> Any:
         """Read a torch.save archive (ours or torch's); CPU storages land in locked
-        buffers (Note [checkpoint reads]); ``free(result)`` takes them out of the
-        process's locked set."""
+        buffers (Note [checkpoint reads]): in the handle's locked set, which
+        ``free(result)`` takes them out of, or without a handle (CUDA not in use) in
+        fresh private memory, as ``nvmeswap.load``'s."""
         self._check_open()
         path = checked_path(path, writing=False)
-        return loading.load_locked(path, self.handle, map_location, weights_only)
+        return loading.load_locked(path, self._load_handle(), map_location, weights_only)
 
     def load_into(self, path: str | os.PathLike, into: Any, *, strict: bool = True) -> Any:
         """Read each tensor of a torch.save archive straight into the matching tensor of
         ``into`` (a state dict, nested dicts/lists allowed); returns ``into``."""
         self._check_open()
         path = checked_path(path, writing=False)
-        return loading.load_into(path, into, self.handle, strict)
+        return loading.load_into(path, into, self._load_handle(), strict)
 
     def free(self, obj: Any) -> int:
         """Take the locked buffers holding the tensors of ``obj`` (as ``load`` returns it:
         nested dicts, lists, tuples) out of the process's locked set; how many there
-        were. The tensors stay valid; their memory goes with the last of them."""
+        were. The tensors stay valid; their memory goes with the last of them. Loads made
+        without a handle are in no set: none."""
         self._check_open()
-        return sum(self.handle.free_cpu_locked_tensor(tensor) for _, tensor in
+        handle = self._load_handle()
+        if handle is None:
+            return 0
+        return sum(handle.free_cpu_locked_tensor(tensor) for _, tensor in
                    state_tensors(obj) if tensor.device.type == "cpu" and tensor.numel())
 
     # -- safetensors ---------------------------------------------------------------------
@@ -334,7 +347,7 @@ class Checkpointer:
         """Read a safetensors file (ours or the package's) into locked CPU tensors."""
         self._check_open()
         path = checked_path(path, writing=False)
-        return safetensors_format.load_locked(path, self.handle)
+        return safetensors_format.load_locked(path, self._load_handle())
 
     def load_safetensors_into(self, path: str | os.PathLike, into: dict, *,
                               strict: bool = True) -> dict:
@@ -342,7 +355,7 @@ class Checkpointer:
         name in ``into``; returns ``into``."""
         self._check_open()
         path = checked_path(path, writing=False)
-        return safetensors_format.load_into(path, into, self.handle, strict)
+        return safetensors_format.load_into(path, into, self._load_handle(), strict)
 
     # -- asynchronous --------------------------------------------------------------------
     def async_save(self, obj: Any, path: str | os.PathLike, *, one_off: bool = False,
