@@ -73,15 +73,18 @@ def main():
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
     state = make_state(mesh, rank, None)
-    ours, theirs, later, kept = (os.path.join(folder, name)
-                                 for name in ("ours", "theirs", "async", "kept"))
-    # Without a checkpointer or handle the files go through the process's own queue (Note
-    # [saves without a handle]); with a kept Checkpointer, through its handle.
+    ours, theirs, later, kept, handled = (
+        os.path.join(folder, name) for name in ("ours", "theirs", "async", "kept", "handle"))
+    # Without a handle (a Checkpointer kept or not) the files go through the process's own
+    # queue (Note [saves without a handle], Note [fresh private reads]); with one, through
+    # it.
     checkpointer = nvmeswap.Checkpointer()
+    handle = nvmeswap.aio_handle()
     dcp.save(state, storage_writer=NvmeFileSystemWriter(ours))
     dcp.save(state, storage_writer=FileSystemWriter(theirs))
     dcp.async_save(state, storage_writer=NvmeFileSystemWriter(later)).result()
     dcp.save(state, storage_writer=NvmeFileSystemWriter(kept, checkpointer=checkpointer))
+    dcp.save(state, storage_writer=NvmeFileSystemWriter(handled, handle=handle))
     problems = []
     for name, checkpoint, reader in [
             ("ours by ours", ours, NvmeFileSystemReader),
@@ -89,12 +92,16 @@ def main():
             ("DCP by ours", theirs, NvmeFileSystemReader),
             ("async by DCP", later, FileSystemReader),
             ("kept by DCP", kept, FileSystemReader),
+            ("handle by DCP", handled, FileSystemReader),
             ("DCP by ours, kept", theirs,
-             lambda path: NvmeFileSystemReader(path, checkpointer=checkpointer))]:
+             lambda path: NvmeFileSystemReader(path, checkpointer=checkpointer)),
+            ("DCP by ours, handle", theirs,
+             lambda path: NvmeFileSystemReader(path, handle=handle))]:
         loaded = make_state(mesh, rank, 0)
         dcp.load(loaded, storage_reader=reader(checkpoint))
         problems += [f"{name}: {where}" for where in differences(state, loaded)]
     checkpointer.close()
+    handle.close()
     dist.barrier()
     dist.destroy_process_group()
     if problems:

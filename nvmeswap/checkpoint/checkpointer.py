@@ -3,8 +3,10 @@ by every save and load made through it; the module functions make a short-lived 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -115,10 +117,9 @@ def by_own_queue(handle: Any) -> bool:
 
 
 class QueueCheckpointer:
-    """The parts of a ``Checkpointer`` that the calls made without a handle use, through
-    the process's own queue: ``write_image`` (Note [saves without a handle] in
-    own_queue.py), striped over ``stripes`` (a StripeSet) if given, and ``handle``, a
-    ``QueueReader`` for reads into given tensors. Its ring is ``chunks`` buffers of
+    """The saves of a ``Checkpointer`` given no handle, through the process's own queue:
+    ``write_image`` (Note [saves without a handle] in own_queue.py) and ``write_buffer``,
+    striped over ``stripes`` (a StripeSet) if given. Its ring is ``chunks`` buffers of
     ``chunk_bytes``, by default no larger than the first image needs. A context
     manager; ``close()`` waits for what is in flight. A forked child that goes on using
     one (a kept Checkpointer's) gets a queue and a ring of its own."""
@@ -129,17 +130,15 @@ class QueueCheckpointer:
         self._stripes = stripes
         self._queue: QueueWriter | None = None
         self._writer: StreamWriter | None = None
-        self._reader: QueueReader | None = None
         process_state.forget_in_child(self)
 
     def forget_parent(self):
-        """In a forked child, leave the parent's queue, ring and reader to it (closing
-        only the child's copies of their files' descriptors; the rest goes with their
-        objects): the child's are made at its first use."""
-        for made in (self._queue, self._reader):
-            if made is not None:
-                made.close_files()
-        self._queue = self._writer = self._reader = None
+        """In a forked child, leave the parent's queue and ring to it (closing only the
+        child's copies of its files' descriptors; the rest goes with their objects): the
+        child's are made at its first use."""
+        if self._queue is not None:
+            self._queue.close_files()
+        self._queue = self._writer = None
 
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through a private ring, crash-consistently."""
@@ -166,12 +165,6 @@ class QueueCheckpointer:
             self._queue = QueueWriter(f"writing {path}", self._stripes)
         return self._queue
 
-    @property
-    def handle(self) -> QueueReader:
-        if self._reader is None:
-            self._reader = QueueReader()
-        return self._reader
-
     def close(self) -> None:
         try:
             if self._queue is not None:
@@ -179,8 +172,6 @@ class QueueCheckpointer:
         finally:
             if self._writer is not None:
                 self._writer.close()
-            if self._reader is not None:
-                self._reader.close()
 
     def __enter__(self) -> QueueCheckpointer:
         return self
@@ -290,6 +281,18 @@ class Checkpointer:
         fresh private memory or through a ring of the call's own (as ``nvmeswap.load``
         and ``load_into`` without a handle)."""
         return None if by_own_queue(self._given) else self.handle
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[aio_handle | StripedHandle | QueueReader]:
+        """What reads into given tensors (``async_pread``, ``sync_pread``, ``wait``) for
+        the time of the block: the handle, or where no handle was given and CUDA is not
+        in use a ``QueueReader`` of the process's own queue, closed after it."""
+        handle = self._load_handle()
+        if handle is not None:
+            yield handle
+            return
+        with QueueReader() as reader:
+            yield reader
 
     def _own_queue_saver(self) -> QueueCheckpointer | None:
         """What saves through the process's own queue (made at its first use), where

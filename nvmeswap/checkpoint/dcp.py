@@ -40,7 +40,7 @@ from torch.futures import Future
 
 from ..errors import BufferedIOWarning, warn_once
 from ..units import ALIGNMENT
-from .checkpointer import Checkpointer, QueueCheckpointer, by_own_queue
+from .checkpointer import Checkpointer
 from .image import FileImage
 from .loading import unpickle
 from .torch_zip import ZipEntries, layout
@@ -50,7 +50,8 @@ __all__ = ["NvmeFileSystemReader", "NvmeFileSystemWriter"]
 
 class _Session:
     """The checkpointer to use: the one given, or one made for this call and closed (with
-    no handle either, through the process's own queue: Note [saves without a handle])."""
+    no handle either, through the process's own queue: Note [saves without a handle],
+    Note [fresh private reads])."""
 
     def __init__(self, checkpointer, handle):
         self.given = checkpointer
@@ -59,8 +60,7 @@ class _Session:
     def __enter__(self):
         if self.given is not None:
             return self.given
-        self.made = QueueCheckpointer() if by_own_queue(self.handle) else \
-            Checkpointer(self.handle)
+        self.made = Checkpointer(self.handle, chunk_bytes=None)
         return self.made
 
     def __exit__(self, *exc_info):
@@ -162,10 +162,10 @@ class NvmeFileSystemReader(FileSystemReader):
         for request in plan.items:
             info = self.storage_data[request.storage_index]
             by_file.setdefault(info.relative_path, []).append(request)
-        with self._session as checkpointer:
+        with self._session as checkpointer, checkpointer.reader() as reader:
             for relative_path, requests in by_file.items():
                 path = os.fspath(self.fs.concat_path(self.path, relative_path))
-                self._read_file(checkpointer.handle, path, requests, planner)
+                self._read_file(reader, path, requests, planner)
         future: Future = Future()
         future.set_result(None)
         return future

@@ -412,12 +412,6 @@ class QueueReader:
             flat = target.view(-1).view(torch.uint8)
             flat[at:at + length].copy_(self.ring[source:source + length])
 
-    def close_files(self) -> None:
-        """Close this process's descriptors of the files read, and nothing else (in a
-        forked child)."""
-        for file in self._files.values():
-            file.close()
-
     def sync_pread(self, target: Any, filename: str, file_offset: int) -> int:
         self.async_pread(target, filename, file_offset)
         self.wait()
@@ -426,7 +420,8 @@ class QueueReader:
     def close(self) -> None:
         if self.own is not None:
             self.own.close()    # waits for the requests in flight, before the ring goes
-        self.close_files()
+        for file in self._files.values():
+            file.close()
         self._files.clear()
         self.ring = None
 
