@@ -1,13 +1,16 @@
 """Run by tests/test_checkpoint_crash.py: rounds of checkpoint saves, each process killed
 with SIGKILL at a random instant.
 
-``python checkpoint_crash_child.py FOLDER ROUNDS SEED [striped|background|one-call]``: round r
+``python checkpoint_crash_child.py FOLDER ROUNDS SEED WINDOW [striped|background|one-call]``:
+round r
 saves generation after generation to ``FOLDER/round<r>/ckpt.pt`` (striped: to
 ``FOLDER/dev0/ckpt<r>.pt`` striped over ``FOLDER/dev0`` and ``FOLDER/dev1``; background: with
 ``async_save(..., background_snapshot=True)``, two saves in flight; one-call: with
 ``nvmeswap.save``, no handle: Note [saves without a handle]) in a forked process
 (torch and nvmeswap already imported, so a round starts in milliseconds), which is killed
-a random time after its handle is ready. Prints one JSON line: the delay of each kill.
+a random time after its handle is ready, up to WINDOW seconds (a few saves' time: so
+that kills land both inside the first save and after some). Prints one JSON line: the
+delay of each kill.
 """
 import json
 import os
@@ -19,14 +22,14 @@ import time
 
 def make_state(generation, mode=""):
     """The checkpoint of ``generation``: its bytes follow from the number (and the mode)
-    alone. One-call saves get a larger one: each call's own setup would otherwise take
-    most of the time, and few kills would land inside a save."""
+    alone. One-call saves get a larger one (16 MiB): each call's own setup would
+    otherwise take most of the time, and few kills would land inside a save's writes."""
     import torch
 
     made = torch.Generator().manual_seed(generation)
     return {
         "generation": generation,
-        "w": torch.randn(16384 if mode == "one-call" else 512, 1024, generator=made),
+        "w": torch.randn(4096 if mode == "one-call" else 512, 1024, generator=made),
         "b": torch.randn(300_001, generator=made).bfloat16(),
         "steps": [torch.full((1000,), generation, dtype=torch.int64), "adam"],
     }
@@ -59,8 +62,9 @@ def _saver(path, first, ready, stripes, mode):
 
 
 def main():
-    folder, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    folder, rounds, seed, window = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+        float(sys.argv[4])
+    mode = sys.argv[5] if len(sys.argv) > 5 else ""
     striped = mode == "striped"
     import torch  # noqa: F401  (imported before the forks: each round starts at once)
 
@@ -83,7 +87,7 @@ def main():
         os.close(ready_write)
         os.read(ready_read, 1)
         os.close(ready_read)
-        delays.append(chosen.uniform(0, 0.3))
+        delays.append(chosen.uniform(0, window))
         time.sleep(delays[-1])
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -25,6 +26,18 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
 ROUNDS = int(os.environ.get("NVMESWAP_CRASH_ROUNDS", "12"))
 
 
+def kill_window(folder, mode=""):
+    """Seconds within which the child's kills fall: three times what one save of the
+    mode's state takes here (at least 0.3 s), so that about two kills in three come after
+    a whole save and nearly all the others inside the first, whatever the disk's speed."""
+    path = Path(folder) / "timed.pt"
+    started = time.perf_counter()
+    nvmeswap.save(make_state(0, mode), path)
+    took = time.perf_counter() - started
+    path.unlink()
+    return f"{max(0.3, 3 * took):.3f}"
+
+
 @pytest.mark.parametrize("mode", ["", "background", "one-call"])
 def test_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_path, mode):
     """``background``: async saves with their snapshots in the background (Note [snapshot
@@ -37,7 +50,7 @@ def test_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_path, mode
     child = Path(__file__).with_name("checkpoint_crash_child.py")
     done = subprocess.run([sys.executable, str(child), str(tmp_path), str(ROUNDS),
                            {"": "33", "background": "35", "one-call": "37"}[mode],
-                           *([mode] if mode else [])],
+                           kill_window(tmp_path, mode), *([mode] if mode else [])],
                           capture_output=True, text=True, timeout=240, check=False, env=ENV)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)) == ROUNDS
@@ -80,7 +93,7 @@ def test_striped_saves_killed_at_random_instants_leave_a_whole_checkpoint(tmp_pa
             checkpointer.save(make_state(index), folders[0] / f"ckpt{index}.pt")
         child = Path(__file__).with_name("checkpoint_crash_child.py")
         done = subprocess.run([sys.executable, str(child), str(tmp_path), str(rounds), "34",
-                               "striped"], capture_output=True, text=True, timeout=240,
+                               kill_window(tmp_path), "striped"], capture_output=True, text=True, timeout=240,
                               check=False, env=ENV)
         assert done.returncode == 0, done.stderr
         newer = cut_short = 0
