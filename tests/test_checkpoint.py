@@ -771,9 +771,9 @@ def test_a_closed_checkpointer_refuses_work(tmp_path):
 @pytest.mark.parametrize("given_handle", [False, True])
 def test_a_one_call_save_locks_a_ring_its_checkpoint_needs(tmp_path, monkeypatch, handle,
                                                            given_handle):
-    """The one-call saves lock a ring sized by their checkpoint (1 MiB chunks for one of
-    1 MiB), a kept Checkpointer the 16 MiB chunks of the checkpoints to come; with or
-    without a handle, the bytes land whole."""
+    """The one-call saves lock a ring sized by their checkpoint (two chunks of 1 MiB for
+    one of just over 1 MiB), a kept Checkpointer the 4 x 16 MiB of the checkpoints to
+    come; with or without a handle, the bytes land whole."""
     from nvmeswap.checkpoint.image import StreamWriter
     rings = []
     real_init = StreamWriter.__init__
@@ -788,7 +788,7 @@ def test_a_one_call_save_locks_a_ring_its_checkpoint_needs(tmp_path, monkeypatch
     nvmeswap.save_safetensors(state, tmp_path / "a.safetensors", handle=given)
     with nvmeswap.Checkpointer(given) as kept:
         kept.save(state, tmp_path / "b.pt")
-    assert rings == [4 << 20, 4 << 20, 64 << 20]
+    assert rings == [2 << 20, 2 << 20, 64 << 20]
     assert_same(state, torch.load(tmp_path / "a.pt"))
     assert_same(state, torch.load(tmp_path / "b.pt"))
     assert_same(state, nvmeswap.load_safetensors(tmp_path / "a.safetensors"))

@@ -103,11 +103,14 @@ def _clone_runs(image: FileImage) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def ring_chunk_bytes(chunk_bytes: int | None, image: FileImage, chunks: int) -> int:
-    """``chunk_bytes``, or where it is None a chunk no larger than ``image`` needs (at
-    most CHUNK_BYTES): a ring is locked, page by page, for a one-call save too."""
-    return chunk_bytes or min(CHUNK_BYTES,
-                              max(1 << 20, round_up(-(-image.size // chunks), ALIGNMENT)))
+def ring_shape(chunk_bytes: int | None, chunks: int, image: FileImage) -> tuple[int, int]:
+    """``(chunk_bytes, chunks)`` of a ring; where ``chunk_bytes`` is None, no larger than
+    ``image`` needs (chunks of at most CHUNK_BYTES, no more of them than it fills): a
+    ring is locked, page by page, for a one-call save too."""
+    if chunk_bytes is not None:
+        return chunk_bytes, chunks
+    chunk_bytes = min(CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // chunks), ALIGNMENT)))
+    return chunk_bytes, max(1, min(chunks, -(-image.size // chunk_bytes)))
 
 
 def by_own_queue(handle: Any) -> bool:
@@ -145,8 +148,7 @@ class QueueCheckpointer:
         if self._writer is None:
             # A ring no larger than the first image needs: it is locked, page by page.
             self._writer = StreamWriter(self._queue_writer(path),
-                                        ring_chunk_bytes(self._chunk_bytes, image, self._chunks),
-                                        self._chunks)
+                                        *ring_shape(self._chunk_bytes, self._chunks, image))
         writer = self._writer
         write_committed(self._stripes, image.size, path, lambda name: writer.write(image, name))
 
@@ -269,8 +271,8 @@ class Checkpointer:
                 saver.write_image(image, path)
                 return
             if self._writer is None:
-                self._writer = StreamWriter(self.handle, ring_chunk_bytes(
-                    self._chunk_bytes, image, self._chunks), self._chunks)
+                self._writer = StreamWriter(self.handle,
+                                            *ring_shape(self._chunk_bytes, self._chunks, image))
             writer = self._writer
             write_committed(self._stripes, image.size, path,
                             lambda name: writer.write(image, name))
