@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 from conftest import in_flight, random_bytes, stopped_workers, system_setting, wait_until
 
 import nvmeswap
+from nvmeswap.checkpoint.own_queue import release_idle_queues
 
 MiB = 1 << 20
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(nvmeswap.__file__))
@@ -142,6 +143,7 @@ def test_aio_max_nr_exhausted_at_a_call_without_a_handle(tmp_path, monkeypatch):
     monkeypatch.setenv("NVMESWAP_ENGINE", "aio")
     path = tmp_path / "s.pt"
     torch.save({"w": torch.arange(1000)}, path)
+    release_idle_queues()       # none kept from earlier calls (Note [kept kernel queues])
     used = int(Path("/proc/sys/fs/aio-nr").read_text())
     with system_setting("/proc/sys/fs/aio-max-nr", str(used + 32),
                         "lowers a system-wide limit, which other handles would meet"):
