@@ -112,6 +112,33 @@ def test_a_kept_checkpointer_without_a_handle_loads_as_the_one_call_forms(tmp_pa
         assert_same(flat, into)
 
 
+def test_a_queue_that_ends_idle_is_kept_for_the_next_call(tmp_path, monkeypatch):
+    """Note [kept kernel queues]: saves, loads and reads into given tensors one after the
+    other make one kernel queue between them; ``release_idle_queues`` frees it."""
+    made = []
+    real_type = own_queue.caller_queue_type
+
+    def counting_type(engine):
+        def make(capacity):
+            made.append(engine)
+            return real_type(engine)(capacity)
+        return make
+
+    before = open_fds()         # none kept from earlier calls
+    monkeypatch.setattr(own_queue, "caller_queue_type", counting_type)
+    state = two_group_state()
+    path = tmp_path / "s.pt"
+    for _ in range(3):
+        nvmeswap.save(state, path)
+        assert_same(state, nvmeswap.load(path))
+        into = zeros_like_state(state)
+        nvmeswap.load_into(path, into)
+        assert_same(state, into)
+    assert len(made) == 1
+    assert len(os.listdir("/proc/self/fd")) > len(before)      # kept: its descriptor
+    assert open_fds() == before                                # freed
+
+
 def test_every_container_and_dtype_comes_back(tmp_path):
     state = mixed_state()
     nvmeswap.save(state, tmp_path / "s.pt")
