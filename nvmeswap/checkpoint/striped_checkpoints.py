@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,16 @@ from .stripes import StripedHandle, StripeSet, unlink_quietly
 # leaves the old layout naming the old stripes, which are deleted only after the commit.
 # Stripes no layout names, left by killed saves, go at the next save of the same name.
 # ``nvmeswap.load`` knows the layout file by its first bytes and reads the data from it.
+# Two threads saving one path at once: the loser's stripes, which no layout names once
+# the other commits, are this process's orphans and go at the next save too; what a
+# save of this process is writing is never one (``_writing``), and reading the layout
+# to keep and committing one are one step each (``_committing``): a save never takes
+# the stripes of a layout committed meanwhile for orphans.
 LAYOUT_KEY = "nvmeswap_stripes"
+
+#: Names of the stripes this process's saves are writing now.
+_writing: set[str] = set()
+_committing = threading.Lock()
 
 
 def read_layout(path: str, fd: int | None = None) -> dict | None:
@@ -59,19 +69,32 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
     """Make the checkpoint ``path`` striped over the folders of ``stripes`` (a StripeSet
     or StripedHandle): ``write(name)`` writes its ``size`` bytes to the logical file
     ``name``, whose stripe files are made with their space allocated."""
-    import json
     import secrets
-
-    from . import commit
 
     folder, base = os.path.split(os.path.abspath(path))
     if folder != stripes.folders[0]:
         raise ValueError(f"{path}: a striped checkpoint lives in the first stripe folder, "
                          f"{stripes.folders[0]}")
-    old = read_layout(path) if os.path.isfile(path) else None
-    _remove_orphans(stripes, base, old)
     name = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.stripe"
-    logical = os.path.join(folder, name)
+    with _committing:
+        _writing.add(name)
+        old = read_layout(path) if os.path.isfile(path) else None
+        _remove_orphans(stripes, base, old)
+    try:
+        _write_and_commit(stripes, size, path, write, name)
+    finally:
+        with _committing:
+            _writing.discard(name)
+    if old is not None and old.get("name") != name:
+        _remove_stripes(old)
+
+
+def _write_and_commit(stripes, size, path, write, name):
+    import json
+
+    from . import commit
+
+    logical = os.path.join(os.path.dirname(os.path.abspath(path)), name)
     parts = stripes.paths(logical)
     expected = [0] * len(parts)
     for device, device_offset, _, length in stripes.pieces(size, 0):
@@ -91,15 +114,15 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
         try:
             with open(temporary, "wb") as file:
                 file.write(text)
-            commit.finish(temporary, path, len(text))
+            with _committing:
+                commit.finish(temporary, path, len(text))
+                _writing.discard(name)
         except BaseException:
             commit.abandon(temporary)
             raise
     except BaseException:
         unlink_quietly(parts)
         raise
-    if old is not None and old.get("name") != name:
-        _remove_stripes(old)
 
 
 def _remove_stripes(layout):
@@ -108,7 +131,7 @@ def _remove_stripes(layout):
 
 def _remove_orphans(stripes, base, current):
     """Delete stripe files of ``base`` that no layout names, left by saves whose process
-    is gone."""
+    is gone, or by this process's saves that are not writing them now."""
     keep = current.get("name") if current else None
     for folder in stripes.folders:
         with contextlib.suppress(OSError):
@@ -117,7 +140,10 @@ def _remove_orphans(stripes, base, current):
                         or other == keep:
                     continue
                 pid = other[len(base) + 1:].split("-", 1)[0]
-                if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+                if not pid.isdigit():
+                    continue
+                ours = int(pid) == os.getpid()
+                if (ours and other not in _writing) or (not ours and _gone(int(pid))):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(folder, other))
 
