@@ -23,6 +23,7 @@ import threading
 import zlib
 from typing import Any
 
+from .._memory import copy_memory
 from ..units import ALIGNMENT, round_up
 
 
@@ -183,6 +184,7 @@ class StreamWriter:
             needed.append(count)
             count += _checksummed_on_host(run)
         checksums = _Checksums([run for _, run in runs if _checksummed_on_host(run)])
+        ring_address = self.ring.data_ptr()
         try:
             for slot_number, start in enumerate(range(0, image.size, self.chunk_bytes)):
                 slot = slot_number % self.chunks
@@ -198,9 +200,14 @@ class StreamWriter:
                     run_end = offset + (run.nbytes if is_tensor else len(run))
                     upto = min(run_end, end)
                     into = slice(base + position - start, base + upto - start)
-                    if is_tensor:
+                    if is_tensor and not run.source.is_cuda:
+                        # memcpy, not torch's copy: for a small run, that one wakes its
+                        # threads for each copy, which wait for the CRC thread's core.
+                        copy_memory(ring_address + into.start,
+                                    run.source.data_ptr() + position - offset, upto - position)
+                    elif is_tensor:
                         self.ring[into].copy_(run.source[position - offset:upto - offset])
-                        if run.crc_slots and run.source.is_cuda:
+                        if run.crc_slots:
                             run.crc = zlib.crc32(self.view[into],
                                                  run.crc if position > offset else 0)
                             if upto == run_end:
