@@ -1,9 +1,9 @@
 """Checkpoints: nvmeswap against torch.save/torch.load and DCP's FileSystemWriter/Reader.
 
-    python bench/checkpoint.py --folder /nvme/scratch [--size 1G] [--rounds 1]
+    python bench/checkpoint.py --folder /nvme/scratch [--size 1G] [--rounds 1] [--layers 16]
 
-A state dict of about ``--size`` bytes (a model's layers, fp32 weights and bf16 copies,
-as a mixed-precision trainer keeps them) is saved and loaded by each contender in a
+A state dict of about ``--size`` bytes (a model's ``--layers`` layers, fp32 weights and
+bf16 copies, as a mixed-precision trainer keeps them: two tensors a layer) is saved and loaded by each contender in a
 fresh process of its own; before every load the page cache is dropped (needs root; the
 table says if it could not), so loads read the device. Each load is checked byte for byte
 against the state saved. Times are what a training script waits for: the call, from
@@ -56,15 +56,14 @@ LOADERS = ["torch.load", "nvmeswap.load", "nvmeswap.load (kept)", "nvmeswap.load
            "dcp FileSystemReader", "dcp NvmeFileSystemReader"]
 
 
-def make_state(nbytes, device="cpu"):
-    """Layers of fp32 weights (4 bytes a value) each with a bf16 copy (2 bytes): about
-    ``nbytes`` in all, deterministic, on ``device``."""
+def make_state(nbytes, device="cpu", layers=16):
+    """``layers`` layers of fp32 weights (4 bytes a value) each with a bf16 copy (2
+    bytes): about ``nbytes`` in all, deterministic, on ``device``."""
     made = torch.Generator().manual_seed(0)
-    layers = 16
     per_layer = nbytes // layers // 6          # values per layer: 4 + 2 bytes each
     state = {}
     for layer in range(layers):
-        weight = torch.randn(per_layer // 1024, 1024, generator=made)
+        weight = torch.randn(max(1, per_layer // 1024), 1024, generator=made)
         state[f"layers.{layer}.weight"] = weight.to(device)
         state[f"layers.{layer}.weight_bf16"] = weight.bfloat16().to(device)
     state["step"] = 1000
@@ -90,7 +89,7 @@ def child(args):
     import nvmeswap
     from nvmeswap.checkpoint.dcp import NvmeFileSystemReader, NvmeFileSystemWriter
 
-    state = make_state(args.size, args.device)
+    state = make_state(args.size, args.device, args.layers)
     where = args.path
 
     def finished():
@@ -224,7 +223,8 @@ def background_snapshots(saver, state, where, seconds, device):
 
 def run_child(args, contender, job, path):
     command = [sys.executable, __file__, "--child", "--contender", contender, "--job", job,
-               "--path", path, "--size", str(args.size), "--device", args.device]
+               "--path", path, "--size", str(args.size), "--device", args.device,
+               "--layers", str(args.layers)]
     if args.stripe:
         command += ["--stripe", args.stripe]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -244,6 +244,8 @@ def main():
     parser.add_argument("--folder", default=None, help="where the checkpoints go")
     parser.add_argument("--size", default="1G", type=parse_size)
     parser.add_argument("--rounds", default=1, type=int)
+    parser.add_argument("--layers", default=16, type=int,
+                        help="layers of the state, two tensors each (default 16)")
     parser.add_argument("--stripe", default=None, metavar="DIR1,DIR2,...")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where the state lives (cuda: on the GPU)")
@@ -290,7 +292,7 @@ def main():
     cold = True
     identical = True
     try:
-        nbytes = state_bytes(make_state(args.size))
+        nbytes = state_bytes(make_state(args.size, layers=args.layers))
         for round_number in range(args.rounds):
             # Each round starts with the next contender: none always goes first.
             for name in rotated(savers, round_number):
@@ -327,7 +329,8 @@ def main():
         for work in stripe_work:
             shutil.rmtree(work, ignore_errors=True)
     median = {name: statistics.median(values) for name, values in times.items()}
-    print(f"state: {nbytes / (1 << 30):.2f} GiB (fp32 + bf16) on {args.device}, "
+    print(f"state: {nbytes / (1 << 30):.2f} GiB (fp32 + bf16, {2 * args.layers} tensors) "
+          f"on {args.device}, "
           f"{args.rounds} round(s), "
           f"median seconds; loads {'cold (page cache dropped)' if cold else 'WARM'}; "
           f"every load byte-identical: {identical}")
