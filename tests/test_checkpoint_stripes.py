@@ -265,3 +265,45 @@ def test_striped_saves_of_one_path_from_two_threads_leave_one_set_of_stripes(fol
     assert sorted(os.listdir(folders[0])) == sorted(["s.pt", name])
     assert all(os.listdir(folder) == [name] for folder in folders[1:])
     assert_same(states[1], nvmeswap.load(path))
+
+
+_FORK_DURING_A_STRIPED_COMMIT = r"""
+import os, sys, torch, nvmeswap
+from nvmeswap.checkpoint import striped_checkpoints
+from nvmeswap.io import process_state
+
+torch.set_num_threads(1)        # GNU OpenMP's threads do not survive a fork
+folders = sys.argv[1:]
+commits = process_state.shared(striped_checkpoints._Commits)
+commits.lock.acquire()          # as another thread's striped save holds it at the fork
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=4096) as saver:
+            saver.save({"w": torch.arange(5000)}, os.path.join(folders[0], "child.pt"))
+        code = 0
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+commits.lock.release()
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_during_a_striped_commit_saves_striped(folders):
+    """The lock of this process's striped commits is made afresh in a forked child: a
+    fork while another thread held it does not leave the child's striped saves waiting
+    for ever."""
+    import subprocess
+    import sys
+
+    from conftest import package_env
+
+    done = subprocess.run([sys.executable, "-c", _FORK_DURING_A_STRIPED_COMMIT, *folders],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env=package_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "child exit 0"
+    assert torch.equal(nvmeswap.load(os.path.join(folders[0], "child.pt"))["w"],
+                       torch.arange(5000))

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..io import process_state
 from .stripes import StripedHandle, StripeSet, unlink_quietly
 
 # Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
@@ -23,14 +24,19 @@ from .stripes import StripedHandle, StripeSet, unlink_quietly
 # ``nvmeswap.load`` knows the layout file by its first bytes and reads the data from it.
 # Two threads saving one path at once: the loser's stripes, which no layout names once
 # the other commits, are this process's orphans and go at the next save too; what a
-# save of this process is writing is never one (``_writing``), and reading the layout
-# to keep and committing one are one step each (``_committing``): a save never takes
-# the stripes of a layout committed meanwhile for orphans.
+# save of this process is writing is never one (``_Commits.writing``), and reading the
+# layout to keep and committing one are one step each (under ``_Commits.lock``): a save
+# never takes the stripes of a layout committed meanwhile for orphans.
 LAYOUT_KEY = "nvmeswap_stripes"
 
-#: Names of the stripes this process's saves are writing now.
-_writing: set[str] = set()
-_committing = threading.Lock()
+
+class _Commits:
+    """The striped saves of this process in progress (a forked child starts with none,
+    and a fresh lock: Note [process state])."""
+
+    def __init__(self) -> None:
+        self.writing: set[str] = set()      # the names of the stripes being written
+        self.lock = threading.Lock()
 
 
 def read_layout(path: str, fd: int | None = None) -> dict | None:
@@ -76,20 +82,21 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
         raise ValueError(f"{path}: a striped checkpoint lives in the first stripe folder, "
                          f"{stripes.folders[0]}")
     name = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.stripe"
-    with _committing:
-        _writing.add(name)
+    commits = process_state.shared(_Commits)
+    with commits.lock:
+        commits.writing.add(name)
         old = read_layout(path) if os.path.isfile(path) else None
-        _remove_orphans(stripes, base, old)
+        _remove_orphans(stripes, base, old, commits.writing)
     try:
-        _write_and_commit(stripes, size, path, write, name)
+        _write_and_commit(stripes, size, path, write, name, commits)
     finally:
-        with _committing:
-            _writing.discard(name)
+        with commits.lock:
+            commits.writing.discard(name)
     if old is not None and old.get("name") != name:
         _remove_stripes(old)
 
 
-def _write_and_commit(stripes, size, path, write, name):
+def _write_and_commit(stripes, size, path, write, name, commits):
     import json
 
     from . import commit
@@ -114,9 +121,9 @@ def _write_and_commit(stripes, size, path, write, name):
         try:
             with open(temporary, "wb") as file:
                 file.write(text)
-            with _committing:
+            with commits.lock:
                 commit.finish(temporary, path, len(text))
-                _writing.discard(name)
+                commits.writing.discard(name)
         except BaseException:
             commit.abandon(temporary)
             raise
@@ -129,9 +136,9 @@ def _remove_stripes(layout):
     unlink_quietly(os.path.join(folder, layout["name"]) for folder in layout.get("folders", []))
 
 
-def _remove_orphans(stripes, base, current):
+def _remove_orphans(stripes, base, current, writing):
     """Delete stripe files of ``base`` that no layout names, left by saves whose process
-    is gone, or by this process's saves that are not writing them now."""
+    is gone, or by this process's saves that are not ``writing`` them now."""
     keep = current.get("name") if current else None
     for folder in stripes.folders:
         with contextlib.suppress(OSError):
@@ -143,7 +150,7 @@ def _remove_orphans(stripes, base, current):
                 if not pid.isdigit():
                     continue
                 ours = int(pid) == os.getpid()
-                if (ours and other not in _writing) or (not ours and _gone(int(pid))):
+                if (ours and other not in writing) or (not ours and _gone(int(pid))):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(folder, other))
 
