@@ -101,7 +101,8 @@ class _LayoutZip:
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         if isinstance(data, (bytes, str)):
             self.writer.write_record(name, data, nbytes)
-        else:       # a storage: the pickler named it already (``_naming_storages``)
+        else:       # a storage: the one the pickler named, if named (``_naming_storages``)
+            self.storages.setdefault(name, data)
             self.write_record_metadata(name, nbytes)
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
@@ -151,10 +152,13 @@ def _record(obj, pickle_module, pickle_protocol, *, skip_data):
     recorder = _Recorder()
     writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
     zip_file = _LayoutZip(writer, recorder)
+    # Torch hands a host storage over as it is: only the others need naming by the
+    # pickler (whose wrapper costs a Python call for every object pickled).
+    if skip_data or any(tensor.device.type != "cpu" for _, tensor in state_tensors(obj)):
+        pickle_module = _naming_storages(pickle_module, zip_file.storages)
     skipping = serialization.skip_data() if skip_data else contextlib.nullcontext()
     with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}), skipping:
-        serialization._save(obj, zip_file, _naming_storages(pickle_module, zip_file.storages),
-                            pickle_protocol, False)
+        serialization._save(obj, zip_file, pickle_module, pickle_protocol, False)
     recorder.keep_apart()       # the records and the central directory at the end
     writer.write_end_of_file()
     return recorder, zip_file
