@@ -81,7 +81,7 @@ def test_a_kept_checkpointer_without_a_handle_loads_as_the_one_call_forms(tmp_pa
     given tensors go through the own queue too; a striping one reads its stripes so."""
     from safetensors import torch as safetensors_torch
 
-    state = two_group_state()
+    state = dict(every_dtype_state())
     flat = flat_state()
     torch.save(state, tmp_path / "torch.pt")
     safetensors_torch.save_file(flat, tmp_path / "theirs.safetensors")
@@ -126,7 +126,7 @@ def test_a_queue_that_ends_idle_is_kept_for_the_next_call(tmp_path, monkeypatch)
 
     before = open_fds()         # none kept from earlier calls
     monkeypatch.setattr(own_queue, "caller_queue_type", counting_type)
-    state = two_group_state()
+    state = dict(every_dtype_state())
     path = tmp_path / "s.pt"
     for _ in range(3):
         nvmeswap.save(state, path)
