@@ -50,17 +50,6 @@ def package_env(**extra):
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
-@pytest.fixture
-def own_queue_road():
-    """Skips the test where CUDA is in use (known only once the session has started it,
-    ``cuda_started_first``): there the checkpoint calls made without a handle take the
-    handle's road, whose locked buffers are registered with CUDA."""
-    from nvmeswap.locked_tensors import registers_with_cuda_now
-
-    if registers_with_cuda_now():
-        pytest.skip("CUDA in use here: checkpoints without a handle take the handle's road")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def cuda_started_first():
     """Where there is a GPU, CUDA starts before the first test: its device files and

@@ -21,10 +21,6 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 import nvmeswap
 from nvmeswap.checkpoint.commit import TEMPORARY
 
-#: For tests of the saves through the process's own queue, a road that a process using
-#: CUDA does not take (conftest's ``own_queue_road``).
-needs_own_queue = pytest.mark.usefixtures("own_queue_road")
-
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
           torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
           torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32,
@@ -324,16 +320,12 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, 
                                                          request):
     """Note [async checkpoint snapshot]: the one-call async_save's snapshot is plain memory
     (locking a fresh buffer kept the caller longer than a whole synchronous save); a kept
-    Checkpointer's snapshot is locked. Through the process's own queue (no handle, CUDA
-    not in use) the snapshots are private memory and no worker starts; on the handle's
-    road (taken where CUDA is in use: forced here) the kept one is in the handle's locked
-    set and the one-call save's handle starts on the writing thread. Either way the
-    state may change once the call returns, and the file holds it as it was."""
-    if road == "own queue":
-        request.getfixturevalue("own_queue_road")
+    Checkpointer's snapshot is locked. Through the process's own queue (no handle) the
+    snapshots are private memory and no worker starts; through a given handle the kept
+    one is in the handle's locked set. Either way the state may change once the call
+    returns, and the file holds it as it was."""
     from test_checkpoint_fresh import refuse_workers
 
-    import nvmeswap.checkpoint.checkpointer as checkpointer_module
     from nvmeswap.checkpoint.checkpointer import Checkpointer
     from nvmeswap.io.regions import locked_memory
 
@@ -349,15 +341,8 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, 
         return snapshot
 
     monkeypatch.setattr(Checkpointer, "_snapshot_buffer", recorded)
-    import threading
-
-    started_on = []     # for each Checkpointer's own handle: started on the main thread?
-    if road == "handle":
-        monkeypatch.setattr(checkpointer_module, "by_own_queue", lambda handle: False)
-        make_handle = checkpointer_module.aio_handle
-        monkeypatch.setattr(checkpointer_module, "aio_handle", lambda **kwargs: started_on.append(
-            threading.get_ident() == threading.main_thread().ident) or make_handle(**kwargs))
-    else:
+    handle = request.getfixturevalue("handle") if road == "handle" else None
+    if handle is None:
         refuse_workers(monkeypatch)
     state = {"w": torch.from_numpy(np.frombuffer(random_bytes(24 << 20, seed=31),
                                                  np.uint8).copy()),
@@ -366,9 +351,9 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, 
     locked_before = _vm_locked_kib()
     for path in (tmp_path / "one.pt", tmp_path / "kept.pt"):
         if path.name == "one.pt":
-            future = nvmeswap.async_save(state, path)
+            future = nvmeswap.async_save(state, path, handle=handle)
         else:
-            checkpointer = Checkpointer()
+            checkpointer = Checkpointer(handle)
             future = checkpointer.async_save(state, path)
         state["w"].zero_()
         state["b"].fill_(-1)
@@ -378,7 +363,6 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, 
     checkpointer.close()
     if road == "handle":
         assert [in_set for _, in_set, _ in made] == [False, True]
-        assert started_on == [False, True]      # the one-call save's on its writing thread
     else:
         assert [(in_set, locked) for _, in_set, locked in made] == [(False, False),
                                                                    (False, True)]
@@ -697,7 +681,6 @@ def test_a_load_meanwhile_a_save_replaces_the_file_reads_one_file(tmp_path, form
     assert loads[0] > 0
 
 
-@needs_own_queue
 def test_a_wait_from_another_thread_does_not_let_the_next_save_in_early(tmp_path,
                                                                        monkeypatch):
     """``wait_in_flight`` from another thread, while a save is being written: the next

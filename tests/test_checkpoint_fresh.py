@@ -22,8 +22,6 @@ from nvmeswap.checkpoint import fresh_reads, own_queue
 from nvmeswap.checkpoint.loading import GROUP_BYTES
 from nvmeswap.errors import ShortFileError
 
-pytestmark = pytest.mark.usefixtures("own_queue_road")   # not where CUDA is in use
-
 
 def locked_kib():
     with open("/proc/self/status") as status:

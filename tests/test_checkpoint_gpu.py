@@ -156,13 +156,55 @@ def test_a_background_snapshot_sees_the_work_queued_before_the_call(tmp_path):
 
 
 def test_loads_of_cuda_state_leave_no_locked_memory_behind(tmp_path):
-    """Note [checkpoint reads]: the locked buffers a CUDA checkpoint is read into leave
-    the locked set once their storages are on the GPU."""
+    """Note [checkpoint reads]: the locked buffers a CUDA checkpoint is read into through
+    a handle leave the locked set once their storages are on the GPU."""
     state = {"w": random_tensor((3 << 20,), torch.float32, 11).cuda(),
              "b": random_tensor((1 << 20,), torch.bfloat16, 12).cuda(), "step": 3}
     nvmeswap.save(state, tmp_path / "state.pt")
-    with nvmeswap.Checkpointer() as loader:
+    with nvmeswap.aio_handle() as handle, nvmeswap.Checkpointer(handle) as loader:
         before = loader.handle.memory_in_use
         for _ in range(2):
             assert_same(state, loader.load(tmp_path / "state.pt"))
             assert loader.handle.memory_in_use == before
+
+
+def test_calls_without_a_handle_start_no_worker_and_leave_nothing_registered(tmp_path,
+                                                                            monkeypatch):
+    """Note [own queue and CUDA]: with CUDA in use, the calls made without a handle keep
+    to the process's own queue, and register with CUDA for their copies only while
+    they need it."""
+    from test_checkpoint_fresh import refuse_workers
+
+    from nvmeswap.checkpoint import own_queue
+
+    registered = {}     # address -> size, while registered
+    register_range = own_queue.register_range
+
+    def recorded(address, size):
+        unregister = register_range(address, size)
+        assert unregister is not None, "CUDA refused a registration"
+        registered[address] = size
+
+        def recorded_unregister():
+            del registered[address]
+            unregister()
+        return recorded_unregister
+
+    monkeypatch.setattr(own_queue, "register_range", recorded)
+    refuse_workers(monkeypatch)
+    state = cuda_state()
+    path = tmp_path / "state.pt"
+    nvmeswap.save(state, path)
+    assert_same(state, torch.load(path))
+    loaded = nvmeswap.load(path)
+    assert_same(state, loaded)
+    assert on_device(loaded) == on_device(state)
+    into = {"w": torch.zeros_like(state["base"])}
+    nvmeswap.save({"w": state["base"]}, path)
+    nvmeswap.load_into(path, into)
+    assert torch.equal(into["w"].view(torch.int32), state["base"].view(torch.int32))
+    with nvmeswap.Checkpointer() as saver:
+        saver.async_save(state, path).result()
+        assert registered       # the kept snapshot
+    assert_same(state, nvmeswap.load(path))
+    assert registered == {}

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 from conftest import random_bytes
-from test_checkpoint import assert_same, mixed_state, needs_own_queue, race, random_tensor
+from test_checkpoint import assert_same, mixed_state, race, random_tensor
 
 import nvmeswap
 from nvmeswap.checkpoint.stripes import StripedHandle
@@ -143,7 +143,6 @@ def stripe_files(path):
     return [Path(part).read_bytes() for part in stripe_paths_of(path)]
 
 
-@needs_own_queue
 def test_a_striped_save_without_a_handle_starts_no_worker_and_lays_out_as_one(folders,
                                                                              monkeypatch):
     """Note [saves without a handle]: one queue writes every stripe file, the unaligned
@@ -169,7 +168,6 @@ def test_a_striped_save_without_a_handle_starts_no_worker_and_lays_out_as_one(fo
     assert_same(state, nvmeswap.load(path))
 
 
-@needs_own_queue
 @pytest.mark.parametrize("space", ["allocated", "written"])
 def test_a_full_stripe_folder_fails_the_save_and_keeps_the_previous(folders, small_filesystem,
                                                                    monkeypatch, space):
@@ -196,7 +194,6 @@ def test_a_full_stripe_folder_fails_the_save_and_keeps_the_previous(folders, sma
     assert_same(old, nvmeswap.load(path))
 
 
-@needs_own_queue
 def test_a_striped_save_without_a_handle_opens_each_stripe_file_once(folders, monkeypatch):
     """An async save writes its snapshot in one go, 384 stripe pieces here: each of the
     three stripe files is opened once for them, not once a piece."""

@@ -17,7 +17,6 @@ from . import safetensors as safetensors_format
 from .checkpointer import (
     Checkpointer,
     SaveFuture,
-    by_own_queue,
     checked_path,
 )
 from .stripes import StripedHandle
@@ -31,11 +30,12 @@ def save(obj: Any, path: str | os.PathLike, *, handle: Any = None) -> None:
     values) to ``path`` as ``torch.save`` would; ``torch.load`` reads the file unchanged.
 
     Tensor bytes go with O_DIRECT from a small ring of locked buffers through ``handle``
-    or, without one, this process's own kernel queue (Note [saves without a handle]; a
-    process that uses CUDA makes a handle for the call). The file is written under a
-    temporary name, made durable, then renamed over ``path`` (Note [crash-consistent
-    checkpoints]): a save killed at any instant leaves the previous file at ``path``.
-    Errors name the file; a missing folder is reported before any I/O.
+    or, without one, this process's own kernel queue (Note [saves without a handle];
+    where CUDA is in use the ring is registered with it, Note [own queue and CUDA]). The
+    file is written under a temporary name, made durable, then renamed over ``path``
+    (Note [crash-consistent checkpoints]): a save killed at any instant leaves the
+    previous file at ``path``. Errors name the file; a missing folder is reported before
+    any I/O.
     """
     with Checkpointer(handle, chunk_bytes=None) as checkpointer:
         checkpointer.save(obj, path)
@@ -48,14 +48,15 @@ def load(path: str | os.PathLike, map_location: Any = None, *, handle: Any = Non
     CPU tensors land in locked memory, buffers of at least 64 MiB of consecutive
     storages, each read in large operations (Note [checkpoint reads]). Without a
     ``handle`` they are fresh private memory, read by this process's own kernel queue
-    (Note [fresh private reads]); with one (or where CUDA is in use: there locked buffers
-    are registered with CUDA) they are in the process's locked set, pinned and zero-copy
-    for nvmeswap handles, until ``Checkpointer.free`` (or ``free_cpu_locked_tensor`` on
-    each buffer) takes them out. Their memory goes with the last tensor.
+    (Note [fresh private reads]; where storages go to a GPU, their buffers are registered
+    with CUDA for the copies, Note [own queue and CUDA]); with one they are in the
+    process's locked set, pinned and zero-copy for nvmeswap handles, until
+    ``Checkpointer.free`` (or ``free_cpu_locked_tensor`` on each buffer) takes them out.
+    Their memory goes with the last tensor.
     ``map_location`` is ``torch.load``'s. ``weights_only`` as in ``torch.load`` (True:
     tensors, containers and plain values only).
     """
-    if by_own_queue(handle):
+    if handle is None:
         return loading.load_locked(checked_path(path, writing=False), None, map_location,
                                    weights_only)
     with Checkpointer(handle) as checkpointer:
@@ -69,7 +70,7 @@ def load_into(path: str | os.PathLike, into: Any, *, handle: Any = None,
     is checked before any read (``strict``: the keys must match exactly). Returns
     ``into``; its non-tensor values are left alone. Without a handle the bytes go
     through this process's own kernel queue and a small private ring."""
-    if by_own_queue(handle):
+    if handle is None:
         return loading.load_into(checked_path(path, writing=False), into, None, strict)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_into(path, into, strict=strict)
@@ -109,7 +110,7 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 def load_safetensors(path: str | os.PathLike, *, handle: Any = None) -> dict:
     """Read a safetensors file (written by nvmeswap or by the ``safetensors`` package)
     into a dict of CPU tensors in locked memory (as ``load``'s)."""
-    if by_own_queue(handle):
+    if handle is None:
         return safetensors_format.load_locked(checked_path(path, writing=False), None)
     with Checkpointer(handle) as checkpointer:
         return checkpointer.load_safetensors(path)
@@ -121,7 +122,7 @@ def load_safetensors_into(path: str | os.PathLike, into: dict, *, handle: Any = 
     tensor of the same name in ``into`` (a flat dict: a model's ``state_dict()``, say),
     CPU or CUDA, with no new memory. Every name (``strict``: both ways), dtype, shape and
     contiguity is checked before any read. Returns ``into``."""
-    if by_own_queue(handle):
+    if handle is None:
         return safetensors_format.load_into(checked_path(path, writing=False), into, None,
                                             strict)
     with Checkpointer(handle) as checkpointer:

@@ -8,17 +8,16 @@ import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 from ..aio import aio_handle
 from ..gpu.copies import mark_queued_work
 from ..io import process_state
-from ..locked_tensors import registers_with_cuda_now
 from ..units import ALIGNMENT, round_up
 from . import loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter, TensorRun
-from .own_queue import QueueReader, QueueWriter, private_tensor
+from .own_queue import QueueReader, QueueWriter, private_tensor, register_if_cuda
 from .state import state_tensors
 from .striped_checkpoints import write_committed
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
@@ -113,12 +112,6 @@ def ring_shape(chunk_bytes: int | None, chunks: int, image: FileImage) -> tuple[
     return chunk_bytes, max(1, min(chunks, -(-image.size // chunk_bytes)))
 
 
-def by_own_queue(handle: Any) -> bool:
-    """Whether a call given ``handle`` goes through the process's own queue: no handle is
-    given, and no locked buffer would be registered with CUDA (CUDA is not in use)."""
-    return handle is None and not registers_with_cuda_now()
-
-
 class QueueCheckpointer:
     """The saves of a ``Checkpointer`` given no handle, through the process's own queue:
     ``write_image`` (Note [saves without a handle] in own_queue.py) and ``write_buffer``,
@@ -202,12 +195,14 @@ class Checkpointer:
         which then holds the layout (Note [striped checkpoints]). ``load`` reads striped
         checkpoints whatever the checkpointer.
 
-    Without a handle, and where CUDA is not in use, nothing starts one: the ring and the
-    snapshots are private memory written by the process's own queue, to every stripe
-    folder at once (Note [saves without a handle]), and loads read with it too, into
-    fresh private memory (Note [fresh private reads]) or, for ``load_into``, through a
-    ring of the call's own; ``handle`` makes one when asked for. ``async_save`` snapshots into one locked buffer of the checkpoint's size,
-    kept and reused by later saves (grown if a later checkpoint is larger).
+    Without a handle nothing starts one: the ring and the snapshots are private memory
+    written by the process's own queue, to every stripe folder at once (Note [saves
+    without a handle]), and loads read with it too, into fresh private memory (Note
+    [fresh private reads]) or, for ``load_into``, through a ring of the call's own; where
+    CUDA is in use, what copies to or from a GPU go through is registered with it (Note
+    [own queue and CUDA]). ``handle`` makes one when asked for. ``async_save`` snapshots
+    into one locked buffer of the checkpoint's size, kept and reused by later saves
+    (grown if a later checkpoint is larger).
     ``close()`` waits for a save in flight, then frees the buffers. A context manager.
     """
 
@@ -228,9 +223,7 @@ class Checkpointer:
         self._stripes = StripeSet(stripe_folders, stripe_bytes=stripe_bytes) \
             if stripe_folders is not None else \
             handle if isinstance(handle, StripedHandle) else None
-        self._own_handle = handle is None
-        # A handle of our own starts at its first use: a one-off async save's on the
-        # thread that writes, not in its caller's time (Note [async checkpoint snapshot]).
+        self._own_handle = handle is None   # made only if ``handle`` is asked for
         self._given = self._handle = handle
         self._handle_lock = threading.Lock()
         self._chunk_bytes, self._chunks = chunk_bytes, chunks
@@ -238,6 +231,7 @@ class Checkpointer:
         self._saver: QueueCheckpointer | None = None     # the saves by the own queue
         self._snapshot = None
         self._snapshot_in_handle = False    # in the handle's locked set: freed through it
+        self._unregister_snapshot: Callable[[], None] | None = None    # registered with CUDA
         self._in_flight: Future | None = None
         self._lock = threading.Lock()           # one write at a time
         self._snapshot_lock = threading.Lock()  # one snapshot started at a time
@@ -279,16 +273,16 @@ class Checkpointer:
 
     def _load_handle(self) -> aio_handle | StripedHandle | None:
         """The handle that loads read with (into its locked set), or None where no
-        handle was given and CUDA is not in use: the process's own queue reads, into
+        handle was given: the process's own queue reads, into
         fresh private memory or through a ring of the call's own (as ``nvmeswap.load``
         and ``load_into`` without a handle)."""
-        return None if by_own_queue(self._given) else self.handle
+        return None if self._given is None else self.handle
 
     @contextlib.contextmanager
     def reader(self) -> Iterator[aio_handle | StripedHandle | QueueReader]:
         """What reads into given tensors (``async_pread``, ``sync_pread``, ``wait``) for
-        the time of the block: the handle, or where no handle was given and CUDA is not
-        in use a ``QueueReader`` of the process's own queue, closed after it."""
+        the time of the block: the handle, or where none was given a ``QueueReader`` of
+        the process's own queue, closed after it."""
         handle = self._load_handle()
         if handle is not None:
             yield handle
@@ -298,11 +292,8 @@ class Checkpointer:
 
     def _own_queue_saver(self) -> QueueCheckpointer | None:
         """What saves through the process's own queue (made at its first use), where
-        they go that way: no handle was given and CUDA is not in use."""
-        if not by_own_queue(self._given):
-            if self._saver is not None:     # CUDA came into use: its ring goes now
-                saver, self._saver = self._saver, None
-                saver.close()
+        they go that way: no handle was given."""
+        if self._given is not None:
             return None
         if self._saver is None:
             self._saver = QueueCheckpointer(self._chunk_bytes, self._chunks, self._stripes)
@@ -312,7 +303,7 @@ class Checkpointer:
              weights_only: bool = True) -> Any:
         """Read a torch.save archive (ours or torch's); CPU storages land in locked
         buffers (Note [checkpoint reads]): in the handle's locked set, which
-        ``free(result)`` takes them out of, or without a handle (CUDA not in use) in
+        ``free(result)`` takes them out of, or without a handle in
         fresh private memory, as ``nvmeswap.load``'s."""
         self._check_open()
         path = checked_path(path, writing=False)
@@ -391,10 +382,9 @@ class Checkpointer:
         # A one-off save's buffer is never used again: plain memory. Locking fresh
         # memory would keep the caller longer than a whole synchronous save (0.7 s a GiB
         # with 4 KiB pages, against 0.4-0.7 s for nvmeswap.save of it, measured
-        # 2026-11-26). Where saves go through the process's own queue (no handle given,
-        # CUDA not in use) every snapshot is private memory, page-aligned, which the
-        # queue writes straight from; otherwise the handle stages a plain snapshot on
-        # the writing thread, and a handle of our own starts on that thread too.
+        # 2026-11-26). Where saves go through the process's own queue (no handle given)
+        # every snapshot is private memory, page-aligned, which the queue writes
+        # straight from; a given handle stages a plain snapshot on the writing thread.
         # Note [snapshot in the background]: with ``background_snapshot`` the copy moves
         # to the saving thread as well, as DCP's asynchronous staging does: the caller
         # returns after the layout (milliseconds) and the copy overlaps its next forward
@@ -470,9 +460,11 @@ class Checkpointer:
         if self._snapshot is None or self._snapshot.numel() < nbytes:
             self._free_snapshot()
             size = round_up(max(nbytes, 1), ALIGNMENT)
-            if by_own_queue(self._given):   # written straight from it: page-aligned
+            if self._given is None:     # written straight from it: page-aligned
                 self._snapshot = private_tensor(size, locked=locked)
                 self._snapshot_in_handle = False
+                if locked:  # kept: copies from a GPU into it are DMA
+                    self._unregister_snapshot = register_if_cuda(self._snapshot)
             elif locked:
                 self._snapshot = self.handle.new_cpu_locked_tensor(
                     size, torch.empty(0, dtype=torch.uint8))
@@ -483,6 +475,9 @@ class Checkpointer:
         return self._snapshot
 
     def _free_snapshot(self):
+        unregister, self._unregister_snapshot = self._unregister_snapshot, None
+        if unregister is not None:
+            unregister()
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None and self._snapshot_in_handle:
             self.handle.free_cpu_locked_tensor(snapshot)
@@ -554,6 +549,7 @@ class Checkpointer:
         self._handle_lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         self._in_flight = None
+        self._unregister_snapshot = None    # the parent's registration, not the child's
 
     def _check_open(self):
         if self.closed:

@@ -74,8 +74,8 @@ class NvmeFileSystemWriter(FileSystemWriter):
 
     Takes ``FileSystemWriter``'s arguments, plus ``checkpointer`` (an
     ``nvmeswap.Checkpointer`` to reuse across saves) or ``handle`` (an ``aio_handle``);
-    with neither, the bytes go through the process's own kernel queue (or, where CUDA is
-    in use, a handle made for the save). ``thread_count`` only splits the items over
+    with neither, the bytes go through the process's own kernel queue (Note [own queue
+    and CUDA] where CUDA is in use). ``thread_count`` only splits the items over
     files, as in DCP.
     With ``_extensions`` or ``serialization_format=SAFETENSORS`` DCP's own writer writes
     the files (Note [DCP files]).
@@ -190,7 +190,7 @@ class NvmeFileSystemReader(FileSystemReader):
                 raise ValueError(f"{path}: item {request.storage_index} is "
                                  f"{tuple(wanted.size())}, the target "
                                  f"{tuple(target.size())}")
-            # A CUDA target too: the handle stages its bytes (as load_into's reads).
+            # A CUDA target too: the reader stages its bytes (as load_into's reads).
             if (wanted.is_contiguous() and target.is_contiguous()
                     and target.device.type in ("cpu", "cuda") and target.dtype == wanted.dtype):
                 offset = start + wanted.storage_offset() * wanted.element_size()

@@ -26,9 +26,9 @@ has taken back, and the same load took 0.17 to 0.55 s with them, ``torch.load`` 
 1.36 s.
 
 A handle given by the caller still gets the storages in its locked set, zero-copy for
-it; so does a process that uses CUDA, where locked buffers are registered with CUDA
-and copies from them to a GPU run about nine times faster than from private memory
-(shared/GPU.md).
+it. Where CUDA is in use, a buffer holding storages bound for a GPU is registered with
+CUDA while they are copied (Note [own queue and CUDA] in own_queue.py): copies from
+registered memory run about nine times faster than from private memory (shared/GPU.md).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..units import ALIGNMENT
 from .fresh_reads import read_fresh
-from .own_queue import QueueReader
+from .own_queue import QueueReader, register_if_cuda
 from .striped_checkpoints import (
     layout_file,
     opened,
@@ -227,11 +227,14 @@ def _data_ranges(entries):
 
 def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
     """``nvmeswap.load``: the storages are views of locked buffers, ``handle``'s or (no
-    handle) fresh private ones."""
+    handle) fresh private ones; those of storages bound for a GPU registered with CUDA
+    for the copies (Note [own queue and CUDA])."""
     import torch
     from torch import serialization
 
     entries, pieces = _read_archive(path, handle)
+    registered: dict[int, Any] = {}     # buffer index -> its unregister (or None)
+    gpus: set[Any] = set()
     try:
         restore = serialization._get_restore_location(map_location)
 
@@ -244,26 +247,57 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
                                  f"says {nbytes}")
             if nbytes == 0:
                 return restore(torch.UntypedStorage(0), location)
+            index = pieces.index(record[0], nbytes)
+            if handle is None and index not in registered and \
+                    _bound_for_gpu(location, map_location):
+                if torch.cuda.is_available():
+                    torch.cuda.init()   # as restore would: now, so the buffer is registered
+                registered[index] = register_if_cuda(pieces.buffers[index])
             storage = torch.frombuffer(pieces.view(record[0], nbytes),
                                        dtype=torch.uint8).untyped_storage()
             restored = restore(storage, location)
             if _same_memory(restored, storage):
-                returned.add(pieces.index(record[0], nbytes))
+                returned.add(index)
             elif getattr(restored, "is_cuda", False):
                 gpus.add(restored.device)
             return restored
 
         returned: set[int] = set()
-        gpus: set[Any] = set()
         loaded = unpickle(entries, make_storage, weights_only, map_location)
     except BaseException:
+        _copies_done(gpus, registered)
         pieces.free()
         raise
+    _copies_done(gpus, registered)
     if len(returned) < len(pieces.buffers):
-        for device in gpus:     # a copy map_location queued out of a buffer is done
-            torch.cuda.synchronize(device)
         pieces.free(keep=returned)
     return loaded
+
+
+def _bound_for_gpu(location: str, map_location: Any) -> bool:
+    """Whether a storage saved at ``location`` goes to a GPU under ``map_location``: known
+    for None, a device (or its name) and a dict of names; not for a function (False)."""
+    if isinstance(map_location, dict):
+        location = map_location.get(location, location)
+    elif callable(map_location):
+        return False
+    elif map_location is not None:
+        location = map_location
+    return str(location).startswith("cuda")
+
+
+def _copies_done(gpus: set[Any], registered: dict[int, Any]) -> None:
+    """Wait for the copies ``map_location`` queued out of the buffers to ``gpus``, then
+    unregister the buffers registered for them."""
+    import torch
+
+    try:
+        for device in gpus:
+            torch.cuda.synchronize(device)
+    finally:
+        for unregister in registered.values():
+            if unregister is not None:
+                unregister()
 
 
 def _same_memory(restored: Any, storage: Any) -> bool:

@@ -28,6 +28,21 @@ one that a failure or a Ctrl-C left with requests in flight is freed (which wait
 them). A kept queue is an eventfd and a context of 64 requests counted against
 fs.aio-max-nr (an io_uring ring: its descriptor); ``release_idle_queues()`` frees
 them, and a forked child starts with none (Note [process state]).
+
+Note [own queue and CUDA]
+Where CUDA was in use, these calls used to start a handle, for its locked buffers are
+registered with CUDA: on an H100 VM a one-call save or load of 256 MiB of CUDA state
+spent 100 to 135 ms starting and stopping the handle's workers and queue, and a load
+130 ms more locking shared memory for its buffers and 47 ms freeing them, against
+0.08 s for all of ``torch.load`` from the page cache (measured 2026-11-27). They keep
+to the process's own queue now, and register with CUDA the private memory that copies
+to or from a GPU go through, as the handle does its own (``register_if_cuda``): the
+save's ring and a kept ``Checkpointer``'s snapshot, ``QueueReader``'s ring, and a
+load's buffers that storages bound for a GPU lie in; each is unregistered before its
+memory goes (registration pins pages: the driver would hold them past an unmap).
+There, for 256 MiB of CUDA state on the VM's disk: ``nvmeswap.load`` 0.34-0.41 ->
+0.25 s, ``nvmeswap.save`` 0.36-0.41 -> 0.23-0.35 s; registering a load's four buffers
+took 13 ms, unregistering them 5 ms (cProfile of one process, 2026-11-27).
 """
 from __future__ import annotations
 
@@ -37,7 +52,7 @@ import mmap
 import os
 import select
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from .._memory import buffer_address, copy_memory, lock_range
 from ..errors import (
@@ -46,11 +61,13 @@ from ..errors import (
     uring_setup_refused,
     warn_once,
 )
+from ..gpu.copies import register_range
 from ..io import process_state
 from ..io.engines import caller_queue_type, checked_engine, resolve
 from ..io.files import open_target
 from ..io.interrupts import deferred_interrupts
 from ..io.operation import transfer_error
+from ..locked_tensors import registers_with_cuda_now
 from ..units import ALIGNMENT
 from .stripes import StripeSet, stripe_pieces
 
@@ -223,6 +240,15 @@ def private_tensor(nbytes: int, *, locked: bool) -> Any:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
+def register_if_cuda(tensor: Any) -> Callable[[], None] | None:
+    """Where CUDA is in use, ``tensor``'s memory registered with it for DMA copies (Note
+    [own queue and CUDA]): the call that unregisters it, to be made before the memory
+    goes; else (or where CUDA refuses) None."""
+    if not registers_with_cuda_now() or not tensor.numel():
+        return None
+    return register_range(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
 def lock(mapping: mmap.mmap, name: str) -> None:
     """Page-lock ``mapping``; where the system refuses, one warning and it stays unlocked."""
     address, nbytes = buffer_address(mapping, True)
@@ -265,12 +291,21 @@ class QueueWriter:
         self.stripes = stripes
         self._writes: list[_Write] = []
         self._interrupted: BaseException | None = None
+        self._registered: dict[int, Callable[[], None]] = {}    # address -> unregister
 
     def new_cpu_locked_tensor(self, nbytes: int, example: Any) -> Any:
-        return private_tensor(nbytes, locked=True)
+        tensor = private_tensor(nbytes, locked=True)
+        unregister = register_if_cuda(tensor)
+        if unregister is not None:
+            self._registered[tensor.data_ptr()] = unregister
+        return tensor
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        return True     # its memory goes with the tensor
+        """Unregister it from CUDA if it was; its memory goes with the tensor."""
+        unregister = self._registered.pop(tensor.data_ptr(), None)
+        if unregister is not None:
+            unregister()
+        return True
 
     def submit_pwrite(self, buffer: Any, filename: str, file_offset: int) -> _Write:
         """Start writing ``buffer`` at ``file_offset`` (aligned, as the ring's slots are)."""
@@ -355,6 +390,9 @@ class QueueWriter:
         self.own.close()
         for write in list(self._writes):
             self.forget(write)
+        registered, self._registered = self._registered, {}
+        for unregister in registered.values():
+            unregister()
 
     def __enter__(self) -> QueueWriter:
         return self
@@ -377,6 +415,7 @@ class QueueReader:
         self.own: OwnQueue | None = None      # made by the first wait()
         self.slot_bytes, self.slots = slot_bytes, slots
         self.ring: Any = None
+        self._unregister_ring: Callable[[], None] | None = None
         self._jobs: list[tuple[Any, str, int]] = []
         self._stripes: dict[str, tuple[list[str], int]] = {}
         self._files: dict[str, Any] = {}
@@ -401,6 +440,7 @@ class QueueReader:
         if self.ring is None:
             mapping = private_memory(self.slot_bytes * self.slots)
             self.ring = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._unregister_ring = register_if_cuda(self.ring)
         windows = self._windows(jobs)
         free = list(range(self.slots))
         landing: dict[int, list] = {}       # slot -> [requests left, window]
@@ -467,7 +507,7 @@ class QueueReader:
         source = slot * self.slot_bytes + offset % ALIGNMENT
         if target.device.type == "cpu":
             copy_memory(target.data_ptr() + at, self.ring.data_ptr() + source, length)
-        else:       # a GPU's tensor, where CUDA is in use but locked memory unregistered
+        else:       # a GPU's tensor: DMA, the ring being registered (Note [own queue and CUDA])
             flat = target.view(-1).view(torch.uint8)
             flat[at:at + length].copy_(self.ring[source:source + length])
 
@@ -482,6 +522,9 @@ class QueueReader:
         for file in self._files.values():
             file.close()
         self._files.clear()
+        unregister, self._unregister_ring = self._unregister_ring, None
+        if unregister is not None:
+            unregister()
         self.ring = None
 
     def __enter__(self) -> QueueReader:

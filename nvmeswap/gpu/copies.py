@@ -103,19 +103,25 @@ def register_for_device_copies(region):
     registered for its life; ``SharedRegion.close`` unregisters it. Refusal (the memory
     limit, a driver without it) costs speed, not correctness: one warning.
     """
-    if region.unregister is not None:
-        return
+    if region.unregister is None:
+        region.unregister = register_range(region.address, region.size)
+
+
+def register_range(address, size):
+    """``cudaHostRegister`` (portable: pinned for every device's context, not only the
+    current one) the ``size`` bytes at ``address``, as Note [registered staging]; the
+    call that unregisters them, to be made before the memory goes, or None where
+    registration was refused (one warning)."""
     cudart = cuda().cudart()
-    # Portable: pinned for every device's context, not only the current one.
-    status = cudart.cudaHostRegister(region.address, region.size, HOST_REGISTER_PORTABLE)
+    status = cudart.cudaHostRegister(address, size, HOST_REGISTER_PORTABLE)
     if status != cudart.cudaError.success:
-        warn_once("cudaHostRegister", f"cudaHostRegister of {region.size} bytes of staging "
+        warn_once("cudaHostRegister", f"cudaHostRegister of {size} bytes of staging "
                   f"memory failed ({status}); GPU copies continue through unregistered memory, "
                   "more slowly", RuntimeWarning)
-        return
+        return None
 
-    def unregister(address=region.address):
+    def unregister():
         cudart.cudaHostUnregister(address)
 
-    region.unregister = unregister
+    return unregister
 
