@@ -16,6 +16,7 @@ from ..io import process_state
 from ..units import ALIGNMENT, round_up
 from . import loading
 from . import safetensors as safetensors_format
+from .crc import crc32
 from .image import FileImage, StreamWriter, TensorRun
 from .own_queue import QueueReader, QueueWriter, private_tensor, register_if_cuda
 from .state import state_tensors
@@ -377,7 +378,7 @@ class Checkpointer:
         # copy each tensor's bytes into one locked buffer at its place in the file, with
         # torch's copy (which releases the GIL and uses every core). The CRCs, the headers
         # and the write run on a thread of their own, whose work releases the GIL too
-        # (zlib's CRC, nvmeswap's wait). The buffer is the size of one checkpoint, kept
+        # (the CRC, nvmeswap's wait). The buffer is the size of one checkpoint, kept
         # for the next save; so that it stays one, a save waits for the one before it.
         # A one-off save's buffer is never used again: plain memory. Locking fresh
         # memory would keep the caller longer than a whole synchronous save (0.7 s a GiB
@@ -510,14 +511,12 @@ class Checkpointer:
 
     def _write_from_snapshot(self, image, path):
         """The CRCs and headers into the snapshot, then the snapshot to ``path``."""
-        import zlib
-
         snapshot = self._snapshot
         view = memoryview(snapshot.numpy())
         try:
             for offset, run in image.runs:
                 if isinstance(run, TensorRun):
-                    run.set_crc(zlib.crc32(view[offset:offset + run.nbytes]))
+                    run.set_crc(crc32(view[offset:offset + run.nbytes]))
             for offset, run in image.runs:
                 if not isinstance(run, TensorRun):
                     view[offset:offset + len(run)] = run

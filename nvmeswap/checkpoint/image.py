@@ -20,11 +20,11 @@ right after, so it never passes through other host memory.
 from __future__ import annotations
 
 import threading
-import zlib
 from typing import Any
 
 from .._memory import copy_memory
 from ..units import ALIGNMENT, round_up
+from .crc import crc32
 
 
 class TensorRun:
@@ -111,8 +111,8 @@ def _checksummed_on_host(run: Any) -> bool:
 
 class _Checksums:
     """The CRC-32 of every tensor run that needs one, computed on a thread of its own
-    from the runs' own bytes while the ring is filled and written (zlib releases the
-    GIL), each patched into its header bytes before ``wait_for`` lets them be copied."""
+    from the runs' own bytes while the ring is filled and written (Note [fast CRC-32]:
+    it releases the GIL), each patched into its header bytes before ``wait_for`` lets them be copied."""
 
     PIECE = 64 << 20
 
@@ -133,7 +133,7 @@ class _Checksums:
                 for start in range(0, len(view), self.PIECE):
                     if self.stopped:
                         return
-                    crc = zlib.crc32(view[start:start + self.PIECE], crc)
+                    crc = crc32(view[start:start + self.PIECE], crc)
                 view.release()
                 with self.condition:
                     run.set_crc(crc)
@@ -208,7 +208,7 @@ class StreamWriter:
                     elif is_tensor:
                         self.ring[into].copy_(run.source[position - offset:upto - offset])
                         if run.crc_slots:
-                            run.crc = zlib.crc32(self.view[into],
+                            run.crc = crc32(self.view[into],
                                                  run.crc if position > offset else 0)
                             if upto == run_end:
                                 run.set_crc(run.crc)

@@ -1,0 +1,48 @@
+"""Note [fast CRC-32]: the CRC-32 a save puts in its archive is zlib's, whichever
+implementation computes it; where ISA-L's will not import, zlib's takes its place."""
+import subprocess
+import sys
+import zlib
+
+import pytest
+from conftest import package_env, random_bytes
+
+from nvmeswap.checkpoint.crc import crc32
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 1 << 20, (5 << 20) + 17])
+def test_the_crc_is_zlibs_whole_and_in_pieces(size):
+    data = random_bytes(size, seed=size)
+    assert crc32(data) == zlib.crc32(data)
+    view = memoryview(data)
+    running = 0
+    for start in range(0, size, 1 << 20):
+        running = crc32(view[start:start + (1 << 20)], running)
+    assert running == zlib.crc32(data)
+    assert crc32(view[3:], 12345) == zlib.crc32(view[3:], 12345)
+
+
+def test_without_isal_a_save_still_writes_right_crcs(tmp_path):
+    """A platform without ISA-L's wheels: the save's CRCs come from zlib, and zipfile
+    checks every one of them."""
+    blocker = tmp_path / "blocked" / "isal"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('no isal here')\n")
+    script = r"""
+import sys, zipfile, torch, nvmeswap
+from nvmeswap.checkpoint import crc
+assert crc.crc32.__module__ == "zlib", crc.crc32.__module__
+state = {"w": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16)}
+nvmeswap.save(state, sys.argv[1])
+with zipfile.ZipFile(sys.argv[1]) as archive:
+    assert archive.testzip() is None
+loaded = torch.load(sys.argv[1])
+assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+print("ok")
+"""
+    pytest.importorskip("torch", reason="needs torch (pip install torch)")
+    env = package_env()
+    env["PYTHONPATH"] = f"{blocker.parent}:{env['PYTHONPATH']}"
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "s.pt")], env=env,
+                            check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
