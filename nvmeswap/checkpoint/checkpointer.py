@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -18,7 +17,7 @@ from . import loading
 from . import safetensors as safetensors_format
 from .crc import crc32
 from .image import FileImage, StreamWriter, TensorRun
-from .own_queue import QueueReader, QueueWriter, private_tensor, register_if_cuda
+from .own_queue import QueueWriter, private_tensor, reader_of, register_if_cuda
 from .state import state_tensors
 from .striped_checkpoints import write_committed
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
@@ -279,17 +278,11 @@ class Checkpointer:
         and ``load_into`` without a handle)."""
         return None if self._given is None else self.handle
 
-    @contextlib.contextmanager
-    def reader(self) -> Iterator[aio_handle | StripedHandle | QueueReader]:
+    def reader(self) -> contextlib.AbstractContextManager[Any]:
         """What reads into given tensors (``async_pread``, ``sync_pread``, ``wait``) for
         the time of the block: the handle, or where none was given a ``QueueReader`` of
-        the process's own queue, closed after it."""
-        handle = self._load_handle()
-        if handle is not None:
-            yield handle
-            return
-        with QueueReader() as reader:
-            yield reader
+        the process's own queue, closed after it (``reader_of``)."""
+        return reader_of(self._load_handle())
 
     def _own_queue_saver(self) -> QueueCheckpointer | None:
         """What saves through the process's own queue (made at its first use), where

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..units import ALIGNMENT
 from .fresh_reads import read_fresh
-from .own_queue import QueueReader, register_if_cuda
+from .own_queue import reader_of, register_if_cuda
 from .striped_checkpoints import (
     layout_file,
     opened,
@@ -326,20 +326,16 @@ def reading(source: int | str, layout: dict | None,
     """``(reader, file)``: what reads the bytes of a checkpoint (``opened``'s ``source``,
     with its ``layout`` if striped, Note [striped checkpoints]) by file offset, and the
     file to name to it: ``handle``'s, or without a handle a ``QueueReader`` of the
-    process's own queue."""
-    if handle is None:
-        with QueueReader() as reader:
-            if layout is None:
-                yield reader, source
-                return
+    process's own queue (``reader_of``)."""
+    with reader_of(handle) as reader:
+        if layout is None:
+            yield unstriped(reader), source
+        elif handle is None:
             reader.stripe(layout_file(layout), stripe_paths(layout), layout["stripe_bytes"])
             yield reader, layout_file(layout)
-        return
-    if layout is None:
-        yield unstriped(handle), source
-        return
-    with striped_reader(layout, handle) as reader:
-        yield reader, layout_file(layout)
+        else:
+            with striped_reader(layout, handle) as striped:
+                yield striped, layout_file(layout)
 
 
 def read_each(handle: Any, path: int | str, reads: list[tuple[Any, int]]) -> None:

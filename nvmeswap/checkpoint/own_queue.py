@@ -47,11 +47,13 @@ took 13 ms, unregistering them 5 ms (cProfile of one process, 2026-11-27).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import mmap
 import os
 import select
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from .._memory import buffer_address, copy_memory, lock_range
@@ -399,6 +401,18 @@ class QueueWriter:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def reader_of(handle: Any) -> Iterator[Any]:
+    """What reads into given tensors (``async_pread``, ``sync_pread``, ``wait``) for the
+    time of the block: ``handle``, or where it is None a ``QueueReader`` of the
+    process's own queue, closed after the block."""
+    if handle is not None:
+        yield handle
+        return
+    with QueueReader() as reader:
+        yield reader
 
 
 class QueueReader:
