@@ -88,7 +88,7 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
         old = read_layout(path) if os.path.isfile(path) else None
         _remove_orphans(stripes, base, old, commits.writing)
     try:
-        _write_and_commit(stripes, size, path, write, name, commits)
+        _write_and_commit(stripes, size, path, write, os.path.join(folder, name), commits)
     finally:
         with commits.lock:
             commits.writing.discard(name)
@@ -96,12 +96,14 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
         _remove_stripes(old)
 
 
-def _write_and_commit(stripes, size, path, write, name, commits):
+def _write_and_commit(stripes, size, path, write, logical, commits):
+    """Write the stripe files of ``logical`` (in ``path``'s folder), make them durable,
+    then commit the layout at ``path`` naming them."""
     import json
 
     from . import commit
 
-    logical = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+    name = os.path.basename(logical)
     parts = stripes.paths(logical)
     expected = [0] * len(parts)
     for device, device_offset, _, length in stripes.pieces(size, 0):
