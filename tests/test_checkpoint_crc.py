@@ -1,5 +1,6 @@
 """Note [fast CRC-32]: the CRC-32 a save puts in its archive is zlib's, whichever
 implementation computes it; where ISA-L's will not import, zlib's takes its place."""
+import importlib.util
 import subprocess
 import sys
 import zlib
@@ -8,6 +9,11 @@ import pytest
 from conftest import package_env, random_bytes
 
 from nvmeswap.checkpoint.crc import crc32
+
+
+def test_isal_computes_it_where_it_is_installed():
+    expected = "isal" if importlib.util.find_spec("isal") else "zlib"
+    assert crc32.__module__.split(".")[0] == expected
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 1 << 20, (5 << 20) + 17])
