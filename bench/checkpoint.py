@@ -178,7 +178,7 @@ def child(args):
                                                args.device))
             result["identical"] = result["identical"] and same(state, torch.load(where))
         started = time.perf_counter()
-        future = nvmeswap.async_save(state, where)      # one call: a handle of its own
+        future = nvmeswap.async_save(state, where)      # one call: a snapshot of its own
         result["one_call_blocked_seconds"] = time.perf_counter() - started
         future.result()
         result["one_call_total_seconds"] = finished() - started

@@ -579,7 +579,7 @@ def race(save, load, rounds, tolerated=()):
             errors.append(error)
 
     def load_meanwhile():
-        late_tries = 3      # once the saves are done, a tolerated error is a failure
+        late_tries = 3      # once the saves are done: three tries for one load whole
         while saving[0] or (not seen and late_tries):
             late_tries -= not saving[0]
             try:

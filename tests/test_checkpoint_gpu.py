@@ -178,12 +178,14 @@ def test_calls_without_a_handle_start_no_worker_and_leave_nothing_registered(tmp
     from nvmeswap.checkpoint import own_queue
 
     registered = {}     # address -> size, while registered
+    made = []           # the size of each registration, in order
     register_range = own_queue.register_range
 
     def recorded(address, size):
         unregister = register_range(address, size)
         assert unregister is not None, "CUDA refused a registration"
         registered[address] = size
+        made.append(size)
 
         def recorded_unregister():
             del registered[address]
@@ -195,13 +197,17 @@ def test_calls_without_a_handle_start_no_worker_and_leave_nothing_registered(tmp
     state = cuda_state()
     path = tmp_path / "state.pt"
     nvmeswap.save(state, path)
+    assert len(made) == 1 and registered == {}          # the ring, for the call
     assert_same(state, torch.load(path))
     loaded = nvmeswap.load(path)
+    assert len(made) >= 2 and registered == {}          # the buffers bound for the GPU
     assert_same(state, loaded)
     assert on_device(loaded) == on_device(state)
     into = {"w": torch.zeros_like(state["base"])}
     nvmeswap.save({"w": state["base"]}, path)
+    made.clear()
     nvmeswap.load_into(path, into)
+    assert len(made) == 1 and registered == {}          # the reading ring
     assert torch.equal(into["w"].view(torch.int32), state["base"].view(torch.int32))
     with nvmeswap.Checkpointer() as saver:
         saver.async_save(state, path).result()

@@ -18,11 +18,13 @@ from nvmeswap.checkpoint import loading, own_queue
 
 @pytest.fixture
 def cuda(monkeypatch):
-    """CUDA in use, as far as nvmeswap can tell, under the stand-in runtime; its
-    ``sizes`` lists the bytes of each registration, in order. No worker may start."""
+    """CUDA in use (while ``in_use``), as far as nvmeswap can tell, under the stand-in
+    runtime; its ``sizes`` lists the bytes of each registration, in order. No worker
+    may start."""
     runtime = use_stand_in_device(monkeypatch)
+    runtime.in_use = True
     for module in (locked_tensors, own_queue):
-        monkeypatch.setattr(module, "registers_with_cuda_now", lambda: True)
+        monkeypatch.setattr(module, "registers_with_cuda_now", lambda: runtime.in_use)
     runtime.sizes = []
     register_range = own_queue.register_range
 
@@ -61,6 +63,58 @@ def test_a_kept_checkpointer_registers_its_snapshot_until_close(cuda, tmp_path):
     finally:
         checkpointer.close()
     assert cuda.registered == {}
+
+
+def test_a_larger_snapshot_replaces_the_registered_one(cuda, tmp_path):
+    with nvmeswap.Checkpointer() as checkpointer:
+        for nbytes in (1 << 20, 8 << 20):
+            state = {"w": random_tensor((nbytes,), torch.uint8, nbytes)}
+            checkpointer.async_save(state, tmp_path / "s.pt").result()
+            assert_same(state, torch.load(tmp_path / "s.pt"))
+            assert list(cuda.registered.values()) == cuda.sizes[-1:]
+        assert len(cuda.sizes) == 2 and cuda.sizes[1] > 8 << 20
+    assert cuda.registered == {}
+
+
+def test_a_checkpointer_dropped_unclosed_unregisters_before_its_memory_goes(cuda,
+                                                                            tmp_path):
+    import gc
+
+    checkpointer = nvmeswap.Checkpointer()
+    checkpointer.save(state(), tmp_path / "s.pt")              # a kept ring
+    checkpointer.async_save(state(), tmp_path / "t.pt").result()  # a kept snapshot
+    assert len(cuda.registered) == 2
+    del checkpointer
+    gc.collect()
+    assert cuda.registered == {}
+    assert_same(state(), torch.load(tmp_path / "t.pt"))
+
+
+def test_memory_kept_from_before_cuda_came_into_use_is_registered_after(cuda, tmp_path):
+    cuda.in_use = False
+    with nvmeswap.Checkpointer() as checkpointer:
+        checkpointer.save(state(), tmp_path / "s.pt")
+        checkpointer.async_save(state(), tmp_path / "t.pt").result()
+        assert cuda.sizes == []
+        cuda.in_use = True
+        checkpointer.save(state(), tmp_path / "s.pt")
+        checkpointer.async_save(state(), tmp_path / "t.pt").result()
+        assert len(cuda.registered) == 2        # the ring and the snapshot
+    assert cuda.registered == {}
+    assert_same(state(), torch.load(tmp_path / "s.pt"))
+    assert_same(state(), torch.load(tmp_path / "t.pt"))
+
+
+def test_a_failed_load_unregisters_and_raises_its_own_error(cuda, tmp_path, monkeypatch):
+    nvmeswap.save(state(), tmp_path / "s.pt")
+    monkeypatch.setattr(loading, "_bound_for_gpu", lambda location, map_location: True)
+
+    def refuse(storage, location):
+        raise RuntimeError("no room on the device")
+
+    with pytest.raises(RuntimeError, match="no room on the device"):
+        nvmeswap.load(tmp_path / "s.pt", map_location=refuse)
+    assert cuda.sizes and cuda.registered == {}
 
 
 def test_load_into_registers_its_reading_ring_for_the_call(cuda, tmp_path):

@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from ..aio import aio_handle
 from ..gpu.copies import mark_queued_work
@@ -17,7 +17,7 @@ from . import loading
 from . import safetensors as safetensors_format
 from .crc import crc32
 from .image import FileImage, StreamWriter, TensorRun
-from .own_queue import QueueWriter, private_tensor, reader_of, register_if_cuda
+from .own_queue import QueueWriter, Registration, private_tensor, reader_of
 from .state import state_tensors
 from .striped_checkpoints import write_committed
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
@@ -26,7 +26,7 @@ from .torch_zip import layout
 #: The ring a synchronous save copies through (Note [streamed checkpoint writes]).
 CHUNK_BYTES = 16 << 20
 CHUNKS = 4
-#: The handle a checkpointer makes for itself when given none.
+#: The handle a checkpointer given none makes when its ``handle`` is asked for.
 HANDLE_ARGS = {"intra_op_parallelism": 2}
 
 
@@ -142,6 +142,8 @@ class QueueCheckpointer:
             # A ring no larger than the first image needs: it is locked, page by page.
             self._writer = StreamWriter(self._queue_writer(path),
                                         *ring_shape(self._chunk_bytes, self._chunks, image))
+        else:   # a kept ring: CUDA may have come into use since it was made
+            self._queue_writer(path).ensure_registered()
         writer = self._writer
         write_committed(self._stripes, image.size, path, lambda name: writer.write(image, name))
 
@@ -182,9 +184,9 @@ class Checkpointer:
     Parameters
     ----------
     handle : aio_handle, optional
-        The handle to move the bytes with; by default one of its own
-        (``intra_op_parallelism=2``), started at its first use and closed by ``close()``.
-        A given handle is left open.
+        The handle to move the bytes with; by default none (the process's own queue,
+        below), and one of its own (``intra_op_parallelism=2``, closed by ``close()``)
+        only if ``handle`` is asked for. A given handle is left open.
     chunk_bytes, chunks : int
         The ring of locked buffers a synchronous save copies through (default 4 x 16 MiB);
         the only memory a synchronous save locks. ``chunk_bytes=None``: chunks no larger
@@ -231,7 +233,7 @@ class Checkpointer:
         self._saver: QueueCheckpointer | None = None     # the saves by the own queue
         self._snapshot = None
         self._snapshot_in_handle = False    # in the handle's locked set: freed through it
-        self._unregister_snapshot: Callable[[], None] | None = None    # registered with CUDA
+        self._snapshot_registration: Registration | None = None    # with CUDA
         self._in_flight: Future | None = None
         self._lock = threading.Lock()           # one write at a time
         self._snapshot_lock = threading.Lock()  # one snapshot started at a time
@@ -451,6 +453,8 @@ class Checkpointer:
     def _snapshot_buffer(self, nbytes, locked):
         import torch
 
+        if self._snapshot_registration is not None:
+            self._snapshot_registration.ensure()    # CUDA may have come into use since
         if self._snapshot is None or self._snapshot.numel() < nbytes:
             self._free_snapshot()
             size = round_up(max(nbytes, 1), ALIGNMENT)
@@ -458,7 +462,7 @@ class Checkpointer:
                 self._snapshot = private_tensor(size, locked=locked)
                 self._snapshot_in_handle = False
                 if locked:  # kept: copies from a GPU into it are DMA
-                    self._unregister_snapshot = register_if_cuda(self._snapshot)
+                    self._snapshot_registration = Registration(self._snapshot)
             elif locked:
                 self._snapshot = self.handle.new_cpu_locked_tensor(
                     size, torch.empty(0, dtype=torch.uint8))
@@ -469,9 +473,9 @@ class Checkpointer:
         return self._snapshot
 
     def _free_snapshot(self):
-        unregister, self._unregister_snapshot = self._unregister_snapshot, None
-        if unregister is not None:
-            unregister()
+        registration, self._snapshot_registration = self._snapshot_registration, None
+        if registration is not None:
+            registration.release()
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None and self._snapshot_in_handle:
             self.handle.free_cpu_locked_tensor(snapshot)
@@ -541,7 +545,10 @@ class Checkpointer:
         self._handle_lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         self._in_flight = None
-        self._unregister_snapshot = None    # the parent's registration, not the child's
+        # The snapshot is the parent's: registered with CUDA there, perhaps not mapped
+        # here as it was. The child makes its own at its first async save.
+        self._snapshot = self._snapshot_registration = None
+        self._snapshot_in_handle = False
 
     def _check_open(self):
         if self.closed:

@@ -112,7 +112,8 @@ def _checksummed_on_host(run: Any) -> bool:
 class _Checksums:
     """The CRC-32 of every tensor run that needs one, computed on a thread of its own
     from the runs' own bytes while the ring is filled and written (Note [fast CRC-32]:
-    it releases the GIL), each patched into its header bytes before ``wait_for`` lets them be copied."""
+    it releases the GIL), each patched into its header bytes before ``wait_for`` lets
+    them be copied."""
 
     PIECE = 64 << 20
 
@@ -209,7 +210,7 @@ class StreamWriter:
                         self.ring[into].copy_(run.source[position - offset:upto - offset])
                         if run.crc_slots:
                             run.crc = crc32(self.view[into],
-                                                 run.crc if position > offset else 0)
+                                            run.crc if position > offset else 0)
                             if upto == run_end:
                                 run.set_crc(run.crc)
                     else:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..units import ALIGNMENT
 from .fresh_reads import read_fresh
-from .own_queue import reader_of, register_if_cuda
+from .own_queue import Registration, reader_of
 from .striped_checkpoints import (
     layout_file,
     opened,
@@ -233,7 +233,7 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
     from torch import serialization
 
     entries, pieces = _read_archive(path, handle)
-    registered: dict[int, Any] = {}     # buffer index -> its unregister (or None)
+    registered: dict[int, Registration] = {}    # by buffer index
     gpus: set[Any] = set()
     try:
         restore = serialization._get_restore_location(map_location)
@@ -252,7 +252,7 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
                     _bound_for_gpu(location, map_location):
                 if torch.cuda.is_available():
                     torch.cuda.init()   # as restore would: now, so the buffer is registered
-                registered[index] = register_if_cuda(pieces.buffers[index])
+                registered[index] = Registration(pieces.buffers[index])
             storage = torch.frombuffer(pieces.view(record[0], nbytes),
                                        dtype=torch.uint8).untyped_storage()
             restored = restore(storage, location)
@@ -265,8 +265,12 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
         returned: set[int] = set()
         loaded = unpickle(entries, make_storage, weights_only, map_location)
     except BaseException:
-        _copies_done(gpus, registered)
-        pieces.free()
+        try:
+            _copies_done(gpus, registered)
+        except BaseException:   # the load's own error is the one to raise
+            pass
+        finally:
+            pieces.free()
         raise
     _copies_done(gpus, registered)
     if len(returned) < len(pieces.buffers):
@@ -286,7 +290,7 @@ def _bound_for_gpu(location: str, map_location: Any) -> bool:
     return str(location).startswith("cuda")
 
 
-def _copies_done(gpus: set[Any], registered: dict[int, Any]) -> None:
+def _copies_done(gpus: set[Any], registered: dict[int, Registration]) -> None:
     """Wait for the copies ``map_location`` queued out of the buffers to ``gpus``, then
     unregister the buffers registered for them."""
     import torch
@@ -295,9 +299,8 @@ def _copies_done(gpus: set[Any], registered: dict[int, Any]) -> None:
         for device in gpus:
             torch.cuda.synchronize(device)
     finally:
-        for unregister in registered.values():
-            if unregister is not None:
-                unregister()
+        for registration in registered.values():
+            registration.release()
 
 
 def _same_memory(restored: Any, storage: Any) -> bool:

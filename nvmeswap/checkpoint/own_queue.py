@@ -36,7 +36,7 @@ spent 100 to 135 ms starting and stopping the handle's workers and queue, and a 
 130 ms more locking shared memory for its buffers and 47 ms freeing them, against
 0.08 s for all of ``torch.load`` from the page cache (measured 2026-11-27). They keep
 to the process's own queue now, and register with CUDA the private memory that copies
-to or from a GPU go through, as the handle does its own (``register_if_cuda``): the
+to or from a GPU go through, as the handle does its own (``Registration``): the
 save's ring and a kept ``Checkpointer``'s snapshot, ``QueueReader``'s ring, and a
 load's buffers that storages bound for a GPU lie in; each is unregistered before its
 memory goes (registration pins pages: the driver would hold them past an unmap).
@@ -54,7 +54,7 @@ import os
 import select
 import threading
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any
 
 from .._memory import buffer_address, copy_memory, lock_range
 from ..errors import (
@@ -242,13 +242,39 @@ def private_tensor(nbytes: int, *, locked: bool) -> Any:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def register_if_cuda(tensor: Any) -> Callable[[], None] | None:
-    """Where CUDA is in use, ``tensor``'s memory registered with it for DMA copies (Note
-    [own queue and CUDA]): the call that unregisters it, to be made before the memory
-    goes; else (or where CUDA refuses) None."""
-    if not registers_with_cuda_now() or not tensor.numel():
-        return None
-    return register_range(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+class Registration:
+    """``tensor``'s private memory registered with CUDA for DMA copies where CUDA is in
+    use (Note [own queue and CUDA]), for as long as this lives or until ``release()``
+    (idempotent). It holds the tensor, so the memory cannot go while it is registered;
+    dropped unreleased, it unregisters first. Only the process that registered it
+    unregisters: a forked child leaves the parent's to the parent."""
+
+    __slots__ = ("_pid", "_unregister", "tensor")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self._pid = os.getpid()
+        self._unregister = None
+        self.ensure()
+
+    def ensure(self) -> None:
+        """Register it now if CUDA has come into use since (memory kept from before)."""
+        tensor = self.tensor
+        if self._unregister is None and tensor is not None and tensor.numel() and \
+                os.getpid() == self._pid and registers_with_cuda_now():
+            self._unregister = register_range(tensor.data_ptr(),
+                                              tensor.numel() * tensor.element_size())
+
+    def release(self) -> None:
+        unregister, self._unregister, self.tensor = self._unregister, None, None
+        if unregister is not None and os.getpid() == self._pid:
+            unregister()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:   # at interpreter exit CUDA may be gone; the memory goes with it
+            pass
 
 
 def lock(mapping: mmap.mmap, name: str) -> None:
@@ -293,20 +319,24 @@ class QueueWriter:
         self.stripes = stripes
         self._writes: list[_Write] = []
         self._interrupted: BaseException | None = None
-        self._registered: dict[int, Callable[[], None]] = {}    # address -> unregister
+        self._registered: dict[int, Registration] = {}    # by address
 
     def new_cpu_locked_tensor(self, nbytes: int, example: Any) -> Any:
         tensor = private_tensor(nbytes, locked=True)
-        unregister = register_if_cuda(tensor)
-        if unregister is not None:
-            self._registered[tensor.data_ptr()] = unregister
+        self._registered[tensor.data_ptr()] = Registration(tensor)
         return tensor
+
+    def ensure_registered(self) -> None:
+        """Register its tensors with CUDA where CUDA has come into use since they were
+        made (a kept ring)."""
+        for registration in self._registered.values():
+            registration.ensure()
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
         """Unregister it from CUDA if it was; its memory goes with the tensor."""
-        unregister = self._registered.pop(tensor.data_ptr(), None)
-        if unregister is not None:
-            unregister()
+        registration = self._registered.pop(tensor.data_ptr(), None)
+        if registration is not None:
+            registration.release()
         return True
 
     def submit_pwrite(self, buffer: Any, filename: str, file_offset: int) -> _Write:
@@ -393,8 +423,8 @@ class QueueWriter:
         for write in list(self._writes):
             self.forget(write)
         registered, self._registered = self._registered, {}
-        for unregister in registered.values():
-            unregister()
+        for registration in registered.values():
+            registration.release()
 
     def __enter__(self) -> QueueWriter:
         return self
@@ -429,7 +459,7 @@ class QueueReader:
         self.own: OwnQueue | None = None      # made by the first wait()
         self.slot_bytes, self.slots = slot_bytes, slots
         self.ring: Any = None
-        self._unregister_ring: Callable[[], None] | None = None
+        self._ring_registration: Registration | None = None
         self._jobs: list[tuple[Any, str, int]] = []
         self._stripes: dict[str, tuple[list[str], int]] = {}
         self._files: dict[str, Any] = {}
@@ -454,7 +484,7 @@ class QueueReader:
         if self.ring is None:
             mapping = private_memory(self.slot_bytes * self.slots)
             self.ring = torch.frombuffer(mapping, dtype=torch.uint8)
-            self._unregister_ring = register_if_cuda(self.ring)
+            self._ring_registration = Registration(self.ring)
         windows = self._windows(jobs)
         free = list(range(self.slots))
         landing: dict[int, list] = {}       # slot -> [requests left, window]
@@ -531,15 +561,17 @@ class QueueReader:
         return 1
 
     def close(self) -> None:
-        if self.own is not None:
-            self.own.close()    # waits for the requests in flight, before the ring goes
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
-        unregister, self._unregister_ring = self._unregister_ring, None
-        if unregister is not None:
-            unregister()
-        self.ring = None
+        try:
+            if self.own is not None:
+                self.own.close()    # waits for the requests in flight, before the ring goes
+        finally:
+            for file in self._files.values():
+                file.close()
+            self._files.clear()
+            registration, self._ring_registration = self._ring_registration, None
+            if registration is not None:
+                registration.release()
+            self.ring = None
 
     def __enter__(self) -> QueueReader:
         return self

@@ -115,7 +115,7 @@ def register_range(address, size):
     cudart = cuda().cudart()
     status = cudart.cudaHostRegister(address, size, HOST_REGISTER_PORTABLE)
     if status != cudart.cudaError.success:
-        warn_once("cudaHostRegister", f"cudaHostRegister of {size} bytes of staging "
+        warn_once("cudaHostRegister", f"cudaHostRegister of {size} bytes of host "
                   f"memory failed ({status}); GPU copies continue through unregistered memory, "
                   "more slowly", RuntimeWarning)
         return None
