@@ -184,7 +184,7 @@ def test_storages_named_by_the_pickler_lay_out_the_same_archive(tmp_path, monkey
     state["typed"] = torch.TypedStorage(random_tensor((999,), torch.int16, 6).tolist(),
                                         dtype=torch.int16)
     nvmeswap.save(state, tmp_path / "handed.pt")
-    monkeypatch.setattr(torch_zip, "_copies_cuda_storages", lambda obj: True)
+    monkeypatch.setattr(torch_zip, "_copies_cuda_storages", lambda tensors: True)
     nvmeswap.save(state, tmp_path / "named.pt")
     handed = (tmp_path / "handed.pt").read_bytes()
     named = (tmp_path / "named.pt").read_bytes()
@@ -207,7 +207,7 @@ def test_a_tensor_skip_data_refuses_out_of_the_walks_sight_is_saved(tmp_path, mo
     module = torch.nn.Module()
     module.register_buffer("q", torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
     state = {"w": random_tensor((1000,), torch.float32, 8), "module": module}
-    monkeypatch.setattr(torch_zip, "_copies_cuda_storages", lambda obj: True)
+    monkeypatch.setattr(torch_zip, "_copies_cuda_storages", lambda tensors: True)
     nvmeswap.save(state, tmp_path / "q.pt")
     loaded = torch.load(tmp_path / "q.pt", weights_only=False)
     assert torch.equal(loaded["w"].view(torch.int32), state["w"].view(torch.int32))

@@ -134,17 +134,17 @@ def _naming_storages(pickle_module: Any, storages: dict[str, Any]) -> Any:
     return types.SimpleNamespace(Pickler=Pickler)
 
 
-def _copies_cuda_storages(obj: Any) -> bool:
-    """Whether torch's writer would copy CUDA storages of ``obj`` that nvmeswap can take
-    as they are (Note [CUDA state layout])."""
-    tensors = [tensor for _, tensor in state_tensors(obj)]
+def _copies_cuda_storages(tensors: list[Any]) -> bool:
+    """Whether torch's writer would copy CUDA storages of a state's ``tensors`` that
+    nvmeswap can take as they are (Note [CUDA state layout])."""
     return (any(tensor.is_cuda for tensor in tensors)
             and not any(tensor.is_quantized or tensor.is_nested or tensor.is_meta
                         for tensor in tensors))
 
 
-def _record(obj, pickle_module, pickle_protocol, *, skip_data):
-    """Run torch's writer over ``obj``: what it wrote, with a hole per storage."""
+def _record(obj, pickle_module, pickle_protocol, *, skip_data, name_storages):
+    """Run torch's writer over ``obj``: what it wrote, with a hole per storage; the
+    pickler names each storage if ``name_storages`` (a state with tensors off the host)."""
     import torch
     from torch import serialization
     from torch.utils.serialization import config
@@ -154,7 +154,7 @@ def _record(obj, pickle_module, pickle_protocol, *, skip_data):
     zip_file = _LayoutZip(writer, recorder)
     # Torch hands a host storage over as it is: only the others need naming by the
     # pickler (whose wrapper costs a Python call for every object pickled).
-    if skip_data or any(tensor.device.type != "cpu" for _, tensor in state_tensors(obj)):
+    if name_storages:
         pickle_module = _naming_storages(pickle_module, zip_file.storages)
     skipping = serialization.skip_data() if skip_data else contextlib.nullcontext()
     with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}), skipping:
@@ -171,14 +171,17 @@ def layout(obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2) -> F
 
     if serialization._serialization_tls.skip_data:
         raise TypeError("nvmeswap.save cannot run inside torch.serialization.skip_data()")
+    tensors = [tensor for _, tensor in state_tensors(obj)]
+    off_host = any(tensor.device.type != "cpu" for tensor in tensors)
     recorded = None
-    if _copies_cuda_storages(obj):
+    if _copies_cuda_storages(tensors):
         try:
-            recorded = _record(obj, pickle_module, pickle_protocol, skip_data=True)
+            recorded = _record(obj, pickle_module, pickle_protocol, skip_data=True,
+                               name_storages=True)
         except RuntimeError:
             pass    # a tensor skip_data refuses, out of the walk's sight: torch's copy, then
     recorder, zip_file = recorded or _record(obj, pickle_module, pickle_protocol,
-                                             skip_data=False)
+                                             skip_data=False, name_storages=off_host)
 
     image = FileImage()
     runs: dict[str, TensorRun] = {}
