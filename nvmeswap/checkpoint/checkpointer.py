@@ -225,7 +225,7 @@ class Checkpointer:
         self._stripes = StripeSet(stripe_folders, stripe_bytes=stripe_bytes) \
             if stripe_folders is not None else \
             handle if isinstance(handle, StripedHandle) else None
-        self._own_handle = handle is None   # made only if ``handle`` is asked for
+        # Given none, a handle of its own is made only if ``handle`` is asked for.
         self._given = self._handle = handle
         self._handle_lock = threading.Lock()
         self._chunk_bytes, self._chunks = chunk_bytes, chunks
@@ -460,8 +460,6 @@ class Checkpointer:
     def _snapshot_buffer(self, nbytes, locked):
         import torch
 
-        if self._snapshot_registration is not None:
-            self._snapshot_registration.ensure()    # CUDA may have come into use since
         if self._snapshot is None or self._snapshot.numel() < nbytes:
             self._free_snapshot()
             size = round_up(max(nbytes, 1), ALIGNMENT)
@@ -477,6 +475,8 @@ class Checkpointer:
             else:
                 self._snapshot = torch.empty(size, dtype=torch.uint8)
                 self._snapshot_in_handle = False
+        elif self._snapshot_registration is not None:
+            self._snapshot_registration.ensure()    # CUDA may have come into use since
         return self._snapshot
 
     def _free_snapshot(self):
@@ -579,11 +579,13 @@ class Checkpointer:
                 self._saver.close()
             if self._writer is not None:
                 self._writer.close()
-            self._free_snapshot()
         finally:
-            self._writer = self._snapshot = self._saver = None
-            if self._own_handle and self._handle is not None:
-                self._handle.close()
+            self._writer = self._saver = None
+            try:
+                self._free_snapshot()
+            finally:
+                if self._given is None and self._handle is not None:
+                    self._handle.close()
 
     def __enter__(self) -> Checkpointer:
         return self
