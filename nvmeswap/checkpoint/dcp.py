@@ -43,7 +43,7 @@ from ..units import ALIGNMENT
 from .checkpointer import Checkpointer
 from .image import FileImage
 from .loading import unpickle
-from .torch_zip import ZipEntries, layout
+from .torch_zip import ZipEntries, tensor_archive
 
 __all__ = ["NvmeFileSystemReader", "NvmeFileSystemWriter"]
 
@@ -132,7 +132,7 @@ def _rank_file(items, planner, file_name):
             if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                 tensor = tensor.clone()     # as DCP does: save the values, not the storage
             image.pad_to(ALIGNMENT)
-            archive = layout(tensor)
+            archive = tensor_archive(tensor)
             start = image.extend(archive)
             length = archive.size
         results.append(WriteResult(index=item.index, size_in_bytes=length,
@@ -171,19 +171,25 @@ class NvmeFileSystemReader(FileSystemReader):
         return future
 
     def _read_file(self, handle, path, requests, planner):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._read_items(handle, path, fd, requests, planner)
+        finally:
+            os.close(fd)
+
+    def _read_items(self, handle, path, fd, requests, planner):
         direct = []         # (request, target) read straight into the target
+        kinds: dict[int, list[_ItemKind]] = {}
         for request in requests:
             info = self.storage_data[request.storage_index]
             if request.type == LoadItemType.BYTE_IO:
-                with open(path, "rb") as file:
-                    file.seek(info.offset)
-                    data = file.read(info.length)
+                data = os.pread(fd, info.length, info.offset)
                 if len(data) != info.length:
                     raise ValueError(f"{path}: {info.length} bytes at {info.offset} "
                                      f"expected, the file has {len(data)}")
                 planner.load_bytes(request, io.BytesIO(data))
                 continue
-            saved, start = _saved_tensor(path, info)
+            saved, start = _saved_tensor(path, fd, info, kinds)
             wanted = narrow_tensor_by_index(saved, request.storage_offsets, request.lengths)
             target = planner.resolve_tensor(request).detach()
             if target.size() != wanted.size():
@@ -216,10 +222,37 @@ def _warn_dcp_moves(what):
               "(buffered, not through nvmeswap; Note [DCP files])", BufferedIOWarning)
 
 
-def _saved_tensor(path, info):
+class _ItemKind:
+    """A tensor item read before: its bytes up to its tensor's, and what they say."""
+
+    def __init__(self, head: bytes, saved: Any) -> None:
+        self.head = head
+        self.saved = saved
+
+
+_KINDS = 8      # kinds of item remembered for each length
+
+
+def _saved_tensor(path, fd, info, kinds):
     """The tensor item at ``info`` as a meta tensor (dtype, shape, strides, offset) and
-    the file offset of its storage's bytes."""
-    entries = ZipEntries(path, info.offset, info.length)
+    the file offset of its storage's bytes. An item whose bytes up to its tensor's are
+    those of one in ``kinds`` of its length says what that one said (Note [tensor
+    archives]); any other is parsed, and becomes a kind of its length."""
+    known = kinds.setdefault(info.length, [])
+    if known:
+        head = os.pread(fd, max(len(kind.head) for kind in known), info.offset)
+        for kind in known:
+            if head.startswith(kind.head):
+                return kind.saved, info.offset + len(kind.head)
+    saved, start = _parsed_tensor(path, fd, info)
+    if len(known) < _KINDS:
+        known.append(_ItemKind(os.pread(fd, start - info.offset, info.offset), saved))
+    return saved, start
+
+
+def _parsed_tensor(path, fd, info):
+    with os.fdopen(os.dup(fd), "rb") as file:
+        entries = ZipEntries(path, info.offset, info.length, file=file)
     found = {}
 
     def make_storage(key, dtype, nbytes, location):

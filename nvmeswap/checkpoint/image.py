@@ -85,6 +85,27 @@ class FileImage:
             self.runs.append((offset, run))
         self.size = offset + nbytes
 
+    def compact(self) -> None:
+        """Make each stretch of header runs between two tensor runs one run (the writer's
+        loop costs per run), moving the CRC slots along."""
+        runs: list[tuple[int, Any]] = []
+        moved: dict[int, tuple[bytearray, int]] = {}    # id(old segment) -> (new, base)
+        for offset, run in self.runs:
+            last = runs[-1][1] if runs else None
+            if isinstance(run, TensorRun):
+                runs.append((offset, run))
+            elif isinstance(last, bytearray):
+                moved[id(run)] = (last, len(last))
+                last += run
+            else:
+                moved[id(run)] = (run, 0)
+                runs.append((offset, run))
+        for _, run in runs:
+            if isinstance(run, TensorRun):
+                run.crc_slots = [(moved[id(segment)][0], moved[id(segment)][1] + index)
+                                 for segment, index in run.crc_slots]
+        self.runs = runs
+
     def tensor_runs(self) -> list[TensorRun]:
         return [run for _, run in self.runs if isinstance(run, TensorRun)]
 

@@ -25,6 +25,14 @@ copies them chunk by chunk into its locked ring, an asynchronous one into its sn
 refuses quantized and nested tensors (and tensors without storage); a state holding one
 keeps torch's copy, whether a walk of its dicts and lists finds it first or skip_data
 refuses it.
+
+Note [tensor archives]: DCP writes each tensor item as a torch.save archive of its own
+(Note [DCP files]); running torch's writer for each took 0.6 ms an item, 1.15 s of a 2 s
+``dcp.save`` of a model's 2000 tensors. Two host tensors that torch pickles alike (their
+``__reduce_ex__`` gives the same dtype, storage size, offset, shape, strides and
+requires_grad, with no hooks or metadata) have archives that differ only in the
+tensor's bytes and their CRC: the first one's layout is kept as a template, and the
+next ones are copies of its header runs around a new tensor run.
 """
 from __future__ import annotations
 
@@ -185,15 +193,77 @@ def layout(obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2) -> F
 
     image = FileImage()
     runs: dict[str, TensorRun] = {}
-    headers: list[bytearray] = []
     for offset, piece in recorder.pieces:
         if isinstance(piece, tuple):
             _, name, nbytes = piece
             storage = zip_file.storages[name]
             runs[name] = image.add_tensor(offset, uint8_view(storage)[:nbytes])
         else:
-            headers.append(image.add_bytes(offset, piece))
+            image.add_bytes(offset, piece)
     _find_crc_slots(image, runs)
+    image.compact()
+    return image
+
+
+class _ArchiveTemplate:
+    """The layout of one tensor's archive without the tensor: its header runs, where
+    the tensor's bytes go, and the places of their CRC (Note [tensor archives])."""
+
+    def __init__(self, image: FileImage) -> None:
+        self.size = image.size
+        self.runs: list[tuple[int, bytes | None]] = []      # None: the tensor's bytes
+        number = {}
+        for offset, run in image.runs:
+            if isinstance(run, TensorRun):
+                self.runs.append((offset, None))
+                self.nbytes, slots = run.nbytes, run.crc_slots
+            else:
+                number[id(run)] = len(number)
+                self.runs.append((offset, bytes(run)))
+        self.slots = [(number[id(segment)], index) for segment, index in slots]
+
+    def image(self, storage: Any) -> FileImage:
+        image = FileImage()
+        segments = []
+        for offset, data in self.runs:
+            if data is None:
+                run = image.add_tensor(offset, uint8_view(storage)[:self.nbytes])
+            else:
+                segments.append(image.add_bytes(offset, data))
+        run.crc_slots = [(segments[number], index) for number, index in self.slots]
+        return image
+
+
+_templates: dict[tuple, _ArchiveTemplate] = {}
+_TEMPLATES = 1024       # kinds of tensor remembered, at most
+
+
+def _archive_kind(tensor: Any) -> tuple | None:
+    """What torch's pickle holds of a host tensor besides its bytes, by its own
+    ``__reduce_ex__``: None for a tensor whose archive may hold more."""
+    import torch
+
+    if tensor.device.type != "cpu":
+        return None
+    reduced = tensor.__reduce_ex__(2)
+    if len(reduced) != 2 or reduced[0] is not torch._utils._rebuild_tensor_v2:
+        return None
+    storage, *rest = reduced[1]
+    if len(rest) != 5 or rest[4]:       # metadata, or backward hooks
+        return None
+    return (storage.dtype, storage._size(), storage._untyped_storage.nbytes(), *rest[:4])
+
+
+def tensor_archive(tensor: Any) -> FileImage:
+    """``layout(tensor)``, taken from a template of tensors of its kind where it can be
+    (Note [tensor archives])."""
+    kind = _archive_kind(tensor)
+    template = _templates.get(kind) if kind is not None else None
+    if template is not None:
+        return template.image(tensor.untyped_storage())
+    image = layout(tensor)
+    if kind is not None and len(image.tensor_runs()) == 1 and len(_templates) < _TEMPLATES:
+        _templates[kind] = _ArchiveTemplate(image)
     return image
 
 

@@ -1,0 +1,98 @@
+"""Tensor archives from templates and DCP items read by kind (Note [tensor archives]),
+and compacted file images: the bytes are torch's own whichever way they were made."""
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from test_checkpoint import assert_same, mixed_state, random_tensor
+
+import nvmeswap
+from nvmeswap.checkpoint import dcp as nvme_dcp
+from nvmeswap.checkpoint import torch_zip
+from nvmeswap.checkpoint.image import TensorRun
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def written(checkpointer, image, path):
+    checkpointer.write_image(image, str(path))
+    return path.read_bytes()
+
+
+def test_archives_from_a_template_are_torch_s_layout_byte_for_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch_zip, "_templates", {})
+    laid_out = []
+    real_layout = torch_zip.layout
+    monkeypatch.setattr(torch_zip, "layout",
+                        lambda obj: laid_out.append(obj) or real_layout(obj))
+    bases = [random_tensor((40, 50), torch.float32, seed) for seed in (9, 11)]
+    tagged = random_tensor((8, 8), torch.float32, 10)
+    tagged.note = "a Python attribute: pickled by another rebuild"
+    tensors = [random_tensor((64, 16), torch.float32, seed) for seed in range(3)]   # a kind
+    tensors += [random_tensor((16, 64), torch.float32, 3),     # same bytes, other shape
+                random_tensor((64, 16), torch.bfloat16, 4),
+                random_tensor((64, 16), torch.bfloat16, 5),
+                random_tensor((64, 16), torch.float32, 6).requires_grad_(),
+                random_tensor((64, 16), torch.float32, 7).t(),     # other strides
+                bases[0][3:], bases[1][3:],                 # an offset in a storage
+                torch.tensor(2.5), torch.tensor(-1.0), torch.empty(0, 3),
+                torch.nn.Parameter(random_tensor((4, 4), torch.float32, 8)),
+                tagged]
+    with nvmeswap.Checkpointer() as checkpointer:
+        for number, tensor in enumerate(tensors):
+            ours = written(checkpointer, torch_zip.tensor_archive(tensor),
+                           tmp_path / f"ours{number}.pt")
+            torch_s = written(checkpointer, real_layout(tensor), tmp_path / f"torch{number}.pt")
+            assert ours == torch_s, f"tensor {number}: the archive differs from torch's layout"
+            assert_same(tensor, torch.load(tmp_path / f"ours{number}.pt", weights_only=False),
+                        f"tensor {number}")
+    # One layout per kind: 3 float (64, 16) and 2 bf16 shared one each, as did the two
+    # views at one offset and the two scalars; an empty tensor (no bytes), a Parameter and
+    # a tagged tensor have no template.
+    assert len(laid_out) == len(tensors) - 5
+    assert len(torch_zip._templates) == len(laid_out) - 3
+
+
+def test_a_layout_has_one_header_run_between_two_tensor_runs(tmp_path):
+    state = mixed_state()
+    image = torch_zip.layout(state)
+    kinds = [isinstance(run, TensorRun) for _, run in image.runs]
+    assert not any(a is b is False for a, b in zip(kinds, kinds[1:]))
+    assert sum(kinds) >= 4
+    nvmeswap.save(state, tmp_path / "state.pt")
+    assert_same(state, torch.load(tmp_path / "state.pt", weights_only=False))
+
+
+def item_lengths(path):
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return [info.length for info in metadata.storage_data.values()]
+
+
+@pytest.mark.parametrize("writer", ["dcp", "nvmeswap"])
+def test_dcp_items_of_one_length_are_told_apart_by_their_bytes(tmp_path, monkeypatch, writer):
+    # (64, 16) and (16, 64) archives have one length; each has items on both sides.
+    state = {}
+    for number in range(4):
+        state[f"wide{number}"] = random_tensor((64, 16), torch.float32, number)
+        state[f"tall{number}"] = random_tensor((16, 64), torch.float32, 10 + number)
+        state[f"half{number}"] = random_tensor((64, 16), torch.bfloat16, 20 + number)
+    state["bytes"] = {"step": 7}
+    folder = tmp_path / writer
+    make = dcp.FileSystemWriter if writer == "dcp" else nvme_dcp.NvmeFileSystemWriter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=make(str(folder)))
+    lengths = item_lengths(folder)
+    assert len(set(lengths)) < len(lengths) - 8, "the items should share lengths"
+    parsed = []
+    real_parse = nvme_dcp._parsed_tensor
+    monkeypatch.setattr(nvme_dcp, "_parsed_tensor",
+                        lambda *args: parsed.append(args[2]) or real_parse(*args))
+    into = {name: torch.zeros_like(value) if isinstance(value, torch.Tensor) else {"step": 0}
+            for name, value in state.items()}
+    dcp.load(into, storage_reader=nvme_dcp.NvmeFileSystemReader(str(folder)))
+    assert_same(state, into)
+    assert len(parsed) == 3, "one parse for each kind of item"
