@@ -235,7 +235,7 @@ class _ArchiveTemplate:
 
 
 _templates: dict[tuple, _ArchiveTemplate] = {}
-_TEMPLATES = 1024       # kinds of tensor remembered, at most
+_TEMPLATES = 256        # kinds of tensor remembered, at most (about 30 KiB each)
 
 
 def _archive_kind(tensor: Any) -> tuple | None:
