@@ -794,6 +794,19 @@ def test_a_one_call_save_locks_a_ring_its_checkpoint_needs(tmp_path, monkeypatch
     assert_same(state, nvmeswap.load_safetensors(tmp_path / "a.safetensors"))
 
 
+@pytest.mark.parametrize(("size", "striped", "shape"), [
+    (100 << 20, False, (2 << 20, 4)),       # one-call: small chunks (ring_shape)
+    (100 << 20, True, (16 << 20, 4)),       # striped: chunks that span the devices
+    (5 << 20, True, (5 << 18, 4)),          # no larger than the checkpoint needs
+    (3000, False, (1 << 20, 1))])
+def test_a_one_call_ring_is_small_unless_striped(size, striped, shape):
+    from types import SimpleNamespace
+
+    from nvmeswap.checkpoint.checkpointer import ring_shape
+    assert ring_shape(None, 4, SimpleNamespace(size=size), striped) == shape
+    assert ring_shape(8 << 20, 3, SimpleNamespace(size=size), striped) == (8 << 20, 3)
+
+
 def test_a_given_handle_stays_open(handle, tmp_path):
     nvmeswap.save({"a": torch.arange(5)}, tmp_path / "a.pt", handle=handle)
     loaded = nvmeswap.load(tmp_path / "a.pt", handle=handle)

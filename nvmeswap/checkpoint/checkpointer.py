@@ -25,6 +25,7 @@ from .torch_zip import layout
 
 #: The ring a synchronous save copies through (Note [streamed checkpoint writes]).
 CHUNK_BYTES = 16 << 20
+ONE_CALL_CHUNK_BYTES = 2 << 20     # a ring's chunks where none are asked for (ring_shape)
 CHUNKS = 4
 #: The handle a checkpointer given none makes when its ``handle`` is asked for.
 HANDLE_ARGS = {"intra_op_parallelism": 2}
@@ -102,13 +103,18 @@ def _clone_runs(image: FileImage) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def ring_shape(chunk_bytes: int | None, chunks: int, image: FileImage) -> tuple[int, int]:
+def ring_shape(chunk_bytes: int | None, chunks: int, image: FileImage,
+               striped: bool) -> tuple[int, int]:
     """``(chunk_bytes, chunks)`` of a ring; where ``chunk_bytes`` is None, no larger than
-    ``image`` needs (chunks of at most CHUNK_BYTES, no more of them than it fills): a
-    ring is locked, page by page, for a one-call save too."""
+    ``image`` needs (no more chunks than it fills) and small: a ring is locked, page by
+    page, for a one-call save too. Chunks of ONE_CALL_CHUNK_BYTES made one-call saves
+    faster than CHUNK_BYTES (2026-11-27, one process alternating: 1 GiB 0.417 -> 0.371
+    s, a model's 758 tensors 0.231 -> 0.174 s on the memory-backed device; 256 MiB 0.98
+    -> 0.81 s on the virtio disk); a striped ring keeps chunks that span its devices."""
     if chunk_bytes is not None:
         return chunk_bytes, chunks
-    chunk_bytes = min(CHUNK_BYTES, max(1 << 20, round_up(-(-image.size // chunks), ALIGNMENT)))
+    largest = CHUNK_BYTES if striped else ONE_CALL_CHUNK_BYTES
+    chunk_bytes = min(largest, max(1 << 20, round_up(-(-image.size // chunks), ALIGNMENT)))
     return chunk_bytes, max(1, min(chunks, -(-image.size // chunk_bytes)))
 
 
@@ -140,8 +146,8 @@ class QueueCheckpointer:
         """Write ``image`` to ``path`` through a private ring, crash-consistently."""
         if self._writer is None:
             # A ring no larger than the first image needs: it is locked, page by page.
-            self._writer = StreamWriter(self._queue_writer(path),
-                                        *ring_shape(self._chunk_bytes, self._chunks, image))
+            self._writer = StreamWriter(self._queue_writer(path), *ring_shape(
+                self._chunk_bytes, self._chunks, image, self._stripes is not None))
         else:   # a kept ring: CUDA may have come into use since it was made
             self._queue_writer(path).ensure_registered()
         writer = self._writer
@@ -190,7 +196,8 @@ class Checkpointer:
     chunk_bytes, chunks : int
         The ring of locked buffers a synchronous save copies through (default 4 x 16 MiB);
         the only memory a synchronous save locks. ``chunk_bytes=None``: chunks no larger
-        than the first checkpoint needs (as the one-call ``nvmeswap.save`` makes).
+        than the first checkpoint needs, at most 2 MiB unless striped (as the one-call
+        ``nvmeswap.save`` makes).
     stripe_folders : sequence of folders, optional
         Stripe every checkpoint over these folders, one per device (Note [stripes]), with
         ``stripe_bytes`` a stripe (default 4 MiB): saves go to a path in the first folder,
@@ -267,8 +274,8 @@ class Checkpointer:
                 saver.write_image(image, path)
                 return
             if self._writer is None:
-                self._writer = StreamWriter(self.handle,
-                                            *ring_shape(self._chunk_bytes, self._chunks, image))
+                self._writer = StreamWriter(self.handle, *ring_shape(
+                    self._chunk_bytes, self._chunks, image, self._stripes is not None))
             writer = self._writer
             write_committed(self._stripes, image.size, path,
                             lambda name: writer.write(image, name))
