@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -595,3 +596,57 @@ def test_a_failed_or_interrupted_load_into_leaves_nothing_behind(tmp_path, monke
     monkeypatch.undo()
     nvmeswap.load_into(path, into)
     assert_same(state, into)
+
+
+class Probe:
+    """Sums its tensor's bytes as it is unpickled (Note [reads beside the pickle])."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.total = float(tensor.double().sum())
+
+    def __reduce__(self):
+        return Probe, (self.tensor,)
+
+
+def slow_submits(monkeypatch, seconds):
+    """Every request of an own queue starts ``seconds`` late: the reads lag the pickle."""
+    real_submit = own_queue.OwnQueue.submit
+
+    def submit(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real_submit(self, *args, **kwargs)
+    monkeypatch.setattr(own_queue.OwnQueue, "submit", submit)
+
+
+def test_the_pickle_sees_no_storage_before_its_bytes_are_read(tmp_path, monkeypatch):
+    made = torch.Generator().manual_seed(3)
+    state = {"first": torch.randn(4 << 20, generator=made),      # 16 requests of 1 MiB
+             "probe": Probe(torch.randn(1 << 20, generator=made))}
+    nvmeswap.save(state, tmp_path / "p.pt")
+    slow_submits(monkeypatch, 0.005)
+    loaded = nvmeswap.load(tmp_path / "p.pt", weights_only=False)
+    assert loaded["probe"].total == state["probe"].total
+    assert_same(state["first"], loaded["first"])
+    assert_same(state["probe"].tensor, loaded["probe"].tensor)
+
+
+def test_a_ctrl_c_while_the_reads_are_in_flight_leaves_nothing_behind(tmp_path, monkeypatch):
+    import signal
+
+    state = two_group_state()
+    nvmeswap.save(state, tmp_path / "s.pt")
+    before_fds, before_locked = open_fds(), locked_kib()
+    slow_submits(monkeypatch, 0.002)
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            nvmeswap.load(tmp_path / "s.pt")
+    finally:
+        timer.cancel()
+    assert not [t for t in threading.enumerate() if t.name == "nvmeswap-load"]
+    assert open_fds() == before_fds
+    assert locked_kib() == before_locked
+    monkeypatch.undo()
+    assert_same(state, nvmeswap.load(tmp_path / "s.pt"))

@@ -33,6 +33,7 @@ registered memory run about nine times faster than from private memory (shared/G
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from .._memory import buffer_address
@@ -45,58 +46,139 @@ from .own_queue import OwnQueue, lock, private_memory, read_requests
 TORCH_THP = "THP_MEM_ALLOC_ENABLE"
 
 
-def read_fresh(paths: list[int | str], stripe_bytes: int | None,
-               groups: list[tuple[int, int]]) -> list[Any]:
-    """A fresh locked uint8 tensor for each ``(start, end)`` of ``groups`` (``start``
-    aligned), holding those bytes of the file at ``paths[0]`` (a path or a descriptor),
-    or of the file striped over ``paths`` (one per device, Note [stripes]) in stripes of
-    ``stripe_bytes``."""
-    import torch
+class FreshReads:
+    """Each ``(start, end)`` of ``groups`` (``start`` aligned) of the file at ``paths[0]``
+    (a path or a descriptor), or of the file striped over ``paths`` (one per device, Note
+    [stripes]) in stripes of ``stripe_bytes``, read into a fresh uint8 tensor of its own,
+    locked once read. The reads are in flight on a thread of their own from the start
+    (Note [reads beside the pickle] in loading.py): ``buffers`` at once, the bytes
+    arriving; ``wait_for(group, upto)`` until a group's first bytes are read, ``wait()``
+    until all are and the memory is locked; either raises the reads' first failure. The
+    files are opened and the memory mapped before it returns."""
 
-    files: list[Any] = []
-    memory: list[Any] = []
-    own = None
-    try:
-        for path in paths:
-            files.append(open_target(path, for_write=False, offset=0, nbytes=0,
-                                     o_direct=None))
-        if groups:
-            own = OwnQueue(f"reading {files[0].name}")
-            _read(own, _requests(files, stripe_bytes, groups, memory))
-    finally:
-        with deferred_interrupts():
-            if own is not None:
-                own.close()             # waits for the requests in flight: into `memory`
-            for file in files:
-                file.close()
-    for mapping in memory:
-        lock(mapping, f"{files[0].name}: the loaded tensors")
-    return [torch.frombuffer(mapping, dtype=torch.uint8)[:end - start]
-            for mapping, (start, end) in zip(memory, groups)]
+    def __init__(self, paths: list[int | str], stripe_bytes: int | None,
+                 groups: list[tuple[int, int]]) -> None:
+        import torch
 
+        self.files: list[Any] = []
+        self.memory: list[Any] = []
+        self.own: OwnQueue | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.stopped = False        # no more requests to start: the load has failed
+        self.read_upto = [0] * len(groups)      # each group's bytes read from its start
+        self._ended: list[dict[int, int]] = [{} for _ in groups]   # start -> end, past it
+        self._progress = threading.Condition()
+        huge_pages = os.environ.get(TORCH_THP, "").strip().lower() in ("1", "on", "true", "yes")
+        try:
+            for path in paths:
+                self.files.append(open_target(path, for_write=False, offset=0, nbytes=0,
+                                              o_direct=None))
+            for start, end in groups:
+                self.memory.append(private_memory(round_up(end - start, ALIGNMENT),
+                                                  huge_pages=huge_pages))
+            if groups:
+                self.own = OwnQueue(f"reading {self.files[0].name}")
+            self.buffers = [torch.frombuffer(mapping, dtype=torch.uint8)[:end - start]
+                            for mapping, (start, end) in zip(self.memory, groups)]
+            self.thread = threading.Thread(target=self._run, args=(stripe_bytes, groups),
+                                           name="nvmeswap-load", daemon=True)
+            self.thread.start()
+        except BaseException:
+            self._close()
+            raise
 
-def _requests(files, stripe_bytes, groups, memory):
-    """``(file, file offset, address, length, bytes needed)`` of each request, group
-    after group, each group's memory mapped (into ``memory``) as its requests begin."""
-    huge_pages = os.environ.get(TORCH_THP, "").strip().lower() in ("1", "on", "true", "yes")
-    for start, end in groups:
-        size = round_up(end - start, ALIGNMENT)
-        mapping = private_memory(size, huge_pages=huge_pages)
-        memory.append(mapping)
-        address, _ = buffer_address(mapping, True)
-        yield from read_requests(files, stripe_bytes, start, start + size, address, end)
+    def _run(self, stripe_bytes, groups):
+        try:
+            if self.own is not None:
+                self._read(self._requests(stripe_bytes, groups))
+        except BaseException as error:
+            self.error = error
+        finally:
+            try:
+                self._close()       # waits for the requests in flight: into the memory
+            except BaseException as error:
+                self.error = self.error or error
+        try:
+            if self.error is None:
+                for mapping in self.memory:
+                    lock(mapping, f"{self.files[0].name}: the loaded tensors")
+        finally:
+            with self._progress:
+                self.finished = True
+                self._progress.notify_all()
 
+    def _requests(self, stripe_bytes, groups):
+        """``(file, file offset, address, length, bytes needed, (group, start in it))``
+        of each request."""
+        for group, (mapping, (start, end)) in enumerate(zip(self.memory, groups)):
+            base, _ = buffer_address(mapping, True)
+            for request in read_requests(self.files, stripe_bytes, start,
+                                         start + round_up(end - start, ALIGNMENT), base, end):
+                yield (*request, (group, request[2] - base))
 
-def _read(own, requests):
-    """Keep ``own`` full of ``requests`` until all have ended; the first failure, or a
-    read that ends short of the bytes it needs, raises (naming the file)."""
-    pending = next(requests, None)
-    while pending is not None or own.requests:
-        while pending is not None:
-            file, offset, address, length, needed = pending
-            if not own.submit(file, True, offset, address, length, needed):
+    def _read(self, requests):
+        """Keep the queue full of ``requests`` until all have ended, moving each group's
+        ``read_upto`` on; the first failure, or a read that ends short of the bytes it
+        needs, raises (naming the file)."""
+        own = self.own
+        pending = next(requests, None)
+        while True:
+            if self.stopped:
+                pending = None
+            if pending is None and not own.requests:
                 break
-            pending = next(requests, None)
-        for _, error in own.reap():
-            if error is not None:
-                raise error
+            while pending is not None:
+                file, offset, address, length, needed, (group, at) = pending
+                if not own.submit(file, True, offset, address, length, needed,
+                                  (group, at, at + length)):
+                    break
+                pending = next(requests, None)
+            for (group, at, end), error in own.reap():
+                if error is not None:
+                    raise error
+                self._ended_read(group, at, end)
+        if self.stopped:
+            raise RuntimeError(f"{self.files[0].name}: the reads were stopped")
+
+    def _ended_read(self, group, at, end):
+        ended = self._ended[group]
+        ended[at] = end
+        upto = self.read_upto[group]
+        if upto in ended:
+            while upto in ended:
+                upto = ended.pop(upto)
+            with self._progress:
+                self.read_upto[group] = upto
+                self._progress.notify_all()
+
+    def _close(self):
+        with deferred_interrupts():
+            try:
+                if self.own is not None:
+                    self.own.close()
+            finally:
+                for file in self.files:
+                    file.close()
+
+    def wait_for(self, group: int, upto: int) -> None:
+        """Until bytes ``[0, upto)`` of ``group`` are read."""
+        with self._progress:
+            while self.read_upto[group] < upto and not self.finished:
+                self._progress.wait()
+        if self.read_upto[group] < upto:
+            raise self.error or AssertionError(f"bytes {upto} of group {group} were not read")
+
+    def stop(self) -> None:
+        """Start no more requests (those in flight end as they will): the load failed."""
+        self.stopped = True
+
+    def wait(self) -> list[Any]:
+        """The buffers, every byte read and the memory locked; or the reads' error."""
+        with self._progress:    # not join() alone: a Ctrl-C in it can mark the thread ended
+            while not self.finished:
+                self._progress.wait()
+        self.thread.join()      # the thread's last step: it ends now
+        if self.error is not None:
+            raise self.error
+        return self.buffers

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..units import ALIGNMENT
-from .fresh_reads import read_fresh
+from .fresh_reads import FreshReads
 from .own_queue import Registration, reader_of
 from .striped_checkpoints import (
     layout_file,
@@ -122,6 +122,23 @@ class Pieces:
         self.ends: list[int] = []
         self.views: list[memoryview] = []
         self.buffers: list[Any] = []
+        self.reads: FreshReads | None = None     # reads still in flight into the buffers
+
+    def wait(self) -> None:
+        """Until the bytes of every buffer are read (Note [reads beside the pickle])."""
+        if self.reads is not None:
+            self.reads.wait()
+
+    def stop(self) -> None:
+        """Start no more reads: the load failed (its memory is never used)."""
+        if self.reads is not None:
+            self.reads.stop()
+
+    def wait_for(self, start: int, nbytes: int) -> None:
+        """Until file bytes ``[start, start + nbytes)`` are read."""
+        if self.reads is not None:
+            index = self.index(start, nbytes)
+            self.reads.wait_for(index, start + nbytes - self.starts[index])
 
     def add(self, start: int, buffer: Any) -> None:
         self.starts.append(start)
@@ -164,18 +181,22 @@ def _groups(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def read_data(source: int | str, layout: dict | None, handle: Any,
-              ranges: list[tuple[int, int]]) -> Pieces:
+              ranges: list[tuple[int, int]], *, in_flight: bool = False) -> Pieces:
     """The file ranges ``[(start, end)]`` of a checkpoint (``opened``'s ``source``: a
     descriptor of the file; striped if it has a ``layout``, Note [striped checkpoints]:
     then through every device at once), in ``handle``'s locked buffers, or without a
-    handle in fresh private memory."""
+    handle in fresh private memory; there with ``in_flight``, still being read when it
+    returns (``pieces.wait()`` before their bytes are used)."""
     if handle is None:
         pieces = Pieces()
         groups = _groups(ranges)
         paths = [source] if layout is None else stripe_paths(layout)
         stripe_bytes = None if layout is None else layout["stripe_bytes"]
-        for (start, _), buffer in zip(groups, read_fresh(paths, stripe_bytes, groups)):
+        pieces.reads = FreshReads(paths, stripe_bytes, groups)
+        for (start, _), buffer in zip(groups, pieces.reads.buffers):
             pieces.add(start, buffer)
+        if not in_flight:
+            pieces.wait()
         return pieces
     if layout is None:
         pieces = read_ranges(unstriped(handle), source, ranges)
@@ -211,13 +232,14 @@ def read_ranges(handle: Any, path: int | str, ranges: list[tuple[int, int]]) -> 
     return pieces
 
 
-def _read_archive(path, handle):
+def _read_archive(path, handle, in_flight=False):
     """``(entries, pieces)``: the archive's records and the bytes of every storage (Note
     [checkpoint reads]), through ``handle`` or (None) into fresh memory, all from the
-    one file (Note [one file per load])."""
+    one file (Note [one file per load]); ``in_flight`` as for ``read_data``."""
     with opened(path) as (layout, file, source):
         entries = ZipEntries(path, file=file)
-        return entries, read_data(source, layout, handle, _data_ranges(entries))
+        return entries, read_data(source, layout, handle, _data_ranges(entries),
+                                  in_flight=in_flight)
 
 
 def _data_ranges(entries):
@@ -232,7 +254,13 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
     import torch
     from torch import serialization
 
-    entries, pieces = _read_archive(path, handle)
+    # Note [reads beside the pickle]: without a handle the reads run on a thread of their
+    # own while the pickle is read (torch's unpickler, in Python: for a model's state of
+    # 758 tensors about as long as the reads, which also pay the page faults of their
+    # fresh memory); each storage is handed to the unpickler once its bytes are there,
+    # so no code the pickle runs can see a byte not yet read. A model's 758 tensors
+    # (174 MiB, cold, memory-backed device, one process): 0.29 -> 0.20 s.
+    entries, pieces = _read_archive(path, handle, in_flight=handle is None)
     registered: dict[int, Registration] = {}    # by buffer index
     gpus: set[Any] = set()
     try:
@@ -248,10 +276,12 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
             if nbytes == 0:
                 return restore(torch.UntypedStorage(0), location)
             index = pieces.index(record[0], nbytes)
+            pieces.wait_for(record[0], nbytes)
             if handle is None and index not in registered and \
                     _bound_for_gpu(location, map_location):
                 if torch.cuda.is_available():
                     torch.cuda.init()   # as restore would: now, so the buffer is registered
+                pieces.wait_for(pieces.starts[index], pieces.buffers[index].numel())
                 registered[index] = Registration(pieces.buffers[index])
             storage = torch.frombuffer(pieces.view(record[0], nbytes),
                                        dtype=torch.uint8).untyped_storage()
@@ -264,7 +294,13 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
 
         returned: set[int] = set()
         loaded = unpickle(entries, make_storage, weights_only, map_location)
+        pieces.wait()
     except BaseException:
+        pieces.stop()
+        try:
+            pieces.wait()
+        except BaseException:   # the load's own error is the one to raise
+            pass
         try:
             _copies_done(gpus, registered)
         except BaseException:   # the load's own error is the one to raise
