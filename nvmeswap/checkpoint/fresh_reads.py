@@ -103,6 +103,8 @@ class FreshReads:
             if self.error is None:
                 for mapping in self.memory:
                     lock(mapping, f"{self.files[0].name}: the loaded tensors")
+        except BaseException as error:
+            self.error = error
         finally:
             with self._progress:
                 self.finished = True
@@ -138,7 +140,8 @@ class FreshReads:
                 if error is not None:
                     raise error
                 self._ended_read(group, at, end)
-        if self.stopped:
+        if self.stopped and any(upto < len(mapping)
+                                for upto, mapping in zip(self.read_upto, self.memory)):
             raise RuntimeError(f"{self.files[0].name}: the reads were stopped")
 
     def _ended_read(self, group, at, end):
