@@ -111,13 +111,14 @@ class FreshReads:
                 self._progress.notify_all()
 
     def _requests(self, stripe_bytes, groups):
-        """``(file, file offset, address, length, bytes needed, (group, start in it))``
-        of each request."""
+        """``(file, file offset, address, length, bytes needed, (group, start, end))``
+        of each request, the last its place in its group's memory."""
         for group, (mapping, (start, end)) in enumerate(zip(self.memory, groups)):
             base, _ = buffer_address(mapping, True)
             for request in read_requests(self.files, stripe_bytes, start,
                                          start + round_up(end - start, ALIGNMENT), base, end):
-                yield (*request, (group, request[2] - base))
+                at = request[2] - base
+                yield (*request, (group, at, at + request[3]))
 
     def _read(self, requests):
         """Keep the queue full of ``requests`` until all have ended, moving each group's
@@ -131,17 +132,15 @@ class FreshReads:
             if pending is None and not own.requests:
                 break
             while pending is not None:
-                file, offset, address, length, needed, (group, at) = pending
-                if not own.submit(file, True, offset, address, length, needed,
-                                  (group, at, at + length)):
+                file, *request = pending   # offset, address, length, needed, owner
+                if not own.submit(file, True, *request):
                     break
                 pending = next(requests, None)
             for (group, at, end), error in own.reap():
                 if error is not None:
                     raise error
                 self._ended_read(group, at, end)
-        if self.stopped and any(upto < len(mapping)
-                                for upto, mapping in zip(self.read_upto, self.memory)):
+        if self.stopped:
             raise RuntimeError(f"{self.files[0].name}: the reads were stopped")
 
     def _ended_read(self, group, at, end):

@@ -134,11 +134,12 @@ class Pieces:
         if self.reads is not None:
             self.reads.stop()
 
-    def wait_for(self, start: int, nbytes: int) -> None:
-        """Until file bytes ``[start, start + nbytes)`` are read."""
+    def ready(self, start: int, nbytes: int) -> int:
+        """Which buffer holds file bytes ``[start, start + nbytes)``, once they are read."""
+        index = self.index(start, nbytes)
         if self.reads is not None:
-            index = self.index(start, nbytes)
             self.reads.wait_for(index, start + nbytes - self.starts[index])
+        return index
 
     def add(self, start: int, buffer: Any) -> None:
         self.starts.append(start)
@@ -275,13 +276,12 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
                                  f"says {nbytes}")
             if nbytes == 0:
                 return restore(torch.UntypedStorage(0), location)
-            index = pieces.index(record[0], nbytes)
-            pieces.wait_for(record[0], nbytes)
+            index = pieces.ready(record[0], nbytes)
             if handle is None and index not in registered and \
                     _bound_for_gpu(location, map_location):
                 if torch.cuda.is_available():
                     torch.cuda.init()   # as restore would: now, so the buffer is registered
-                pieces.wait_for(pieces.starts[index], pieces.buffers[index].numel())
+                pieces.ready(pieces.starts[index], pieces.buffers[index].numel())
                 registered[index] = Registration(pieces.buffers[index])
             storage = torch.frombuffer(pieces.view(record[0], nbytes),
                                        dtype=torch.uint8).untyped_storage()

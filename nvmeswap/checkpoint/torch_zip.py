@@ -210,7 +210,6 @@ class _ArchiveTemplate:
     the tensor's bytes go, and the places of their CRC (Note [tensor archives])."""
 
     def __init__(self, image: FileImage) -> None:
-        self.size = image.size
         self.runs: list[tuple[int, bytes | None]] = []      # None: the tensor's bytes
         number = {}
         for offset, run in image.runs:
