@@ -40,7 +40,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -227,16 +226,7 @@ def run_child(args, contender, job, path):
                "--layers", str(args.layers)]
     if args.stripe:
         command += ["--stripe", args.stripe]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{contender} {job} failed:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def rotated(names, turn):
-    """``names`` starting at the ``turn``-th (each round another goes first)."""
-    turn = turn % len(names) if names else 0
-    return names[turn:] + names[:turn]
+    return peers.child_result(command, f"{contender} {job}")
 
 
 def main():
@@ -295,7 +285,7 @@ def main():
         nbytes = state_bytes(make_state(args.size, layers=args.layers))
         for round_number in range(args.rounds):
             # Each round starts with the next contender: none always goes first.
-            for name in rotated(savers, round_number):
+            for name in peers.rotated(savers, round_number):
                 path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
                     else os.path.join(folder, paths[name])
                 if os.path.isdir(path):
@@ -305,7 +295,7 @@ def main():
                 os.sync()       # nobody's dirty pages are written back during the next one
                 times[name].append(run_child(args, name, "save", path)["seconds"])
                 os.sync()
-            for name in rotated(loaders, round_number):
+            for name in peers.rotated(loaders, round_number):
                 path = os.path.join(stripe_work[0], "striped.pt") if "striped" in name \
                     else os.path.join(folder, paths[name])
                 got = run_child(args, name, "load", path)

@@ -119,6 +119,21 @@ def drop_page_cache():
         return False
 
 
+def child_result(command, what):
+    """Run ``command`` (a script's own child process) and return the JSON of the last
+    line it prints; a failure raises, naming ``what``, with the child's stderr."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{what} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rotated(names, turn):
+    """``names`` starting at the ``turn``-th (each round another goes first)."""
+    turn = turn % len(names) if names else 0
+    return names[turn:] + names[:turn]
+
+
 def fresh(contender, path):
     contender.remove(path)
     os.sync()

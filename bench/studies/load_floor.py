@@ -16,7 +16,6 @@ import json
 import os
 import select
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -109,15 +108,11 @@ def main():
         times = {name: [] for name in CONTENDERS}
         cold = True
         for round_number in range(arguments.rounds):
-            turn = round_number % len(CONTENDERS)   # none always goes first
-            for name in CONTENDERS[turn:] + CONTENDERS[:turn]:
+            for name in peers.rotated(CONTENDERS, round_number):   # none always first
                 cold &= peers.drop_page_cache()
-                done = subprocess.run([sys.executable, __file__, "--child", name, path,
-                                       repr(expected)], capture_output=True, text=True,
-                                      check=False)
-                if done.returncode:
-                    raise RuntimeError(f"{name} failed:\n{done.stderr}")
-                times[name].append(json.loads(done.stdout.splitlines()[-1])["seconds"])
+                times[name].append(peers.child_result(
+                    [sys.executable, __file__, "--child", name, path, repr(expected)],
+                    name)["seconds"])
     median = {name: statistics.median(values) for name, values in times.items()}
     print(f"{size / (1 << 30):.2f} GiB archive, {'cold' if cold else 'WARM'} reads, median of "
           f"{arguments.rounds} round(s), seconds")

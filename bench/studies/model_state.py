@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,14 +92,6 @@ def child(contender, path, scale):
     print(json.dumps({"seconds": time.perf_counter() - started, "cold": True, "same": True}))
 
 
-def run(contender, path, scale):
-    done = subprocess.run([sys.executable, __file__, "--child", contender, path, str(scale)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{contender} failed:\n{done.stderr}")
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default=None)
@@ -119,13 +110,13 @@ def main():
                  "nvmeswap": os.path.join(folder, "nvmeswap.pt")}
         for round_number in range(arguments.rounds):
             for names in (SAVERS, LOADERS):
-                turn = round_number % len(names)       # none always goes first
-                for name in names[turn:] + names[:turn]:
+                for name in peers.rotated(names, round_number):   # none always first
                     path = paths[name.split(".")[0]]
                     if name in SAVERS and os.path.exists(path):
                         os.unlink(path)
                     os.sync()
-                    got = run(name, path, arguments.scale)
+                    got = peers.child_result([sys.executable, __file__, "--child", name, path,
+                                              str(arguments.scale)], name)
                     times[name].append(got["seconds"])
                     cold &= got["cold"]
                     identical &= got["same"]
