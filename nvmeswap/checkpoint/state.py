@@ -24,3 +24,86 @@ def state_tensors(obj: Any) -> Iterator[tuple[str, Any]]:
                              for key, value in item.items())
             else:
                 stack.extend((f"{name}[{index}]", value) for index, value in enumerate(item))
+
+
+def _unchanging_types() -> tuple[type, ...]:
+    """Types whose values never change once made: a copy of a state shares them."""
+    import torch
+
+    return (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device,
+            torch.Size, torch.layout)
+
+
+def _plain_tensor(item: Any) -> bool:
+    """Whether ``torch.save`` pickles ``item`` from its metadata alone, its bytes left
+    for later: a dense host or CUDA tensor, no attributes of its own, no conjugate or
+    negative bit to resolve."""
+    import torch
+
+    return (type(item) in (torch.Tensor, torch.nn.Parameter) and item.layout is torch.strided
+            and item.device.type in ("cpu", "cuda") and not item.is_quantized
+            and not item.is_conj() and not item.is_neg() and not item.__dict__)
+
+
+def state_copy(obj: Any) -> tuple[Any, list[tuple[str, Any]]] | None:
+    """A copy of ``obj``'s dicts (plain and ordered, with their attributes), lists and
+    tuples, holding the same tensors and unchanging values, which pickles to the bytes
+    ``obj`` pickles to now (each container shared or holding itself as in ``obj``); and
+    ``(name, tensor)`` for each tensor, as ``state_tensors``. None if ``obj`` holds
+    anything else, or a tensor ``_plain_tensor`` refuses (Note [snapshot in the
+    background] in checkpointer.py)."""
+    from collections import OrderedDict
+
+    import torch
+
+    unchanging = _unchanging_types()
+    copies: dict[int, Any] = {}
+    tuples_open: set[int] = set()
+    tensors: list[tuple[str, Any]] = []
+
+    class Refused(Exception):
+        pass
+
+    def key_copy(key):
+        if type(key) in unchanging:
+            return key
+        if type(key) is tuple:
+            return tuple(key_copy(part) for part in key)
+        raise Refused
+
+    def copy(name, item):
+        kind = type(item)
+        if kind in unchanging:
+            return item
+        if id(item) in copies:
+            return copies[id(item)]
+        if kind is dict or kind is OrderedDict:
+            copied = copies[id(item)] = kind()
+            for key, value in item.items():
+                copied[key_copy(key)] = copy(f"{name}.{key}" if name else str(key), value)
+            if kind is OrderedDict and item.__dict__:
+                copied.__dict__.update(copy(f"{name}.__dict__", item.__dict__))
+            return copied
+        if kind is list:
+            copied = copies[id(item)] = []
+            copied.extend(copy(f"{name}[{index}]", value) for index, value in enumerate(item))
+            return copied
+        if kind is tuple:
+            if id(item) in tuples_open:
+                raise Refused       # a tuple holding itself through a list or dict
+            tuples_open.add(id(item))
+            copied = tuple(copy(f"{name}[{index}]", value) for index, value in enumerate(item))
+            tuples_open.discard(id(item))
+            copies[id(item)] = copied
+            return copied
+        if isinstance(item, torch.Tensor) and _plain_tensor(item):
+            copies[id(item)] = item
+            tensors.append((name or "the tensor", item))
+            return item
+        raise Refused
+
+    try:
+        return copy("", obj), tensors
+    except (Refused, RecursionError):
+        return None
+

@@ -107,6 +107,11 @@ class _LayoutZip:
         self.storages: dict[str, Any] = {}
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        if name == ".storage_alignment":
+            # The writer's own alignment, not torch's process-wide setting: a layout
+            # changes nothing another thread's torch.save could see.
+            data = str(STORAGE_ALIGNMENT)
+            nbytes = len(data)
         if isinstance(data, (bytes, str)):
             self.writer.write_record(name, data, nbytes)
         else:       # a storage: the one the pickler named, if named (``_naming_storages``)
@@ -155,7 +160,6 @@ def _record(obj, pickle_module, pickle_protocol, *, skip_data, name_storages):
     pickler names each storage if ``name_storages`` (a state with tensors off the host)."""
     import torch
     from torch import serialization
-    from torch.utils.serialization import config
 
     recorder = _Recorder()
     writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
@@ -165,20 +169,26 @@ def _record(obj, pickle_module, pickle_protocol, *, skip_data, name_storages):
     if name_storages:
         pickle_module = _naming_storages(pickle_module, zip_file.storages)
     skipping = serialization.skip_data() if skip_data else contextlib.nullcontext()
-    with config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}), skipping:
+    with skipping:
         serialization._save(obj, zip_file, pickle_module, pickle_protocol, False)
     recorder.keep_apart()       # the records and the central directory at the end
     writer.write_end_of_file()
     return recorder, zip_file
 
 
-def layout(obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2) -> FileImage:
-    """The ``FileImage`` of ``torch.save(obj)`` with 4096-aligned storages (Note [torch.save
-    layout])."""
+def refuse_skip_data() -> None:
+    """A save inside ``torch.serialization.skip_data()`` (this thread's) would write no
+    tensor bytes: refused."""
     from torch import serialization
 
     if serialization._serialization_tls.skip_data:
         raise TypeError("nvmeswap.save cannot run inside torch.serialization.skip_data()")
+
+
+def layout(obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2) -> FileImage:
+    """The ``FileImage`` of ``torch.save(obj)`` with 4096-aligned storages (Note [torch.save
+    layout])."""
+    refuse_skip_data()
     tensors = [tensor for _, tensor in state_tensors(obj)]
     off_host = any(tensor.device.type != "cpu" for tensor in tensors)
     recorded = None

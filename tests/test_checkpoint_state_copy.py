@@ -1,0 +1,207 @@
+"""Note [snapshot in the background]: a background save copies the state's containers
+in the caller and lays the archive out on the saving thread; what the caller changes in
+the containers after the call is not saved, and the file is the one the state at the
+call makes."""
+import collections
+import copy
+import fractions
+import io
+import pickle
+import threading
+import zipfile
+
+import pytest
+from test_checkpoint import assert_same
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
+import nvmeswap
+import nvmeswap.checkpoint.checkpointer as checkpointer_module
+from nvmeswap.checkpoint.state import state_copy
+
+
+def trained_state():
+    """A small model's state dict (an OrderedDict with ``_metadata``) and Adam's state
+    after one step, as a training script checkpoints them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 8)).square().sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
+            "rng": torch.get_rng_state(), "name": "run-7", "betas": (0.9, 0.99)}
+
+
+def torch_pickle(obj):
+    """The bytes torch's pickler makes of ``obj``, storages by reference as torch.save's."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue()
+
+
+def shared_and_cyclic():
+    shared = [torch.arange(6), {"k": (1, 2.5, None)}]
+    state = collections.OrderedDict(a=shared, b=shared, key={(1, "x"): torch.ones(2)})
+    state.extra = {"version": 2}
+    state["self"] = state
+    view = torch.arange(10.0)
+    state["views"] = (view[2:5], view, view.view(2, 5).t())
+    state["kinds"] = [torch.float16, torch.device("cpu"), torch.Size([2, 3]), b"\x00", 1j,
+                      torch.sparse_coo, True]
+    return state
+
+
+@pytest.mark.parametrize("make", [trained_state, shared_and_cyclic])
+def test_a_copy_pickles_to_the_bytes_of_the_state(make):
+    """The copy is new containers around the same tensors and values: pickled (tensors
+    and all) it makes the state's very bytes, shared and self-holding containers too."""
+    state = make()
+    copied, tensors = state_copy(state)
+    assert copied is not state
+    assert torch_pickle(copied) == torch_pickle(state)
+    assert pickle.dumps(copied, protocol=2) == pickle.dumps(state, protocol=2)
+    named = dict(tensors)
+    assert len(named) == len(tensors)           # each tensor once, however often held
+    assert {id(t) for t in named.values()} == \
+        {id(t) for t in _all_tensors(state)}
+
+
+def _all_tensors(obj, seen=None):
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if id(obj) in seen or not isinstance(obj, (dict, list, tuple)):
+        return []
+    seen.add(id(obj))
+    values = list(obj.values()) + list(getattr(obj, "__dict__", {}).values()) \
+        if isinstance(obj, dict) else list(obj)
+    return [t for value in values for t in _all_tensors(value, seen)]
+
+
+def test_the_copy_does_not_follow_the_state():
+    state = trained_state()
+    copied, _ = state_copy(state)
+    before = torch_pickle(state)
+    state["epoch"] = 4
+    state["model"]["0.weight"] = torch.zeros(1)
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5
+    state["model"]._metadata[""]["version"] = 99
+    assert torch_pickle(copied) == before
+
+
+class Opaque:
+    """An object a copy of containers cannot vouch for."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("held", [
+    Opaque(1), fractions.Fraction(1, 3), collections.defaultdict(list, a=[1]),
+    collections.namedtuple("Point", "x y")(1, 2), {1, 2}, torch.ones(3).to_sparse(),
+    torch.ones(2, dtype=torch.complex64).conj(), torch.ones(2).as_subclass(Tagged),
+    {Opaque(2): 1},
+], ids=["object", "fraction", "defaultdict", "namedtuple", "set", "sparse", "conj",
+        "subclass", "object-key"])
+def test_states_holding_anything_else_are_not_copied(held):
+    assert state_copy({"w": torch.ones(4), "held": [held]}) is None
+
+
+def test_a_tensor_with_attributes_or_a_tuple_holding_itself_is_not_copied():
+    tagged = torch.ones(3)
+    tagged.note = "kept by pickle"
+    assert state_copy({"t": tagged}) is None
+    loop = []
+    holder = (loop,)
+    loop.append(holder)
+    assert state_copy({"t": holder}) is None
+
+
+def _layouts_on(monkeypatch, go=None):
+    """The names of the threads each layout of an async save ran on; each waits for
+    ``go``, if given."""
+    threads = []
+    original = checkpointer_module.layout
+
+    def recorded(obj, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        assert go is None or go.wait(60), "the test never let the layout run"
+        return original(obj, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_module, "layout", recorded)
+    return threads
+
+
+def test_a_background_save_lays_out_on_the_saving_thread(tmp_path, monkeypatch):
+    """A state of containers and tensors is laid out off the caller's thread; a state
+    holding another object in the caller's (its pickle may fail or change: the error
+    comes at the call)."""
+    threads = _layouts_on(monkeypatch)
+    state = trained_state()
+    nvmeswap.async_save(state, tmp_path / "plain.pt", background_snapshot=True).result(60)
+    assert threads == ["nvmeswap-async-save"]
+    assert_same(state, torch.load(tmp_path / "plain.pt"))
+    state["fraction"] = fractions.Fraction(1, 3)
+    nvmeswap.async_save(state, tmp_path / "other.pt", background_snapshot=True).result(60)
+    assert threads == ["nvmeswap-async-save", threading.current_thread().name]
+    assert torch.load(tmp_path / "other.pt", weights_only=False)["fraction"] == \
+        fractions.Fraction(1, 3)
+    state["unpicklable"] = lambda: None
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        nvmeswap.async_save(state, tmp_path / "bad.pt", background_snapshot=True)
+    assert not (tmp_path / "bad.pt").exists()
+
+
+def test_containers_changed_after_the_call_are_saved_as_they_were(tmp_path, monkeypatch):
+    """The caller changes the state's containers (not its tensors) before the snapshot
+    is taken, as a training loop may: the file is byte for byte the one a save of the
+    state at the call writes."""
+    state = trained_state()
+    at_the_call = copy.deepcopy(state)
+    go = threading.Event()
+    threads = _layouts_on(monkeypatch, go)      # the layout runs after the changes
+    with nvmeswap.Checkpointer() as checkpointer:
+        future = checkpointer.async_save(state, tmp_path / "bg.pt", background_snapshot=True)
+        state["epoch"] = 4
+        state["optimizer"]["param_groups"][0]["lr"] = 0.5
+        state["model"]["0.weight"] = torch.zeros(1)
+        del state["model"]["1.running_mean"]
+        state["model"]._metadata[""]["version"] = 99
+        state["rng"] = torch.get_rng_state()[:10]
+        go.set()
+        assert future.result(60) is None
+    assert threads == ["nvmeswap-async-save"]
+    nvmeswap.save(at_the_call, tmp_path / "sync.pt")
+    assert (tmp_path / "bg.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
+    assert_same(at_the_call, torch.load(tmp_path / "bg.pt"))
+
+
+def test_a_layout_leaves_torch_settings_alone(tmp_path):
+    """The layout's 4096-byte alignment is its own writer's: torch's process-wide
+    setting, which another thread's torch.save reads, is not changed meanwhile."""
+    from torch.utils.serialization import config
+
+    seen = []
+
+    class Spy:
+        def __reduce__(self):
+            seen.append(config.save.storage_alignment)
+            return (int, (5,))
+
+    nvmeswap.save({"spy": Spy(), "t": torch.arange(100)}, tmp_path / "spied.pt")
+    assert seen == [config.save.storage_alignment] == [64]
+    loaded = torch.load(tmp_path / "spied.pt", weights_only=False)
+    assert loaded["spy"] == 5 and torch.equal(loaded["t"], torch.arange(100))
+    with zipfile.ZipFile(tmp_path / "spied.pt") as archive:
+        names = {name.split("/", 1)[1]: name for name in archive.namelist()}
+        assert archive.read(names[".storage_alignment"]) == b"4096"
+        header = archive.getinfo(names["data/0"]).header_offset
+    with open(tmp_path / "spied.pt", "rb") as file:
+        file.seek(header + 26)          # the local header's name and extra lengths
+        name_length, extra_length = (int.from_bytes(file.read(2), "little") for _ in range(2))
+    assert (header + 30 + name_length + extra_length) % 4096 == 0     # where data/0 begins
