@@ -158,10 +158,27 @@ def test_every_dtype_round_trips_through_the_module_functions(tmp_path, dtype):
     assert_same({"t": tensor, "odd": tensor[1:, 3:]}, nvmeswap.load(path))
 
 
-def test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(tmp_path):
+def trained_state():
+    """A small model's state dict (an OrderedDict with ``_metadata``) and Adam's state
+    after one step, as a training script checkpoints them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 8)).square().sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
+            "rng": torch.get_rng_state(), "name": "run-7", "betas": (0.9, 0.99)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: {"a": random_tensor((1000,), torch.float32, 5), "b": [1, 2.0]},
+    mixed_state, trained_state], ids=["small", "mixed", "trained"])
+def test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(tmp_path, make):
+    """Note [laying out many tensors]: the layout's own pickler changes no byte."""
     from torch.utils.serialization import config
 
-    state = {"a": random_tensor((1000,), torch.float32, 5), "b": [1, 2.0]}
+    state = make()
     nvmeswap.save(state, tmp_path / "ours.pt")
     with config.patch({"save.storage_alignment": 4096}):
         torch.save(state, tmp_path / "archive")         # torch names the records after it

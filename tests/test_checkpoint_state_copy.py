@@ -11,26 +11,13 @@ import threading
 import zipfile
 
 import pytest
-from test_checkpoint import assert_same
+from test_checkpoint import assert_same, trained_state
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 import nvmeswap
 import nvmeswap.checkpoint.checkpointer as checkpointer_module
 from nvmeswap.checkpoint.state import state_copy
-
-
-def trained_state():
-    """A small model's state dict (an OrderedDict with ``_metadata``) and Adam's state
-    after one step, as a training script checkpoints them."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4),
-                                torch.nn.Linear(4, 2))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(5, 8)).square().sum().backward()
-    optimizer.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
-            "rng": torch.get_rng_state(), "name": "run-7", "betas": (0.9, 0.99)}
 
 
 def torch_pickle(obj):
@@ -205,3 +192,27 @@ def test_a_layout_leaves_torch_settings_alone(tmp_path):
         file.seek(header + 26)          # the local header's name and extra lengths
         name_length, extra_length = (int.from_bytes(file.read(2), "little") for _ in range(2))
     assert (header + 30 + name_length + extra_length) % 4096 == 0     # where data/0 begins
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_layout_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled):
+    """Note [laying out many tensors]: collection is paused while a layout runs, and
+    on (or off) again after it, whether it succeeded or failed."""
+    import gc
+
+    seen = []
+
+    class Spy:
+        def __reduce__(self):
+            seen.append(gc.isenabled())
+            return (int, (5,))
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        nvmeswap.save({"spy": Spy(), "t": torch.arange(10)}, tmp_path / "spied.pt")
+        assert seen == [False] and gc.isenabled() is enabled
+        with pytest.raises((pickle.PicklingError, AttributeError)):
+            nvmeswap.save({"bad": lambda: None}, tmp_path / "bad.pt")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
