@@ -141,7 +141,14 @@ def test_a_background_save_lays_out_on_the_saving_thread(tmp_path, monkeypatch):
     state["unpicklable"] = lambda: None
     with pytest.raises((pickle.PicklingError, AttributeError)):
         nvmeswap.async_save(state, tmp_path / "bad.pt", background_snapshot=True)
+    del state["unpicklable"], state["fraction"]
+    # What torch.save refuses in a state of tensors alone is refused at the call too.
+    weights = torch.ones(4)
+    state["views"] = [weights, weights.view(torch.int32)]
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        nvmeswap.async_save(state, tmp_path / "bad.pt", background_snapshot=True)
     assert not (tmp_path / "bad.pt").exists()
+    assert threads[2:] == [threading.current_thread().name] * 2
 
 
 def test_containers_changed_after_the_call_are_saved_as_they_were(tmp_path, monkeypatch):

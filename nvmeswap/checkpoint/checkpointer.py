@@ -418,7 +418,7 @@ class Checkpointer:
             image = layout(obj)
             named = list(state_tensors(obj)) if background_snapshot else []
         else:
-            obj, named = copied
+            obj, named = copied     # what the saving thread lays out
         write = self._write_from_snapshot
         future = SaveFuture()
         future.set_running_or_notify_cancel()

@@ -50,8 +50,9 @@ def state_copy(obj: Any) -> tuple[Any, list[tuple[str, Any]]] | None:
     tuples, holding the same tensors and unchanging values, which pickles to the bytes
     ``obj`` pickles to now (each container shared or holding itself as in ``obj``); and
     ``(name, tensor)`` for each tensor, as ``state_tensors``. None if ``obj`` holds
-    anything else, or a tensor ``_plain_tensor`` refuses (Note [snapshot in the
-    background] in checkpointer.py)."""
+    anything else, a tensor ``_plain_tensor`` refuses, or anything ``torch.save``
+    refuses (Note [snapshot in the background] in checkpointer.py): its errors come at
+    the call."""
     from collections import OrderedDict
 
     import torch
@@ -60,6 +61,7 @@ def state_copy(obj: Any) -> tuple[Any, list[tuple[str, Any]]] | None:
     copies: dict[int, Any] = {}
     tuples_open: set[int] = set()
     tensors: list[tuple[str, Any]] = []
+    dtypes: dict[int, Any] = {}     # torch.save refuses two dtypes over one storage's memory
 
     class Refused(Exception):
         pass
@@ -97,6 +99,8 @@ def state_copy(obj: Any) -> tuple[Any, list[tuple[str, Any]]] | None:
             copies[id(item)] = copied
             return copied
         if isinstance(item, torch.Tensor) and _plain_tensor(item):
+            if dtypes.setdefault(item.untyped_storage().data_ptr(), item.dtype) != item.dtype:
+                raise Refused
             copies[id(item)] = item
             tensors.append((name or "the tensor", item))
             return item
