@@ -401,8 +401,9 @@ class Checkpointer:
         # lists and tuples is watched through torch's version counter (which every
         # in-place op bumps, optimizers' included; writes through ``.data``, numpy or
         # another process do not) and a save that sees one change fails instead of
-        # writing. The copy still costs its CPU time: whatever
-        # runs beside it is slowed by about that much (bench/checkpoint.py reports both).
+        # writing. The copy still costs its CPU time, and the layout holds the GIL:
+        # whatever runs beside them is slowed by about that much (bench/checkpoint.py
+        # reports both; docs/checkpoints.md compares the layout's two places).
         # Note [one-off snapshot of CUDA state]: a one-off save's snapshot is plain
         # memory, and a copy from the GPU into fresh pageable memory is slow (0.78 s for
         # 1 GiB on an H100, longer than the synchronous save, measured 2026-11-26). So
