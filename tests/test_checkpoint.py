@@ -231,9 +231,16 @@ def test_a_tensor_skip_data_refuses_out_of_the_walks_sight_is_saved(tmp_path, mo
     assert torch.equal(loaded["module"].q.int_repr(), module.q.int_repr())
 
 
-def test_save_inside_skip_data_is_refused(tmp_path):
+@pytest.mark.parametrize("how", ["save", "async_save", "background"])
+def test_save_inside_skip_data_is_refused(tmp_path, how):
+    """At the call, in every form: skip_data is the calling thread's, and a background
+    save lays out on a thread of its own, which would not see it."""
     with torch.serialization.skip_data(), pytest.raises(TypeError, match="skip_data"):
-        nvmeswap.save({"a": torch.ones(3)}, tmp_path / "a.pt")
+        if how == "save":
+            nvmeswap.save({"a": torch.ones(3)}, tmp_path / "a.pt")
+        else:
+            nvmeswap.async_save({"a": torch.ones(3)}, tmp_path / "a.pt",
+                                background_snapshot=how == "background")
     assert not (tmp_path / "a.pt").exists()
 
 
