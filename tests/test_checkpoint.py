@@ -402,6 +402,7 @@ def test_one_call_async_save_of_clones_writes_through_the_ring(tmp_path, monkeyp
     import nvmeswap.checkpoint.checkpointer as checkpointer_module
 
     monkeypatch.setattr(checkpointer_module, "_room_on_device", lambda image: True)
+    monkeypatch.setattr(checkpointer_module, "_packable", lambda obj, one_off: None)
     monkeypatch.setattr(checkpointer_module.Checkpointer, "_snapshot_buffer",
                         lambda *args: pytest.fail("a host snapshot was made"))
     state = mixed_state()

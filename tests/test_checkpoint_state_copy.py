@@ -223,3 +223,78 @@ def test_a_layout_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled)
         assert gc.isenabled() is enabled
     finally:
         gc.enable()
+
+
+def many_small_tensors():
+    """A state whose tensors average far under PACKED_BELOW_MEAN_BYTES: packed."""
+    state = trained_state()
+    state["layers"] = [torch.randn(64, 64, generator=torch.Generator().manual_seed(k))
+                       for k in range(40)]
+    state["param"] = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+    state["views"] = (state["layers"][0][5:9], state["layers"][0].t())
+    return state
+
+
+@pytest.mark.parametrize("form", ["kept", "kept with a handle", "one-call"])
+def test_a_packed_snapshot_saves_the_state_at_the_call(tmp_path, monkeypatch, form,
+                                                       handle_factory):
+    """Note [packed snapshot]: the default async form of a state of many small tensors
+    copies their storages and returns; the layout runs on the saving thread, after the
+    caller has changed the tensors' values and shapes and the containers (here before
+    it, for certain): the file is byte for byte the one a save at the call writes."""
+    state = many_small_tensors()
+    at_the_call = copy.deepcopy(state)
+    go = threading.Event()
+    threads = _layouts_on(monkeypatch, go)
+    given = handle_factory() if form == "kept with a handle" else None
+    with nvmeswap.Checkpointer(given) as checkpointer:
+        save = nvmeswap.async_save if form == "one-call" else checkpointer.async_save
+        future = save(state, tmp_path / "packed.pt")
+        assert future.snapshot_taken.done() and not future.done()
+        for layer in state["layers"]:
+            layer.fill_(7)
+        state["layers"][1].resize_(2, 2)
+        state["param"].data = torch.zeros(5)
+        state["model"]["0.weight"].t_()
+        state["optimizer"]["state"][0]["exp_avg"].zero_()
+        state["views"] = None
+        state["epoch"] = 9
+        go.set()
+        assert future.result(60) is None
+    assert threads == ["nvmeswap-async-save"]
+    nvmeswap.save(at_the_call, tmp_path / "sync.pt")
+    assert (tmp_path / "packed.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
+    assert_same(at_the_call, torch.load(tmp_path / "packed.pt"))
+
+
+def test_a_storage_resized_before_the_write_fails_the_save(tmp_path, monkeypatch):
+    """A storage grown or shrunk between the call and the layout would not match the
+    bytes packed at the call: the save fails, naming the file, and the previous
+    checkpoint stays."""
+    path = tmp_path / "ckpt.pt"
+    nvmeswap.save({"before": torch.ones(3)}, path)
+    before = path.read_bytes()
+    state = many_small_tensors()
+    go = threading.Event()
+    _layouts_on(monkeypatch, go)
+    with nvmeswap.Checkpointer() as checkpointer:
+        future = checkpointer.async_save(state, path)
+        state["layers"][3].untyped_storage().resize_(10)
+        go.set()
+        with pytest.raises(RuntimeError, match="storage was resized") as info:
+            future.result(60)
+        assert str(path) in str(info.value)
+    assert path.read_bytes() == before
+
+
+def test_a_state_of_large_tensors_is_laid_out_in_the_caller(tmp_path, monkeypatch):
+    """Few large tensors: their layout is short and the snapshot is written as it is,
+    in the file's order (Note [async checkpoint snapshot])."""
+    threads = _layouts_on(monkeypatch)
+    state = {"a": torch.randn(1 << 20), "b": torch.randn(1 << 19), "step": 3}
+    with nvmeswap.Checkpointer() as checkpointer:
+        future = checkpointer.async_save(state, tmp_path / "large.pt")
+        state["a"].zero_()
+        assert future.result(60) is None
+    assert threads == [threading.current_thread().name]
+    assert not torch.load(tmp_path / "large.pt")["a"].eq(0).all()

@@ -88,7 +88,7 @@ def async_save(obj: Any, path: str | os.PathLike, *, handle: Any = None,
     time of the save; ``Checkpointer.async_save`` copies into a locked one, kept and
     reused across saves (faster from the second save on).
     """
-    checkpointer = Checkpointer(handle)
+    checkpointer = Checkpointer(handle, chunk_bytes=None)
     try:
         return checkpointer.async_save(obj, path, one_off=True,
                                        background_snapshot=background_snapshot)

@@ -45,14 +45,28 @@ def _plain_tensor(item: Any) -> bool:
             and not item.is_conj() and not item.is_neg() and not item.__dict__)
 
 
-def state_copy(obj: Any) -> tuple[Any, list[tuple[str, Any]]] | None:
+def _alias(tensor: Any) -> Any:
+    """A tensor of ``tensor``'s type over the same storage, with the shape, strides,
+    offset and requires_grad ``tensor`` has now, whatever later becomes of them: torch
+    pickles it to the same bytes."""
+    import torch
+
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    if type(tensor) is torch.nn.Parameter:
+        return torch.nn.Parameter(alias, requires_grad=tensor.requires_grad)
+    return alias.requires_grad_() if tensor.requires_grad else alias
+
+
+def state_copy(obj: Any, *, aliases: bool = False) -> tuple[Any, list[tuple[str, Any]]] | None:
     """A copy of ``obj``'s dicts (plain and ordered, with their attributes), lists and
-    tuples, holding the same tensors and unchanging values, which pickles to the bytes
-    ``obj`` pickles to now (each container shared or holding itself as in ``obj``); and
-    ``(name, tensor)`` for each tensor, as ``state_tensors``. None if ``obj`` holds
-    anything else, a tensor ``_plain_tensor`` refuses, or anything ``torch.save``
-    refuses (Note [snapshot in the background] in checkpointer.py): its errors come at
-    the call."""
+    tuples, holding the same tensors (or with ``aliases`` each tensor's ``_alias``) and
+    unchanging values, which pickles to the bytes ``obj`` pickles to now (each
+    container shared or holding itself as in ``obj``); and ``(name, tensor)`` for each
+    tensor of ``obj``, as ``state_tensors``. None if ``obj`` holds anything else, a
+    tensor ``_plain_tensor`` refuses (or an inference tensor, to alias), or anything
+    ``torch.save`` refuses (Note [snapshot in the background] in checkpointer.py): its
+    errors come at the call."""
     from collections import OrderedDict
 
     import torch
@@ -101,9 +115,11 @@ def state_copy(obj: Any) -> tuple[Any, list[tuple[str, Any]]] | None:
         if isinstance(item, torch.Tensor) and _plain_tensor(item):
             if dtypes.setdefault(item.untyped_storage().data_ptr(), item.dtype) != item.dtype:
                 raise Refused
-            copies[id(item)] = item
+            if aliases and item.is_inference():
+                raise Refused
+            copied = copies[id(item)] = _alias(item) if aliases else item
             tensors.append((name or "the tensor", item))
-            return item
+            return copied
         raise Refused
 
     try:
