@@ -11,7 +11,7 @@ import threading
 import zipfile
 
 import pytest
-from test_checkpoint import assert_same, trained_state
+from test_checkpoint import assert_same, mixed_state, trained_state
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
@@ -34,17 +34,20 @@ def shared_and_cyclic():
     state["self"] = state
     view = torch.arange(10.0)
     state["views"] = (view[2:5], view, view.view(2, 5).t())
+    state["grad"] = [torch.ones(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
     state["kinds"] = [torch.float16, torch.device("cpu"), torch.Size([2, 3]), b"\x00", 1j,
                       torch.sparse_coo, True]
     return state
 
 
-@pytest.mark.parametrize("make", [trained_state, shared_and_cyclic])
-def test_a_copy_pickles_to_the_bytes_of_the_state(make):
-    """The copy is new containers around the same tensors and values: pickled (tensors
-    and all) it makes the state's very bytes, shared and self-holding containers too."""
+@pytest.mark.parametrize("aliases", [False, True], ids=["tensors", "aliases"])
+@pytest.mark.parametrize("make", [trained_state, shared_and_cyclic, mixed_state])
+def test_a_copy_pickles_to_the_bytes_of_the_state(make, aliases):
+    """The copy is new containers around the same tensors (or their aliases: Note
+    [packed snapshot]) and values: pickled (tensors and all) it makes the state's very
+    bytes, shared and self-holding containers, views and parameters too."""
     state = make()
-    copied, tensors = state_copy(state)
+    copied, tensors = state_copy(state, aliases=aliases)
     assert copied is not state
     assert torch_pickle(copied) == torch_pickle(state)
     assert pickle.dumps(copied, protocol=2) == pickle.dumps(state, protocol=2)

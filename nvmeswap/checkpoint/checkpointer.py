@@ -488,9 +488,10 @@ class Checkpointer:
                 self.wait_in_flight()
                 if packed:
                     places = self._pack_into_snapshot(named, one_off)
+                    snapshot = self._snapshot
 
                     def write(_, path):
-                        self._write_packed(obj, places, path)
+                        self._write_packed(obj, snapshot, places, path)
                 elif one_off and _room_on_device(image):
                     _clone_runs(image)
                     write = self.write_image        # from the clones, through the ring
@@ -543,9 +544,9 @@ class Checkpointer:
                 snapshot[start:start + nbytes].copy_(uint8_view(storage))
         return places
 
-    def _write_packed(self, state, places, path):
+    def _write_packed(self, state, snapshot, places, path):
         """``state`` (the call's aliases of the tensors) laid out, each storage's bytes
-        taken from its place in the snapshot, written through the ring (Note [packed
+        taken from its place in ``snapshot``, written through the ring (Note [packed
         snapshot])."""
         image = layout(state)
         for run in image.tensor_runs():
@@ -553,7 +554,7 @@ class Checkpointer:
             if nbytes != run.nbytes:
                 raise RuntimeError(f"{path}: not saved: a tensor's storage was resized "
                                    "before the save was written")
-            run.source = self._snapshot[start:start + nbytes]
+            run.source = snapshot[start:start + nbytes]
         self.write_image(image, path)
 
     def _snapshot_buffer(self, nbytes, locked):

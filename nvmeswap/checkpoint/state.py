@@ -51,8 +51,7 @@ def _alias(tensor: Any) -> Any:
     pickles it to the same bytes."""
     import torch
 
-    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    alias = tensor.detach()         # its own shape, strides and offset; the same storage
     if type(tensor) is torch.nn.Parameter:
         return torch.nn.Parameter(alias, requires_grad=tensor.requires_grad)
     return alias.requires_grad_() if tensor.requires_grad else alias
