@@ -11,9 +11,10 @@ import threading
 import zipfile
 
 import pytest
-from test_checkpoint import assert_same, mixed_state, trained_state
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
+from test_checkpoint import assert_same, mixed_state, trained_state
 
 import nvmeswap
 import nvmeswap.checkpoint.checkpointer as checkpointer_module
