@@ -83,18 +83,24 @@ def _check_unchanged(watched, path):
 def _packable(obj: Any, one_off: bool) -> tuple[Any, list[tuple[str, Any]]] | None:
     """``state_copy(obj, aliases=True)`` where an asynchronous save of ``obj`` should
     pack its snapshot (Note [packed snapshot]), else None."""
-    refuse_skip_data()
     copied = state_copy(obj, aliases=True)
     if copied is None or not copied[1]:
         return None
-    tensors = [tensor for _, tensor in copied[1]]
-    if one_off and any(tensor.is_cuda for tensor in tensors):
+    if one_off and any(tensor.is_cuda for _, tensor in copied[1]):
         return None         # cloned on the device instead (Note [one-off snapshot of CUDA state])
-    storages = {tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes()
-                for tensor in tensors}
-    if sum(storages.values()) >= len(storages) * PACKED_BELOW_MEAN_BYTES:
+    storages = _distinct_storages(copied[1]).values()
+    if sum(storage.nbytes() for storage in storages) >= len(storages) * PACKED_BELOW_MEAN_BYTES:
         return None
     return copied
+
+
+def _distinct_storages(named: list[tuple[str, Any]]) -> dict[int, Any]:
+    """The storages of ``named``'s tensors, each once, by its ``_cdata``."""
+    storages = {}
+    for _, tensor in named:
+        storage = tensor.untyped_storage()
+        storages.setdefault(storage._cdata, storage)
+    return storages
 
 
 def _room_on_device(image: FileImage) -> bool:
@@ -446,9 +452,9 @@ class Checkpointer:
         # cloned where it lies instead (on the GPU a device-to-device copy, a millisecond
         # a GiB; host tensors on the host), and the saving thread writes the clones as a
         # synchronous save does, through the ring, then drops them.
+        refuse_skip_data()      # this thread's setting: the saving thread would not see it
         image, copied, packed = None, None, False
         if background_snapshot:
-            refuse_skip_data()
             copied = state_copy(obj)
         else:
             copied = _packable(obj, one_off)
@@ -522,10 +528,7 @@ class Checkpointer:
     def _pack_into_snapshot(self, named, one_off):
         """Each storage of ``named``'s tensors copied whole into the snapshot, one after
         the other (Note [packed snapshot]); where each one is, by storage."""
-        storages = {}
-        for _, tensor in named:
-            storage = tensor.untyped_storage()
-            storages.setdefault(storage._cdata, storage)
+        storages = _distinct_storages(named)
         places, size = {}, 0
         for key, storage in storages.items():
             places[key] = (size, storage.nbytes())
