@@ -155,6 +155,13 @@ def test_a_background_save_lays_out_on_the_saving_thread(tmp_path, monkeypatch):
     assert threads[2:] == [threading.current_thread().name] * 2
 
 
+def assert_saved_as_at_the_call(path, at_the_call):
+    """``path`` is byte for byte what a synchronous save of ``at_the_call`` writes."""
+    nvmeswap.save(at_the_call, path.with_name("sync.pt"))
+    assert path.read_bytes() == path.with_name("sync.pt").read_bytes()
+    assert_same(at_the_call, torch.load(path))
+
+
 def test_containers_changed_after_the_call_are_saved_as_they_were(tmp_path, monkeypatch):
     """The caller changes the state's containers (not its tensors) before the snapshot
     is taken, as a training loop may: the file is byte for byte the one a save of the
@@ -174,9 +181,7 @@ def test_containers_changed_after_the_call_are_saved_as_they_were(tmp_path, monk
         go.set()
         assert future.result(60) is None
     assert threads == ["nvmeswap-async-save"]
-    nvmeswap.save(at_the_call, tmp_path / "sync.pt")
-    assert (tmp_path / "bg.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
-    assert_same(at_the_call, torch.load(tmp_path / "bg.pt"))
+    assert_saved_as_at_the_call(tmp_path / "bg.pt", at_the_call)
 
 
 def test_a_layout_leaves_torch_settings_alone(tmp_path):
@@ -266,9 +271,7 @@ def test_a_packed_snapshot_saves_the_state_at_the_call(tmp_path, monkeypatch, fo
         go.set()
         assert future.result(60) is None
     assert threads == ["nvmeswap-async-save"]
-    nvmeswap.save(at_the_call, tmp_path / "sync.pt")
-    assert (tmp_path / "packed.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
-    assert_same(at_the_call, torch.load(tmp_path / "packed.pt"))
+    assert_saved_as_at_the_call(tmp_path / "packed.pt", at_the_call)
 
 
 def test_a_storage_resized_before_the_write_fails_the_save(tmp_path, monkeypatch):
