@@ -10,6 +10,7 @@ import fractions
 import math
 import os
 import pickle
+import warnings
 import zipfile
 
 import numpy as np
@@ -171,11 +172,36 @@ def trained_state():
             "rng": torch.get_rng_state(), "name": "run-7", "betas": (0.9, 0.99)}
 
 
+def every_kind_state():
+    """Tensors of every kind torch reduces its own way, beside plain ones that share their
+    storages: conj and neg bits, requiring grad (leaf and not), a hook, an attribute, a
+    Parameter, sparse, quantized, nested, and the dtypes torch rebuilds untyped."""
+    z = random_tensor((4, 3), torch.complex64, 11)
+    leaf = random_tensor((5,), torch.float32, 12).requires_grad_()
+    hooked = random_tensor((3,), torch.float32, 13).requires_grad_()
+    hooked.register_hook(torch.utils.hooks.unserializable_hook(lambda grad: grad))
+    noted = random_tensor((6,), torch.float32, 14)
+    noted.note = "kept"
+    dense = random_tensor((4, 4), torch.float32, 15)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # quantized, CSR and nested: deprecated or beta
+        odd = {"quantized": torch.quantize_per_tensor(dense.flatten(), 0.1, 3, torch.quint8),
+               "csr": dense.to_sparse_csr(),
+               "nested": torch.nested.nested_tensor([dense[0], dense[1, :3]])}
+    return {"conj": z.conj(), "z": z, "leaf": leaf,
+            "neg": random_tensor((3,), torch.complex64, 17).conj().imag,
+            "nonleaf": leaf * 2, "hooked": hooked, "noted": noted, "plain": noted[1:],
+            "param": torch.nn.Parameter(dense[:2]), "coo": dense.to_sparse(),
+            "u16": random_tensor((7,), torch.uint16, 16), "dense": dense, **odd}
+
+
 @pytest.mark.parametrize("make", [
     lambda: {"a": random_tensor((1000,), torch.float32, 5), "b": [1, 2.0]},
-    mixed_state, trained_state], ids=["small", "mixed", "trained"])
+    mixed_state, trained_state, every_kind_state],
+    ids=["small", "mixed", "trained", "every-kind"])
 def test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(tmp_path, make):
-    """Note [laying out many tensors]: the layout's own pickler changes no byte."""
+    """Note [laying out many tensors]: the layout's own pickler (and its own reduction of
+    plain tensors) changes no byte."""
     from torch.utils.serialization import config
 
     state = make()
@@ -188,6 +214,41 @@ def test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(tmp_pa
     # Everything but the serialization id, which torch makes fresh for every file.
     assert len(ours) == len(theirs)
     assert ours[:serial] == theirs[:serial]
+
+
+def test_plain_tensors_are_reduced_as_torch_reduces_them_or_by_torch(tmp_path, monkeypatch):
+    """Note [laying out many tensors]: this torch's reduction of a plain tensor is the
+    layout's own; one that reduces differently (here a wrong one) is not used, and the
+    file is still torch's."""
+    from nvmeswap.checkpoint import torch_zip
+
+    assert torch_zip._tensor_reduce(2) is not None
+    own = torch_zip._plain_tensor_reduce
+
+    def wrong(protocol):
+        reduce = own(protocol)
+
+        def without_grad(tensor):
+            rebuild, args = reduce(tensor)
+            return rebuild, args[:4] + (False,) + args[5:]
+        return without_grad
+
+    monkeypatch.setattr(torch_zip, "_plain_tensor_reduce", wrong)
+    torch_zip._tensor_reduce.cache_clear()
+    try:
+        assert torch_zip._tensor_reduce(2) is None
+        test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(
+            tmp_path, lambda: {"w": random_tensor((9,), torch.float32, 1).requires_grad_()})
+    finally:
+        torch_zip._tensor_reduce.cache_clear()
+
+
+def test_a_tensor_s_hook_is_warned_of_as_torch_save_warns(tmp_path):
+    hooked = random_tensor((3,), torch.float32, 13).requires_grad_()
+    hooked.register_hook(lambda grad: grad * 2)
+    with pytest.warns(UserWarning, match="will not be serialized"):
+        nvmeswap.save({"hooked": hooked}, tmp_path / "hooked.pt")
+    assert_same({"hooked": hooked}, torch.load(tmp_path / "hooked.pt"))
 
 
 @pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")

@@ -85,27 +85,6 @@ class FileImage:
             self.runs.append((offset, run))
         self.size = offset + nbytes
 
-    def compact(self) -> None:
-        """Make each stretch of header runs between two tensor runs one run (the writer's
-        loop costs per run), moving the CRC slots along."""
-        runs: list[tuple[int, Any]] = []
-        moved: dict[int, tuple[bytearray, int]] = {}    # id(old segment) -> (new, base)
-        for offset, run in self.runs:
-            last = runs[-1][1] if runs else None
-            if isinstance(run, TensorRun):
-                runs.append((offset, run))
-            elif isinstance(last, bytearray):
-                moved[id(run)] = (last, len(last))
-                last += run
-            else:
-                moved[id(run)] = (run, 0)
-                runs.append((offset, run))
-        for _, run in runs:
-            if isinstance(run, TensorRun):
-                run.crc_slots = [(moved[id(segment)][0], moved[id(segment)][1] + index)
-                                 for segment, index in run.crc_slots]
-        self.runs = runs
-
     def tensor_runs(self) -> list[TensorRun]:
         return [run for _, run in self.runs if isinstance(run, TensorRun)]
 
@@ -118,12 +97,15 @@ class FileImage:
         return found
 
 
-def uint8_view(storage: Any) -> Any:
-    """A 1-D uint8 tensor over all of ``storage`` (an ``UntypedStorage``, on its device)."""
+def uint8_view(storage: Any, nbytes: int | None = None) -> Any:
+    """A 1-D uint8 tensor over the first ``nbytes`` (all) of ``storage`` (an
+    ``UntypedStorage``, on its device)."""
     import torch
 
+    if nbytes is None:
+        nbytes = storage.nbytes()
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-        storage, 0, (storage.nbytes(),), (1,))
+        storage, 0, (nbytes,), (1,))
 
 
 def _checksummed_on_host(run: Any) -> bool:

@@ -42,11 +42,18 @@ layout's pickler asks it only about objects whose type may be a storage. And the
 thousands of objects a layout makes (pickler memo, zip pieces, runs) set off the cyclic
 garbage collector, whose passes over the whole heap (torch's modules and all) took up to
 0.1 s of one layout of 2000 tensors: it is paused while a layout runs (none of what the
-layout makes is cyclic garbage), unless it was off already.
+layout makes is cyclic garbage), unless it was off already. Torch's own reduction of a
+tensor (``Tensor.__reduce_ex__``: some 10 us, its checks for every kind of tensor there
+is) is most of what remains of the pickle's time: the layout's pickler reduces a plain
+tensor (dense, on the host or a GPU, without hooks, attributes or subclass) itself, to
+the very tuple torch's reduction gives, which it checks once a process against torch's
+own on a few probe tensors (a torch whose reduction differs keeps its own); every
+other tensor is torch's to reduce.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import io
 import os
@@ -55,7 +62,7 @@ import struct
 import types
 import zipfile
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from .image import FileImage, TensorRun, uint8_view
 from .state import state_tensors
@@ -70,34 +77,30 @@ class _Recorder:
     """A write-only file for ``PyTorchFileWriter``: keeps what is written, each stretch
     between two storages as one piece (the writer writes a record's header, name and
     padding apart: a run each made a state of 2000 small tensors 10000 runs to copy),
-    and each skipped region (a storage's bytes) as a hole. After ``keep_apart()`` each
-    write is a piece of its own, as the end of the file's are: the central directory's
-    entries must begin pieces for ``_find_crc_slots`` to find them."""
+    and each skipped region (a storage's bytes) as a hole."""
 
     def __init__(self) -> None:
         self.position = 0
         self.pieces: list[tuple[int, Any]] = []     # (offset, bytearray | ("hole", name, n))
         self.pending: str | None = None
-        self._apart = False             # every write a piece of its own
+        self._bytes: bytearray | None = None      # the last piece, if not a hole
 
     def write(self, data: Any) -> int:
-        data = memoryview(data).cast("B")
-        if data.nbytes:
-            last = self.pieces[-1][1] if self.pieces and not self._apart else None
-            if isinstance(last, bytearray):
-                last += data
+        nbytes = memoryview(data).nbytes
+        if nbytes:
+            if self._bytes is None:
+                self._bytes = bytearray(data)
+                self.pieces.append((self.position, self._bytes))
             else:
-                self.pieces.append((self.position, bytearray(data)))
-            self.position += data.nbytes
-        return data.nbytes
-
-    def keep_apart(self) -> None:
-        self._apart = True
+                self._bytes += data
+            self.position += nbytes
+        return nbytes
 
     def seek(self, offset: int, whence: int = 0) -> int:
         if whence != os.SEEK_CUR or self.pending is None:
             raise AssertionError(f"unexpected seek({offset}, {whence}) while laying out")
         self.pieces.append((self.position, ("hole", self.pending, offset)))
+        self._bytes = None
         self.position += offset
         self.pending = None
         return self.position
@@ -148,17 +151,95 @@ def _never_storages() -> frozenset[type]:
     return frozenset({int, float, complex, str, bytes, bool, type(None), tuple, list, dict,
                       collections.OrderedDict, type, types.FunctionType,
                       types.BuiltinFunctionType, torch.Size, torch.dtype, torch.device,
-                      torch.Tensor, torch.nn.Parameter})
+                      torch.Tensor, torch.nn.Parameter,
+                      type(torch.FloatStorage)})   # the storage classes a pickle names
 
 
-def _layout_pickle(pickle_module: Any, storages: dict[str, Any] | None) -> Any:
+def _plain_tensor_reduce(protocol: int) -> Any:
+    """A function giving, for a plain tensor (a dense ``torch.Tensor`` on the host or a GPU,
+    with no hooks, attributes or conj/neg bits: what a state's tensors are), what torch's
+    ``Tensor.__reduce_ex__(protocol)`` gives, without its checks for every other kind
+    (Note [laying out many tensors]); any other tensor it hands to torch."""
+    import collections
+
+    import torch
+    from torch.storage import TypedStorage
+
+    rebuild, rebuild_v3 = torch._utils._rebuild_tensor_v2, torch._utils._rebuild_tensor_v3
+    untyped_dtypes = torch.storage._new_dtypes()    # rebuilt from an untyped storage
+    strided, metadata = torch.strided, torch._C._get_tensor_metadata
+
+    def reduce(tensor):
+        if (type(tensor) is not torch.Tensor or tensor.layout is not strided or tensor.is_quantized or tensor.is_nested
+                or tensor._backward_hooks or tensor.__dict__ or metadata(tensor)
+                or tensor.device.type not in ("cpu", "cuda")):
+            return tensor.__reduce_ex__(protocol)
+        dtype = tensor.dtype
+        # A fresh tuple and hooks dict for each tensor, as torch makes: the pickle's memo
+        # would otherwise refer back to the first one.
+        if dtype in untyped_dtypes:
+            return (rebuild_v3, (tensor.untyped_storage(), tensor.storage_offset(),
+                                 tuple(tensor.size()), tensor.stride(), tensor.requires_grad,
+                                 collections.OrderedDict(), dtype))
+        storage = TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=dtype,
+                               _internal=True)
+        return (rebuild, (storage, tensor.storage_offset(), tuple(tensor.size()),
+                          tensor.stride(), tensor.requires_grad, collections.OrderedDict()))
+
+    return reduce
+
+
+@functools.cache
+def _tensor_reduce(protocol: int) -> Any:
+    """``_plain_tensor_reduce(protocol)`` if it pickles a few probe tensors to the bytes
+    torch's own reduction does (this torch's), else None."""
+    import torch
+
+    try:
+        reduce = _plain_tensor_reduce(protocol)
+    except AttributeError:          # a torch without one of the functions it calls
+        return None
+    base = torch.arange(24, dtype=torch.float32)
+    probes = [base, base[3:].view(3, 7).t(), torch.ones(2, 2, requires_grad=True),
+              torch.zeros((), dtype=torch.bfloat16), torch.zeros(5, dtype=torch.uint16)]
+
+    def pickled(reduction):
+        class Probe(pickle.Pickler):
+            dispatch_table: ClassVar[dict] = {torch.Tensor: reduction}
+
+            def persistent_id(self, obj):
+                if isinstance(obj, (torch.TypedStorage, torch.UntypedStorage)):
+                    storage = getattr(obj, "_untyped_storage", obj)
+                    return (type(obj).__name__, str(getattr(obj, "dtype", None)),
+                            storage.data_ptr(), storage.nbytes())
+                return None
+
+        data = io.BytesIO()
+        Probe(data, protocol=protocol).dump(probes)
+        return data.getvalue()
+
+    same = pickled(reduce) == pickled(lambda tensor: tensor.__reduce_ex__(protocol))
+    return reduce if same else None
+
+
+def _layout_pickle(pickle_module: Any, storages: dict[str, Any] | None, protocol: int) -> Any:
     """``pickle_module`` with a Pickler whose subclasses (torch's pickler is one) ask
-    torch's ``persistent_id`` only about objects that may be storages (Note [laying out
-    many tensors]) and, given ``storages``, record as ``storages["data/<key>"]`` each
-    storage it names (Note [CUDA state layout])."""
+    torch's ``persistent_id`` only about objects that may be storages and reduce plain
+    tensors themselves (Note [laying out many tensors]), and, given ``storages``, record
+    as ``storages["data/<key>"]`` each storage it names (Note [CUDA state layout])."""
+    import copyreg
+
+    import torch
+
     never = _never_storages()
+    tables = dict(copyreg.dispatch_table)
+    reduce = _tensor_reduce(protocol)
+    if reduce is not None:
+        tables.setdefault(torch.Tensor, reduce)     # unless copyreg names one
 
     class Pickler(pickle_module.Pickler):
+        dispatch_table = tables
+
         def __init_subclass__(cls, **kwargs: Any) -> None:
             super().__init_subclass__(**kwargs)
             names = cls.persistent_id
@@ -197,11 +278,11 @@ def _record(obj, pickle_module, pickle_protocol, *, skip_data, name_storages):
     # Torch hands a host storage over as it is: only the others need naming by the
     # pickler.
     pickle_module = _layout_pickle(pickle_module,
-                                   zip_file.storages if name_storages else None)
+                                   zip_file.storages if name_storages else None,
+                                   pickle_protocol)
     skipping = serialization.skip_data() if skip_data else contextlib.nullcontext()
     with skipping:
         serialization._save(obj, zip_file, pickle_module, pickle_protocol, False)
-    recorder.keep_apart()       # the records and the central directory at the end
     writer.write_end_of_file()
     return recorder, zip_file
 
@@ -249,17 +330,24 @@ def _layout(obj: Any, pickle_module: Any, pickle_protocol: int) -> FileImage:
     recorder, zip_file = recorded or _record(obj, pickle_module, pickle_protocol,
                                              skip_data=False, name_storages=off_host)
 
+    # The pieces alternate: header bytes, a storage's hole, header bytes that begin with
+    # its data descriptor, ..., and the central directory in the last piece.
     image = FileImage()
     runs: dict[str, TensorRun] = {}
+    before = None       # the run before these header bytes
     for offset, piece in recorder.pieces:
         if isinstance(piece, tuple):
             _, name, nbytes = piece
             storage = zip_file.storages[name]
-            runs[name] = image.add_tensor(offset, uint8_view(storage)[:nbytes])
+            before = runs[name] = image.add_tensor(offset, uint8_view(storage, nbytes))
         else:
-            image.add_bytes(offset, piece)
-    _find_crc_slots(image, runs)
-    image.compact()
+            segment = image.add_bytes(offset, piece)
+            if before is not None:
+                if segment[:4] != _DESCRIPTOR:
+                    raise AssertionError(f"no data descriptor after {name}")
+                before.crc_slots.append((segment, 4))
+                before = None
+    _find_central_crc_slots(image.runs[-1], runs)
     return image
 
 
@@ -284,7 +372,7 @@ class _ArchiveTemplate:
         segments = []
         for offset, data in self.runs:
             if data is None:
-                run = image.add_tensor(offset, uint8_view(storage)[:self.nbytes])
+                run = image.add_tensor(offset, uint8_view(storage, self.nbytes))
             else:
                 segments.append(image.add_bytes(offset, data))
         run.crc_slots = [(segments[number], index) for number, index in self.slots]
@@ -302,7 +390,8 @@ def _archive_kind(tensor: Any) -> tuple | None:
 
     if tensor.device.type != "cpu":
         return None
-    reduced = tensor.__reduce_ex__(2)
+    reduce = _tensor_reduce(2)
+    reduced = reduce(tensor) if reduce is not None else tensor.__reduce_ex__(2)
     if len(reduced) != 2 or reduced[0] is not torch._utils._rebuild_tensor_v2:
         return None
     storage, *rest = reduced[1]
@@ -324,31 +413,44 @@ def tensor_archive(tensor: Any) -> FileImage:
     return image
 
 
-def _find_crc_slots(image, runs):
-    """Point each storage's run at the CRC fields torch left as 0: the data descriptor that
-    follows its bytes and its central directory entry."""
-    by_offset = {offset: run for offset, run in image.runs}
-    for name, run in runs.items():
-        end = run.offset + run.nbytes
-        descriptor = by_offset.get(end)
-        if not isinstance(descriptor, bytearray) or descriptor[:4] != _DESCRIPTOR:
-            raise AssertionError(f"no data descriptor after {name}")
-        run.crc_slots.append((descriptor, 4))
-    # The central directory: the last runs, entries one after another.
-    wanted = dict(runs)
-    for _, segment in image.runs:
-        if not isinstance(segment, bytearray):
-            continue
-        at = 0
-        while at + 46 <= len(segment) and struct.unpack_from("<I", segment, at)[0] == _CENTRAL:
-            name_len, extra_len, comment_len = struct.unpack_from("<HHH", segment, at + 28)
-            name = segment[at + 46:at + 46 + name_len].decode()
-            record = name.split("/", 1)[1] if "/" in name else name
-            if record in wanted:
-                wanted.pop(record).crc_slots.append((segment, at + 16))
-            at += 46 + name_len + extra_len + comment_len
+_CENTRAL_ENTRY = struct.Struct("<I24xHHH")    # signature ... name, extra, comment lengths
+
+
+def _find_central_crc_slots(last_piece, runs):
+    """Point each storage's run at the CRC field torch left as 0 in its central directory
+    entry, in the file's last piece (from the central directory to the end)."""
+    base, segment = last_piece
+    directory = _central_directory_offset(segment, base) - base
+    wanted = {name.encode(): run for name, run in runs.items()}
+    at = directory
+    while at + 46 <= len(segment):
+        signature, name_len, extra_len, comment_len = _CENTRAL_ENTRY.unpack_from(segment, at)
+        if signature != _CENTRAL:
+            break
+        name = bytes(segment[at + 46:at + 46 + name_len])
+        run = wanted.pop(name.partition(b"/")[2], None)     # "<archive>/data/<key>"
+        if run is not None:
+            run.crc_slots.append((segment, at + 16))
+        at += 46 + name_len + extra_len + comment_len
     if wanted:
         raise AssertionError(f"no central directory entry for {sorted(wanted)}")
+
+
+def _central_directory_offset(segment, base):
+    """Where the central directory starts in the file whose last ``len(segment)`` bytes,
+    from ``base``, are ``segment``: from the end of central directory record, or the
+    zip64 one it points to (torch's writer writes both)."""
+    end = len(segment) - 22         # the record, with no comment
+    if end < 0 or segment[end:end + 4] != b"PK\x05\x06":
+        raise AssertionError("no end of central directory record")
+    (offset,) = struct.unpack_from("<I", segment, end + 16)
+    locator = end - 20
+    if locator >= 0 and segment[locator:locator + 4] == b"PK\x06\x07":
+        (zip64_end,) = struct.unpack_from("<Q", segment, locator + 8)
+        (offset,) = struct.unpack_from("<Q", segment, zip64_end - base + 48)
+    if not base <= offset < base + len(segment):
+        raise AssertionError("the central directory is not in the last piece")
+    return offset
 
 
 # -- reading ------------------------------------------------------------------------------
