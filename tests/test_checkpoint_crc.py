@@ -52,3 +52,29 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "s.pt")], env=env,
                             check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("threads_from", [0, 1 << 20], ids=["all-on-thread", "small-from-ring"])
+def test_crcs_from_the_ring_and_the_thread_are_right_across_chunks(tmp_path, monkeypatch,
+                                                                   threads_from):
+    """Note [streamed checkpoint writes]: runs under THREAD_CRC_BYTES take their CRC from
+    the ring, in pieces where they straddle two chunks; larger ones from the thread."""
+    import zipfile
+
+    torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+    import nvmeswap
+    from nvmeswap.checkpoint import image
+
+    monkeypatch.setattr(image, "THREAD_CRC_BYTES", threads_from)
+    # Runs of 300 KiB and more: several straddle the 1 MiB chunks; one of 3 MiB goes to
+    # the thread when the small ones do not.
+    state = {f"t{index}": torch.frombuffer(bytearray(random_bytes(size, seed=index)),
+                                           dtype=torch.uint8)
+             for index, size in enumerate([300 << 10, (300 << 10) + 5, 700 << 10, 3 << 20,
+                                           (1 << 20) - 3, 13, 450 << 10])}
+    with nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2) as saver:
+        saver.save(state, tmp_path / "s.pt")
+    with zipfile.ZipFile(tmp_path / "s.pt") as archive:
+        assert archive.testzip() is None
+    loaded = torch.load(tmp_path / "s.pt")
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
