@@ -1,5 +1,5 @@
 """Tensor archives from templates and DCP items read by kind (Note [tensor archives]),
-and compacted file images: the bytes are torch's own whichever way they were made."""
+and file images: the bytes are torch's own whichever way they were made."""
 import warnings
 
 import pytest
@@ -64,6 +64,35 @@ def test_a_layout_has_one_header_run_between_two_tensor_runs(tmp_path):
     assert sum(kinds) >= 4
     nvmeswap.save(state, tmp_path / "state.pt")
     assert_same(state, torch.load(tmp_path / "state.pt", weights_only=False))
+
+
+def test_crc_places_are_found_in_a_zip64_directory_past_4_gib():
+    """The central directory of a checkpoint larger than 4 GiB is found through the zip64
+    end record (torch's writer writes both ends), and each storage's entry in it; the
+    writer is given holes, so no bytes are made."""
+    import struct
+    import types
+
+    recorder = torch_zip._Recorder()
+    writer = torch._C.PyTorchFileWriter(recorder, True, torch_zip.STORAGE_ALIGNMENT)
+    writer.write_record("data.pkl", b"pickle", 6)
+    runs = {}
+    for key, nbytes in [("0", 5 << 30), ("1", 4096), ("2", 3)]:
+        recorder.pending = f"data/{key}"
+        writer.write_record_metadata(f"data/{key}", nbytes)
+        runs[f"data/{key}"] = types.SimpleNamespace(crc_slots=[])
+    writer.write_end_of_file()
+    base, segment = recorder.pieces[-1]
+    directory = torch_zip._central_directory_offset(segment, base)
+    assert directory > 5 << 30
+    assert struct.unpack_from("<I", segment, directory - base)[0] == 0x02014B50
+    torch_zip._find_central_crc_slots((base, segment), runs)
+    for name, run in runs.items():
+        ((found, crc_at),) = run.crc_slots
+        entry = crc_at - 16         # the CRC field of a central directory entry
+        name_len = struct.unpack_from("<H", found, entry + 28)[0]
+        assert found is segment
+        assert bytes(found[entry + 46:entry + 46 + name_len]).endswith(name.encode())
 
 
 def item_lengths(path):

@@ -45,10 +45,10 @@ garbage collector, whose passes over the whole heap (torch's modules and all) to
 layout makes is cyclic garbage), unless it was off already. Torch's own reduction of a
 tensor (``Tensor.__reduce_ex__``: some 10 us, its checks for every kind of tensor there
 is) is most of what remains of the pickle's time: the layout's pickler reduces a plain
-tensor (dense, on the host or a GPU, without hooks, attributes or subclass) itself, to
-the very tuple torch's reduction gives, which it checks once a process against torch's
-own on a few probe tensors (a torch whose reduction differs keeps its own); every
-other tensor is torch's to reduce.
+tensor (dense, on the host or a GPU, no subclass, hooks, attributes or conj/neg bits)
+itself, to the very tuple torch's reduction gives, which it checks once a process
+against torch's own on a few probe tensors (a torch whose reduction differs keeps its
+own); every other tensor is torch's to reduce.
 """
 from __future__ import annotations
 
@@ -170,8 +170,9 @@ def _plain_tensor_reduce(protocol: int) -> Any:
     strided, metadata = torch.strided, torch._C._get_tensor_metadata
 
     def reduce(tensor):
-        if (type(tensor) is not torch.Tensor or tensor.layout is not strided or tensor.is_quantized or tensor.is_nested
-                or tensor._backward_hooks or tensor.__dict__ or metadata(tensor)
+        if (type(tensor) is not torch.Tensor or tensor.layout is not strided
+                or tensor.is_quantized or tensor.is_nested or tensor._backward_hooks
+                or tensor.__dict__ or metadata(tensor)
                 or tensor.device.type not in ("cpu", "cuda")):
             return tensor.__reduce_ex__(protocol)
         dtype = tensor.dtype
