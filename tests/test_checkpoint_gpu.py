@@ -51,6 +51,23 @@ def test_torch_load_reads_cuda_state_saved_by_nvmeswap(tmp_path):
         loaded["base"].untyped_storage().data_ptr()
 
 
+def test_a_cuda_state_s_file_is_torch_s_byte_for_byte(tmp_path):
+    """Note [CUDA state layout] and Note [laying out many tensors]: the storages named by
+    the pickler and the layout's own reduction of CUDA tensors give torch's archive."""
+    from torch.utils.serialization import config
+
+    state = cuda_state()
+    state["grad"] = random_tensor((33,), torch.float32, 9).cuda().requires_grad_()
+    nvmeswap.save(state, tmp_path / "ours.pt")
+    with config.patch({"save.storage_alignment": 4096}):
+        torch.save(state, tmp_path / "archive")         # torch names the records after it
+    ours = (tmp_path / "ours.pt").read_bytes()
+    theirs = (tmp_path / "archive").read_bytes()
+    serial = ours.index(b".data/serialization_id")
+    assert len(ours) == len(theirs)
+    assert ours[:serial] == theirs[:serial]
+
+
 @pytest.mark.parametrize("writer", ["torch", "nvmeswap"])
 def test_nvmeswap_load_puts_cuda_state_back_on_the_gpu(tmp_path, writer):
     state = cuda_state()
