@@ -202,14 +202,19 @@ def every_kind_state():
 def test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(tmp_path, make):
     """Note [laying out many tensors]: the layout's own pickler (and its own reduction of
     plain tensors) changes no byte."""
+    assert_saved_as_torch_saves(make(), tmp_path)
+
+
+def assert_saved_as_torch_saves(state, folder):
+    """``nvmeswap.save(state)`` writes the bytes ``torch.save`` does with 4096-aligned
+    storages."""
     from torch.utils.serialization import config
 
-    state = make()
-    nvmeswap.save(state, tmp_path / "ours.pt")
+    nvmeswap.save(state, folder / "ours.pt")
     with config.patch({"save.storage_alignment": 4096}):
-        torch.save(state, tmp_path / "archive")         # torch names the records after it
-    ours = (tmp_path / "ours.pt").read_bytes()
-    theirs = (tmp_path / "archive").read_bytes()
+        torch.save(state, folder / "archive")         # torch names the records after it
+    ours = (folder / "ours.pt").read_bytes()
+    theirs = (folder / "archive").read_bytes()
     serial = ours.index(b".data/serialization_id")
     # Everything but the serialization id, which torch makes fresh for every file.
     assert len(ours) == len(theirs)
@@ -237,8 +242,8 @@ def test_plain_tensors_are_reduced_as_torch_reduces_them_or_by_torch(tmp_path, m
     torch_zip._tensor_reduce.cache_clear()
     try:
         assert torch_zip._tensor_reduce(2) is None
-        test_the_file_is_byte_identical_to_torch_save_with_the_same_alignment(
-            tmp_path, lambda: {"w": random_tensor((9,), torch.float32, 1).requires_grad_()})
+        assert_saved_as_torch_saves(
+            {"w": random_tensor((9,), torch.float32, 1).requires_grad_()}, tmp_path)
     finally:
         torch_zip._tensor_reduce.cache_clear()
 

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from test_checkpoint import DTYPES, assert_same, random_tensor
+from test_checkpoint import DTYPES, assert_same, assert_saved_as_torch_saves, random_tensor
 
 import nvmeswap
 
@@ -54,18 +54,9 @@ def test_torch_load_reads_cuda_state_saved_by_nvmeswap(tmp_path):
 def test_a_cuda_state_s_file_is_torch_s_byte_for_byte(tmp_path):
     """Note [CUDA state layout] and Note [laying out many tensors]: the storages named by
     the pickler and the layout's own reduction of CUDA tensors give torch's archive."""
-    from torch.utils.serialization import config
-
     state = cuda_state()
     state["grad"] = random_tensor((33,), torch.float32, 9).cuda().requires_grad_()
-    nvmeswap.save(state, tmp_path / "ours.pt")
-    with config.patch({"save.storage_alignment": 4096}):
-        torch.save(state, tmp_path / "archive")         # torch names the records after it
-    ours = (tmp_path / "ours.pt").read_bytes()
-    theirs = (tmp_path / "archive").read_bytes()
-    serial = ours.index(b".data/serialization_id")
-    assert len(ours) == len(theirs)
-    assert ours[:serial] == theirs[:serial]
+    assert_saved_as_torch_saves(state, tmp_path)
 
 
 @pytest.mark.parametrize("writer", ["torch", "nvmeswap"])
