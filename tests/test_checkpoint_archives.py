@@ -125,3 +125,70 @@ def test_dcp_items_of_one_length_are_told_apart_by_their_bytes(tmp_path, monkeyp
     dcp.load(into, storage_reader=nvme_dcp.NvmeFileSystemReader(str(folder)))
     assert_same(state, into)
     assert len(parsed) == 3, "one parse for each kind of item"
+
+
+def test_the_own_writer_is_used_only_where_it_writes_torch_s_bytes(tmp_path, monkeypatch):
+    """Note [own zip writer]: checked once a process against torch's writer on a probe;
+    a writer that differs by one field (here the zip64 end record's "made by") is not
+    used, and the file is still torch's."""
+    from test_checkpoint import assert_saved_as_torch_saves
+
+    from nvmeswap.checkpoint import zip_writer
+
+    assert torch_zip._own_writer_end_records() == [("version", b"3\n")]
+    torch_writer = []
+    real = torch_zip._torch_writer_image
+    monkeypatch.setattr(torch_zip, "_torch_writer_image",
+                        lambda records: torch_writer.append(records) or real(records))
+    assert_saved_as_torch_saves(mixed_state(), tmp_path)
+    assert torch_writer == []
+    monkeypatch.setattr(zip_writer, "_ZIP64_MADE_BY", 0x0314)
+    torch_zip._own_writer_end_records.cache_clear()
+    try:
+        assert torch_zip._own_writer_end_records() is None
+        torch_writer.clear()
+        assert_saved_as_torch_saves(mixed_state(), tmp_path)
+        assert len(torch_writer) == 1
+    finally:
+        torch_zip._own_writer_end_records.cache_clear()
+
+
+def test_archives_past_4_gib_or_65535_records_are_left_to_torch_s_writer():
+    """Their fields take zip64's forms, which the own writer does not write: torch's
+    writer lays them out (holes only: no bytes are made)."""
+
+    from nvmeswap.checkpoint import zip_writer
+
+    ends = torch_zip._own_writer_end_records()
+    records = torch_zip._Records()
+    records.records = [("data.pkl", b"pickle"), ("data/0", 5 << 30), ("data/1", 3)]
+    records.storages = {"data/0": torch.UntypedStorage(5 << 30, device="meta"),
+                        "data/1": torch.UntypedStorage(3)}
+    assert zip_writer.archive_image(records.records, records.storages, ends) is None
+    image = torch_zip._image(records)
+    runs = image.tensor_runs()
+    assert [run.nbytes for run in runs] == [5 << 30, 3]
+    assert runs[1].offset > 5 << 30 and runs[1].offset % torch_zip.STORAGE_ALIGNMENT == 0
+    _, tail = image.runs[-1]
+    assert bytes(tail[-42:-38]) == b"PK\x06\x07"        # torch's zip64 end locator
+    # With the two end records and the id: 65535 records in all, or one fewer.
+    many = [("data.pkl", b"p")] + [(f"data/{key}", b"") for key in range(65531)]
+    assert zip_writer.archive_image(many + many[-1:], {}, ends, alignment=64) is None
+    assert zip_writer.archive_image(many, {}, ends, alignment=64).size > 65534 * 46
+
+
+def test_the_serialization_id_is_forty_digits_of_the_records_names_and_headers(tmp_path):
+    """The own writer's id (Note [own zip writer]): the same state gives the same file;
+    another key another id."""
+    import zipfile
+
+    state = {"weight": random_tensor((300,), torch.float32, 1), "step": 3}
+    ids = []
+    for number, key in enumerate(["weight", "weight", "bias"]):
+        path = tmp_path / f"{number}.pt"
+        nvmeswap.save({key: state["weight"], "step": 3}, path)
+        with zipfile.ZipFile(path) as archive:
+            assert archive.testzip() is None
+            ids.append(archive.read("archive/.data/serialization_id"))
+    assert ids[0] == ids[1] != ids[2]
+    assert all(len(made) == 40 and made.isdigit() for made in ids)

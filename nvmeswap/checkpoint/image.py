@@ -58,7 +58,10 @@ class FileImage:
         self.size = 0
 
     def add_bytes(self, offset: int, data: bytes) -> bytearray:
-        segment = bytearray(data)
+        return self.add_segment(offset, bytearray(data))
+
+    def add_segment(self, offset: int, segment: bytearray) -> bytearray:
+        """A header run of ``segment`` itself (not a copy)."""
         self._add(offset, len(segment), segment)
         return segment
 

@@ -4,15 +4,16 @@ storage's bytes are in a file torch (or nvmeswap) wrote.
 Note [torch.save layout]: ``torch.save`` writes a zip archive (``data.pkl``, the pickle with
 each storage replaced by a persistent id ``("storage", type, key, location, numel)``, then
 one uncompressed entry ``data/<key>`` per storage, each starting at a multiple of the
-archive's ``.storage_alignment``). nvmeswap lets torch's own writer lay the archive out
-(``torch._C.PyTorchFileWriter`` driven by ``torch.serialization._save``) with an alignment
-of 4096, and intercepts each storage: instead of its bytes the writer records a hole of
-its size (``write_record_metadata``, what ``torch.serialization.skip_data`` uses). The
-headers, pickle and central directory torch produced are kept as they are; the holes are
+archive's ``.storage_alignment``). nvmeswap lets ``torch.serialization._save`` make the
+records (the pickle, and which storages under which names), with an alignment of 4096,
+and intercepts each storage: instead of its bytes the archive gets a hole of its size
+(``write_record_metadata``, what ``torch.serialization.skip_data`` uses). The records are
+placed as torch's writer places them, by nvmeswap's writer (Note [own zip writer]) or
+torch's own (``torch._C.PyTorchFileWriter``) where that one cannot; the holes are
 filled by nvmeswap's direct writes, and each storage's CRC-32 (zip's data descriptor after
 the bytes, and the central directory) is filled in as its bytes go by. The result is the
-file torch would have written with ``storage_alignment = 4096``; ``torch.load`` and
-``zipfile`` read it unchanged.
+file torch would have written with ``storage_alignment = 4096`` (but for its
+serialization id, an opaque 40 digits); ``torch.load`` and ``zipfile`` read it unchanged.
 
 Note [CUDA state layout]: left to itself, torch's writer copies each CUDA storage into
 new pageable host memory before handing it over: a second, slow copy of the whole state,
@@ -64,6 +65,8 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from . import zip_writer
+from .crc import crc32
 from .image import FileImage, TensorRun, uint8_view
 from .state import state_tensors
 
@@ -112,33 +115,30 @@ class _Recorder:
         pass
 
 
-class _LayoutZip:
-    """The zip writer ``torch.serialization._save`` talks to: storages become holes, each
-    storage the one the pickler named (in ``storages``), whatever torch hands over."""
+class _Records:
+    """The zip file ``torch.serialization._save`` writes to: keeps each record as
+    ``(name, bytes)``, or ``(name, nbytes)`` for a storage, that storage the one the
+    pickler named (in ``storages``) if named, whatever torch hands over."""
 
-    def __init__(self, writer: Any, recorder: _Recorder) -> None:
-        self.writer = writer
-        self.recorder = recorder
+    def __init__(self) -> None:
+        self.records: list[tuple[str, Any]] = []
         self.storages: dict[str, Any] = {}
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         if name == ".storage_alignment":
-            # The writer's own alignment, not torch's process-wide setting: a layout
+            # The archive's own alignment, not torch's process-wide setting: a layout
             # changes nothing another thread's torch.save could see.
             data = str(STORAGE_ALIGNMENT)
-            nbytes = len(data)
-        if isinstance(data, (bytes, str)):
-            self.writer.write_record(name, data, nbytes)
+        if isinstance(data, str):
+            data = data.encode()
+        if isinstance(data, bytes):
+            self.records.append((name, data))
         else:       # a storage: the one the pickler named, if named (``_layout_pickle``)
             self.storages.setdefault(name, data)
             self.write_record_metadata(name, nbytes)
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
-        self.recorder.pending = name if nbytes else None
-        self.writer.write_record_metadata(name, nbytes)
-
-    def __getattr__(self, name):
-        return getattr(self.writer, name)
+        self.records.append((name, nbytes))
 
 
 def _never_storages() -> frozenset[type]:
@@ -267,25 +267,89 @@ def _copies_cuda_storages(tensors: list[Any]) -> bool:
                         for tensor in tensors))
 
 
-def _record(obj, pickle_module, pickle_protocol, *, skip_data, name_storages):
-    """Run torch's writer over ``obj``: what it wrote, with a hole per storage; the
-    pickler names each storage if ``name_storages`` (a state with tensors off the host)."""
-    import torch
+def _record(obj, pickle_module, pickle_protocol, *, skip_data, name_storages) -> _Records:
+    """The records ``torch.serialization._save`` hands its zip writer for ``obj``; the
+    pickler names each storage if ``name_storages`` (a state with tensors off the host:
+    torch hands a host storage over as it is)."""
     from torch import serialization
 
-    recorder = _Recorder()
-    writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
-    zip_file = _LayoutZip(writer, recorder)
-    # Torch hands a host storage over as it is: only the others need naming by the
-    # pickler.
+    records = _Records()
     pickle_module = _layout_pickle(pickle_module,
-                                   zip_file.storages if name_storages else None,
+                                   records.storages if name_storages else None,
                                    pickle_protocol)
     skipping = serialization.skip_data() if skip_data else contextlib.nullcontext()
     with skipping:
-        serialization._save(obj, zip_file, pickle_module, pickle_protocol, False)
+        serialization._save(obj, records, pickle_module, pickle_protocol, False)
+    return records
+
+
+def _torch_writer_image(records: _Records) -> FileImage:
+    """The image of what torch's own writer writes of ``records``, each storage a hole
+    in it filled by the storage's run."""
+    import torch
+
+    recorder = _Recorder()
+    writer = torch._C.PyTorchFileWriter(recorder, True, STORAGE_ALIGNMENT)
+    for name, data in records.records:
+        if isinstance(data, bytes):
+            writer.write_record(name, data, len(data))
+        else:
+            recorder.pending = name if data else None
+            writer.write_record_metadata(name, data)
     writer.write_end_of_file()
-    return recorder, zip_file
+
+    # The pieces alternate: header bytes, a storage's hole, header bytes that begin with
+    # its data descriptor, ..., and the central directory in the last piece.
+    image = FileImage()
+    runs: dict[str, TensorRun] = {}
+    before = None       # the run before these header bytes
+    for offset, piece in recorder.pieces:
+        if isinstance(piece, tuple):
+            _, name, nbytes = piece
+            storage = records.storages[name]
+            before = runs[name] = image.add_tensor(offset, uint8_view(storage, nbytes))
+        else:
+            segment = image.add_bytes(offset, piece)
+            if before is not None:
+                if segment[:4] != _DESCRIPTOR:
+                    raise AssertionError(f"no data descriptor after {name}")
+                before.crc_slots.append((segment, 4))
+                before = None
+    _find_central_crc_slots(image.runs[-1], runs)
+    return image
+
+
+def _rendered(image: FileImage) -> bytes:
+    """The bytes of ``image``'s file, its CRCs filled in."""
+    for run in image.tensor_runs():
+        run.set_crc(crc32(run.source.numpy().tobytes()))
+    return b"".join(run.source.numpy().tobytes() if isinstance(run, TensorRun) else run
+                    for _, run in image.runs)
+
+
+@functools.cache
+def _own_writer_end_records() -> list[tuple[str, bytes]] | None:
+    """The records torch's writer adds after those it is handed, but for the
+    serialization id (``version``), if nvmeswap's writer lays a probe state out as
+    torch's does, byte for byte, else None (Note [own zip writer])."""
+    import torch
+
+    storage = torch.arange(6, dtype=torch.int64)
+    probe = {"weight": torch.arange(3000, dtype=torch.float32).view(30, 100),
+             "half": torch.ones(3, dtype=torch.bfloat16), "empty": torch.zeros(0),
+             "views": [storage[1:3], storage[4:]], "step": 7, "name": "probe"}
+    records = _record(probe, pickle, 2, skip_data=False, name_storages=False)
+    theirs = _rendered(_torch_writer_image(records))
+    with zipfile.ZipFile(io.BytesIO(theirs)) as archive:
+        handed = {f"archive/{name}" for name, _ in records.records}
+        ends = [(info.filename.partition("/")[2], archive.read(info))
+                for info in archive.infolist() if info.filename not in handed]
+    serialization_id = ends.pop()
+    if serialization_id[0] != ".data/serialization_id":
+        return None
+    ours = zip_writer.archive_image(records.records, records.storages, ends,
+                                    serialization_id=serialization_id[1])
+    return ends if ours is not None and _rendered(ours) == theirs else None
 
 
 def refuse_skip_data() -> None:
@@ -328,28 +392,18 @@ def _layout(obj: Any, pickle_module: Any, pickle_protocol: int) -> FileImage:
                                name_storages=True)
         except RuntimeError:
             pass    # a tensor skip_data refuses, out of the walk's sight: torch's copy, then
-    recorder, zip_file = recorded or _record(obj, pickle_module, pickle_protocol,
-                                             skip_data=False, name_storages=off_host)
+    return _image(recorded or _record(obj, pickle_module, pickle_protocol, skip_data=False,
+                                      name_storages=off_host))
 
-    # The pieces alternate: header bytes, a storage's hole, header bytes that begin with
-    # its data descriptor, ..., and the central directory in the last piece.
-    image = FileImage()
-    runs: dict[str, TensorRun] = {}
-    before = None       # the run before these header bytes
-    for offset, piece in recorder.pieces:
-        if isinstance(piece, tuple):
-            _, name, nbytes = piece
-            storage = zip_file.storages[name]
-            before = runs[name] = image.add_tensor(offset, uint8_view(storage, nbytes))
-        else:
-            segment = image.add_bytes(offset, piece)
-            if before is not None:
-                if segment[:4] != _DESCRIPTOR:
-                    raise AssertionError(f"no data descriptor after {name}")
-                before.crc_slots.append((segment, 4))
-                before = None
-    _find_central_crc_slots(image.runs[-1], runs)
-    return image
+
+def _image(records: _Records) -> FileImage:
+    """The archive of ``records``: nvmeswap's writer where it writes torch's bytes, else
+    torch's (Note [own zip writer])."""
+    ends = _own_writer_end_records()
+    image = None
+    if ends is not None:
+        image = zip_writer.archive_image(records.records, records.storages, ends)
+    return image if image is not None else _torch_writer_image(records)
 
 
 class _ArchiveTemplate:
