@@ -120,11 +120,6 @@ def uint8_view(storage: Any, nbytes: int | None = None) -> Any:
 THREAD_CRC_BYTES = 1 << 20
 
 
-def _checksummed_on_thread(run: Any) -> bool:
-    return (isinstance(run, TensorRun) and bool(run.crc_slots) and not run.source.is_cuda
-            and run.nbytes >= THREAD_CRC_BYTES)
-
-
 class _Checksums:
     """The CRC-32 of every tensor run that needs one, computed on a thread of its own
     from the runs' own bytes while the ring is filled and written (Note [fast CRC-32]:
@@ -191,18 +186,10 @@ class StreamWriter:
     def write(self, image: FileImage, filename: str) -> None:
         """Write all of ``image`` to ``filename`` (which must exist), filling in CRCs."""
         futures: list = [None] * self.chunks
-        runs = image.runs
-        at = 0                          # index of the run being copied
-        # needed[i]: how many of the thread's runs come before run i (their CRCs may be in
-        # it). The others take their CRC from the ring, in order, before any later header
-        # is copied.
-        needed, count = [], 0
-        on_thread = [_checksummed_on_thread(run) for _, run in runs]
-        for threads in on_thread:
-            needed.append(count)
-            count += threads
-        checksums = _Checksums([run for (_, run), threads in zip(runs, on_thread) if threads])
+        plan, checksums = self._plan(image)
         ring_address = self.ring.data_ptr()
+        view = self.view
+        at = 0                          # index of the run being copied
         try:
             for slot_number, start in enumerate(range(0, image.size, self.chunk_bytes)):
                 slot = slot_number % self.chunks
@@ -210,36 +197,35 @@ class StreamWriter:
                     futures[slot].result()
                     futures[slot] = None
                 end = min(start + self.chunk_bytes, image.size)
-                base = slot * self.chunk_bytes
+                into = slot * self.chunk_bytes - start      # ring index of file offset 0
                 position = start
                 while position < end:
-                    offset, run = runs[at]
-                    is_tensor = isinstance(run, TensorRun)
-                    run_end = offset + (run.nbytes if is_tensor else len(run))
-                    upto = min(run_end, end)
-                    into = slice(base + position - start, base + upto - start)
-                    if is_tensor:
-                        if not run.source.is_cuda:
-                            # memcpy, not torch's copy: for a small run, that one wakes its
-                            # threads for each copy, which wait for the CRC thread's core.
-                            copy_memory(ring_address + into.start,
-                                        run.source.data_ptr() + position - offset,
-                                        upto - position)
-                        else:
-                            self.ring[into].copy_(run.source[position - offset:upto - offset])
-                        if run.crc_slots and not on_thread[at]:
-                            run.crc = crc32(self.view[into],
-                                            run.crc if position > offset else 0)
-                            if upto == run_end:
-                                run.set_crc(run.crc)
-                    else:
-                        checksums.wait_for(needed[at])
-                        self.view[into] = run[position - offset:upto - offset]
+                    offset, run_end, run, address, crc_from_ring, needed = plan[at]
+                    upto = min(end, run_end)
+                    if address:
+                        # memcpy, not torch's copy: for a small run, that one wakes its
+                        # threads for each copy, which wait for the CRC thread's core.
+                        copy_memory(ring_address + into + position,
+                                    address + position - offset, upto - position)
+                    elif address is None:           # header bytes
+                        if needed > checksums.finished:
+                            checksums.wait_for(needed)
+                        view[into + position:into + upto] = \
+                            run if upto - position == len(run) else \
+                            memoryview(run)[position - offset:upto - offset]
+                    else:                           # in CUDA memory
+                        self.ring[into + position:into + upto].copy_(
+                            run.source[position - offset:upto - offset])
+                    if crc_from_ring:
+                        run.crc = crc32(view[into + position:into + upto],
+                                        run.crc if position > offset else 0)
+                        if upto == run_end:
+                            run.set_crc(run.crc)
                     position = upto
                     if upto == run_end:
                         at += 1
-                futures[slot] = self.handle.submit_pwrite(self.ring[base:base + end - start],
-                                                          filename, start)
+                futures[slot] = self.handle.submit_pwrite(
+                    self.ring[into + start:into + end], filename, start)
         finally:
             checksums.close()
             first = None
@@ -252,6 +238,27 @@ class StreamWriter:
                     first = first or error
             if first is not None:
                 raise first
+
+    @staticmethod
+    def _plan(image: FileImage) -> tuple[list[tuple], _Checksums]:
+        """For each run ``(offset, end, run, address, crc_from_ring, needed)``: address
+        the host address of a tensor run's bytes (0 for CUDA memory, None for header
+        bytes); crc_from_ring whether its CRC is taken from the ring; needed how many of
+        the CRC thread's runs come before it (their CRCs may be in its bytes). And the
+        CRC thread, started on its runs."""
+        plan, on_thread = [], []
+        for offset, run in image.runs:
+            if isinstance(run, TensorRun):
+                source = run.source
+                address = 0 if source.is_cuda else source.data_ptr()
+                threads = bool(run.crc_slots and address and run.nbytes >= THREAD_CRC_BYTES)
+                plan.append((offset, offset + run.nbytes, run, address,
+                             bool(run.crc_slots) and not threads, len(on_thread)))
+                if threads:
+                    on_thread.append(run)
+            else:
+                plan.append((offset, offset + len(run), run, None, False, len(on_thread)))
+        return plan, _Checksums(on_thread)
 
     def close(self) -> None:
         if self.ring is not None:
