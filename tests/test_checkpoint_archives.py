@@ -1,5 +1,6 @@
 """Tensor archives from templates and DCP items read by kind (Note [tensor archives]),
 and file images: the bytes are torch's own whichever way they were made."""
+import os
 import warnings
 
 import pytest
@@ -192,3 +193,70 @@ def test_the_serialization_id_is_forty_digits_of_the_records_names_and_headers(t
             ids.append(archive.read("archive/.data/serialization_id"))
     assert ids[0] == ids[1] != ids[2]
     assert all(len(made) == 40 and made.isdigit() for made in ids)
+
+
+def records_by_zipfile(path):
+    """``ZipEntries.records`` as ``zipfile`` and each record's local header give them."""
+    import struct
+    import zipfile
+
+    found = {}
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+        for info in archive.infolist():
+            raw.seek(info.header_offset)
+            name_len, extra_len = struct.unpack_from("<HH", raw.read(30), 26)
+            found[info.filename.partition("/")[2]] = (
+                info.header_offset + 30 + name_len + extra_len, info.file_size, info.CRC)
+    return found
+
+
+def test_records_past_4_gib_are_found_as_zipfile_finds_them(tmp_path):
+    """zip64's end records and a central record's 64-bit size and offset: torch's writer
+    given a hole of 5 GiB (a sparse file)."""
+    path = tmp_path / "big.pt"
+    writer = torch._C.PyTorchFileWriter(str(path))
+    writer.write_record("data.pkl", b"pickle", 6)
+    writer.write_record_metadata("data/0", 5 << 30)
+    writer.write_record("data/1", b"abc", 3)
+    writer.write_end_of_file()
+    del writer
+    entries = torch_zip.ZipEntries(str(path))
+    assert entries.records == records_by_zipfile(path)
+    assert entries.records["data/0"][1] == 5 << 30
+    assert entries.records["data/1"][0] > 5 << 30
+    assert entries.pickle == b"pickle"
+
+
+def test_records_are_found_behind_an_archive_comment_and_compression_is_refused(tmp_path):
+    import zipfile
+
+    path = tmp_path / "commented.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"pickled")
+        archive.writestr("archive/data/0", bytes(range(256)) * 3)
+        archive.comment = b"#" * 3000
+    entries = torch_zip.ZipEntries(str(path))
+    assert entries.records == records_by_zipfile(path)
+    assert entries.pickle == b"pickled" and entries.byteorder == "little"
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("archive/data/1", b"x" * 999, compress_type=zipfile.ZIP_DEFLATED)
+    with pytest.raises(ValueError, match="commented.pt: record archive/data/1 is compressed"):
+        torch_zip.ZipEntries(str(path))
+
+
+@pytest.mark.parametrize("damage", ["cut in the tensor", "cut in the end record",
+                                    "central directory cut out"])
+def test_a_damaged_archive_is_an_error_naming_it(tmp_path, damage):
+    path = tmp_path / "damaged.pt"
+    nvmeswap.save({"w": random_tensor((5000,), torch.float32, 3)}, path)
+    data = path.read_bytes()
+    tail = 56 + 20 + 22         # zip64 end record, its locator, end record
+    damaged = {"cut in the tensor": data[:len(data) // 2],
+               "cut in the end record": data[:-10],
+               # the end records kept, pointing past the end at what was cut out
+               "central directory cut out": data[:len(data) - tail - 100] + data[-tail:]}
+    path.write_bytes(damaged[damage])
+    with pytest.raises(ValueError, match="damaged.pt: not a torch.save zip archive"):
+        torch_zip.ZipEntries(str(path))
+    with pytest.raises(ValueError, match="damaged.pt: not a torch.save zip archive"):
+        nvmeswap.load(path)

@@ -509,32 +509,92 @@ def _central_directory_offset(segment, base):
 
 
 # -- reading ------------------------------------------------------------------------------
-class _Slice(io.RawIOBase):
-    """``length`` bytes of an open file from ``base``, as a file of their own."""
+_END_RECORD = struct.Struct("<IHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_ZIP64_END_RECORD = struct.Struct("<IQHHIIQQQQ")
+_CENTRAL_RECORD = struct.Struct("<IHHHHHHIIIHHHHHII")
+_ZIP64_FIELDS = 0x0001       # the extra field holding a central record's 64-bit values
 
-    def __init__(self, raw, base, length):
-        self.raw, self.base, self.length, self.position = raw, base, length, 0
 
-    def readable(self):
-        return True
+def _reads_at(file: Any) -> Any:
+    """``read_at(offset, nbytes)`` of ``file``: a pread where it has a descriptor, else a
+    seek and a read (a striped checkpoint's logical file)."""
+    try:
+        fd = file.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        def read_at(offset, nbytes):
+            file.seek(offset)
+            return file.read(nbytes)
+        return read_at
+    return lambda offset, nbytes: os.pread(fd, nbytes, offset)
 
-    def seekable(self):
-        return True
 
-    def tell(self):
-        return self.position
+def _central_directory(read_at: Any, base: int,
+                       length: int) -> list[tuple[str, int, int, int, int]]:
+    """``(name, method, size, crc, local header offset)`` of each record of the zip archive
+    of ``length`` bytes at ``base`` (of what ``read_at`` reads), offsets from ``base``;
+    ValueError if it is not one. Read straight from its central directory (for a state of 2000 tensors
+    ``zipfile`` took 15 of the 20 ms of finding the records, 2026-11-27)."""
+    # The end record is the last 22 bytes but for a comment (none in torch's files): only
+    # those and the zip64 locator before them are read first, as a striped file's
+    # headers are in its first and last stripes.
+    for most in (0, 0xFFFF):
+        tail_length = min(length, _ZIP64_LOCATOR.size + _END_RECORD.size + most)
+        tail = read_at(base + length - tail_length, tail_length)
+        end = tail.rfind(b"PK\x05\x06", 0, len(tail) - _END_RECORD.size + 4)
+        if len(tail) < tail_length or end >= 0:
+            break
+    if len(tail) < tail_length or end < 0:
+        raise ValueError("no end of central directory record")
+    *_, count, directory_size, directory_at, _ = _END_RECORD.unpack_from(tail, end)
+    locator = end - _ZIP64_LOCATOR.size
+    if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
+        _, _, zip64_end_at, _ = _ZIP64_LOCATOR.unpack_from(tail, locator)
+        record = read_at(base + zip64_end_at, _ZIP64_END_RECORD.size)
+        if len(record) < _ZIP64_END_RECORD.size or record[:4] != b"PK\x06\x06":
+            raise ValueError("bad zip64 end of central directory record")
+        *_, count, directory_size, directory_at = _ZIP64_END_RECORD.unpack(record)
+    directory = read_at(base + directory_at, directory_size) \
+        if directory_at + directory_size <= length else b""
+    if len(directory) != directory_size:
+        raise ValueError("the central directory is past the end of the file")
+    records, at = [], 0
+    for _ in range(count):
+        if at + _CENTRAL_RECORD.size > len(directory) or directory[at:at + 4] != b"PK\x01\x02":
+            raise ValueError("bad central directory")
+        (_, _, _, flags, method, _, _, crc, packed, size, name_len, extra_len, comment_len,
+         _, _, _, header_at) = _CENTRAL_RECORD.unpack_from(directory, at)
+        at += _CENTRAL_RECORD.size
+        name = directory[at:at + name_len].decode("utf-8" if flags & 0x800 else "cp437")
+        if 0xFFFFFFFF in (packed, size, header_at):
+            size, header_at = _zip64_values(directory[at + name_len:at + name_len + extra_len],
+                                            packed, size, header_at)
+        records.append((name, method, size, crc, header_at))
+        at += name_len + extra_len + comment_len
+    return records
 
-    def seek(self, offset, whence=0):
-        origin = {0: 0, 1: self.position, 2: self.length}[whence]
-        self.position = max(0, origin + offset)
-        return self.position
 
-    def readinto(self, buffer):
-        count = max(0, min(len(buffer), self.length - self.position))
-        self.raw.seek(self.base + self.position)
-        got = self.raw.readinto(memoryview(buffer)[:count])
-        self.position += got
-        return got
+def _zip64_values(extra: bytes, packed: int, size: int, header_at: int) -> tuple[int, int]:
+    """A central record's size and local header offset, those that do not fit in 32 bits
+    taken from its zip64 extra field (which holds, in this order, each of size, packed
+    size and offset that is 0xFFFFFFFF)."""
+    at = 0
+    while at + 4 <= len(extra):
+        kind, nbytes = struct.unpack_from("<HH", extra, at)
+        if kind == _ZIP64_FIELDS:
+            values = list(struct.unpack_from(f"<{nbytes // 8}Q", extra, at + 4))
+            wanted = [size == 0xFFFFFFFF, packed == 0xFFFFFFFF, header_at == 0xFFFFFFFF]
+            if len(values) < sum(wanted):
+                break
+            if wanted[0]:
+                size = values.pop(0)
+            if wanted[1]:
+                values.pop(0)
+            if wanted[2]:
+                header_at = values.pop(0)
+            return size, header_at
+        at += 4 + nbytes
+    raise ValueError("a record's zip64 extra field is missing or short")
 
 
 class ZipEntries:
@@ -549,36 +609,37 @@ class ZipEntries:
         self.records: dict[str, tuple[int, int, int]] = {}
         opened = open(path, "rb") if file is None else contextlib.nullcontext(file)  # noqa: SIM115
         with opened as raw:
+            read_at = _reads_at(raw)
             if length is None:
-                length = raw.seek(0, 2) - base
-            view = _Slice(raw, base, length)
+                length = raw.seek(0, os.SEEK_END) - base
             try:
-                archive = zipfile.ZipFile(io.BufferedReader(view))
-            except zipfile.BadZipFile as error:
+                directory = _central_directory(read_at, base, length)
+            except ValueError as error:
                 raise ValueError(f"{path}: not a torch.save zip archive ({error}); files "
                                  "of torch's legacy (pre-1.6) format are not supported") \
                     from None
-            with archive:
-                for info in archive.infolist():
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        raise ValueError(f"{path}: record {info.filename} is compressed")
-                    raw.seek(base + info.header_offset)
-                    header = raw.read(30)
-                    signature, *_, name_len, extra_len = struct.unpack("<IHHHHHIIIHH",
-                                                                       header)
-                    if signature != _LOCAL:
-                        raise ValueError(f"{path}: bad local header for {info.filename}")
-                    start = base + info.header_offset + 30 + name_len + extra_len
-                    record = info.filename.split("/", 1)[1] if "/" in info.filename \
-                        else info.filename
-                    self.records[record] = (start, info.file_size, info.CRC)
+            for name, method, size, crc, header_at in directory:
+                if method != 0:
+                    raise ValueError(f"{path}: record {name} is compressed")
+                header = read_at(base + header_at, 30)
+                if len(header) < 30 or struct.unpack_from("<I", header)[0] != _LOCAL:
+                    raise ValueError(f"{path}: bad local header for {name}")
+                name_len, extra_len = struct.unpack_from("<HH", header, 26)
+                start = base + header_at + 30 + name_len + extra_len
+                if start + size > base + length:
+                    raise ValueError(f"{path}: record {name} runs past the end of the "
+                                     "archive (a truncated file?)")
+                record = name.split("/", 1)[1] if "/" in name else name
+                self.records[record] = (start, size, crc)
             if "data.pkl" not in self.records:
                 raise ValueError(f"{path}: not a torch.save archive (no data.pkl)")
-            self.pickle = self.read(raw, "data.pkl")
-            self.byteorder = (self.read(raw, "byteorder").decode()
+            self.pickle = self.read(read_at, "data.pkl")
+            self.byteorder = (self.read(read_at, "byteorder").decode()
                               if "byteorder" in self.records else "little")
 
-    def read(self, raw: Any, record: str) -> bytes:
+    def read(self, read_at: Any, record: str) -> bytes:
         start, size, _ = self.records[record]
-        raw.seek(start)
-        return raw.read(size)
+        data = read_at(start, size)
+        if len(data) != size:
+            raise ValueError(f"{self.path}: record {record} is cut short")
+        return data
