@@ -1,6 +1,5 @@
 """Tensor archives from templates and DCP items read by kind (Note [tensor archives]),
 and file images: the bytes are torch's own whichever way they were made."""
-import os
 import warnings
 
 import pytest

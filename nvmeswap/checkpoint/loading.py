@@ -29,6 +29,7 @@ from typing import Any
 from ..units import ALIGNMENT
 from .fresh_reads import FreshReads
 from .own_queue import Registration, reader_of
+from .saved_tensors import SavedTensor, saved_tensors
 from .striped_checkpoints import (
     layout_file,
     opened,
@@ -45,6 +46,13 @@ def _storage_dtype(storage_type):
     return torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
 
 
+def _check_byteorder(entries: ZipEntries) -> None:
+    if entries.byteorder != sys.byteorder:
+        raise ValueError(f"{entries.path}: written on a {entries.byteorder}-endian machine; "
+                         "nvmeswap.load reads native-endian archives only (torch.load "
+                         "byte-swaps them)")
+
+
 def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
              map_location: Any = None) -> Any:
     """The archive's object, ``make_storage(key, dtype, nbytes, location)`` giving each
@@ -52,10 +60,7 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
     import torch
     from torch import serialization
 
-    if entries.byteorder != sys.byteorder:
-        raise ValueError(f"{entries.path}: written on a {entries.byteorder}-endian machine; "
-                         "nvmeswap.load reads native-endian archives only (torch.load "
-                         "byte-swaps them)")
+    _check_byteorder(entries)
     loaded: dict[str, Any] = {}
 
     def persistent_load(saved_id):
@@ -390,26 +395,39 @@ def _placed(path, entries, into, strict):
     with a place in ``into``, every match checked first."""
     import torch
 
+    _check_byteorder(entries)
+    saved = saved_tensors(entries.pickle)       # Note [reading where tensors are]
     keys: dict[int, str] = {}
+    if saved is None:
+        def make_storage(key, dtype, nbytes, location):
+            storage = torch.UntypedStorage(nbytes, device="meta")
+            keys[storage._cdata] = key
+            return storage
 
-    def make_storage(key, dtype, nbytes, location):
-        storage = torch.UntypedStorage(nbytes, device="meta")
-        keys[storage._cdata] = key
-        return storage
-
-    saved = unpickle(entries, make_storage, weights_only=True)
+        try:
+            saved = unpickle(entries, make_storage, weights_only=True)
+        except NotImplementedError as error:    # a kind torch cannot make over meta storages
+            raise ValueError(f"{path}: holds a tensor load_into cannot place (torch: "
+                             f"{str(error).splitlines()[0]}); nvmeswap.load reads it") from None
     reads = []
     for name, source, target in _pairs(saved, into, strict, path):
+        if not isinstance(source, SavedTensor):     # one torch's unpickler made
+            if source.layout != torch.strided or source.is_quantized or source.is_nested:
+                raise ValueError(f"{path}: {name} is a {source.layout} "
+                                 f"{'quantized ' if source.is_quantized else ''}tensor; "
+                                 "load_into reads dense ones, nvmeswap.load any")
+            source = SavedTensor(keys[source.untyped_storage()._cdata], source.dtype,
+                                 source.storage_offset(), source.shape, source.stride())
         if source.dtype != target.dtype or source.shape != target.shape:
-            raise ValueError(f"{path}: {name} is {source.dtype} {tuple(source.shape)} in the "
+            raise ValueError(f"{path}: {name} is {source.dtype} {source.shape} in the "
                              f"file, {target.dtype} {tuple(target.shape)} in memory")
         if not target.is_contiguous():
             raise ValueError(f"load_into: the tensor for {name} is not contiguous")
         if not source.is_contiguous():
             raise ValueError(f"{path}: {name} was saved as a non-contiguous view; use "
                              "nvmeswap.load for it")
-        key = keys[source.untyped_storage()._cdata]
-        start = entries.records[f"data/{key}"][0] + source.storage_offset() * source.element_size()
+        start = entries.records[f"data/{source.key}"][0] + \
+            source.offset * torch._utils._element_size(source.dtype)
         if source.numel():
             reads.append((target, start))
     return reads
@@ -421,7 +439,7 @@ def _pairs(saved, into, strict, path, name=""):
     ``strict``."""
     import torch
 
-    if isinstance(saved, torch.Tensor):
+    if isinstance(saved, (torch.Tensor, SavedTensor)):
         if not isinstance(into, torch.Tensor):
             raise TypeError(f"load_into: {name or 'the object'} is a tensor in {path}, "
                             f"{type(into).__name__} in memory")

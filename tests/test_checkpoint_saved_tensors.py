@@ -1,0 +1,176 @@
+"""Where each saved tensor is, read from the pickle without making it (Note [reading where
+tensors are]): the same as torch's weights-only unpickler finds, or left to it."""
+import collections
+import io
+import os
+import pickle
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+
+from test_checkpoint import (
+    assert_same,
+    every_dtype_state,
+    every_kind_state,
+    mixed_state,
+    random_tensor,
+    trained_state,
+)
+
+import nvmeswap
+from nvmeswap.checkpoint import loading
+from nvmeswap.checkpoint.saved_tensors import SavedTensor, saved_tensors
+from nvmeswap.checkpoint.torch_zip import ZipEntries
+
+
+def plain_state():
+    base = random_tensor((6, 10), torch.float32, 1)
+    return {"model": every_dtype_state(2),
+            "views": [base, base[2:], base.t(), base[:, 3], base[1:2, ::2]],
+            "ordered": collections.OrderedDict(w=random_tensor((3,), torch.bfloat16, 3)),
+            "param": torch.nn.Parameter(random_tensor((2, 2), torch.float32, 4)),
+            "grad": random_tensor((4,), torch.float32, 5).requires_grad_(),
+            "u16": random_tensor((5,), torch.uint16, 6),       # rebuilt by _rebuild_tensor_v3
+            "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5),
+            "values": (1, 2.0, "three", None, True, b"four", [5], {"six": 6})}
+
+
+def tensors_of(saved, name=""):
+    """``{path: tensor}`` of every tensor in nested dicts, lists and tuples."""
+    if isinstance(saved, (torch.Tensor, SavedTensor)):
+        return {name: saved}
+    items = saved.items() if isinstance(saved, dict) else \
+        enumerate(saved) if isinstance(saved, (list, tuple)) else []
+    found = {}
+    for key, value in items:
+        found.update(tensors_of(value, f"{name}/{key}"))
+    return found
+
+
+def torch_s_reading(entries):
+    """Each tensor as torch's weights-only unpickler makes it (over meta storages), as
+    ``(key, dtype, offset, shape, strides)``."""
+    keys = {}
+
+    def make_storage(key, dtype, nbytes, location):
+        storage = torch.UntypedStorage(nbytes, device="meta")
+        keys[storage._cdata] = key
+        return storage
+
+    made = loading.unpickle(entries, make_storage, weights_only=True)
+    return {name: (keys[tensor.untyped_storage()._cdata], tensor.dtype,
+                   tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                   tensor.is_contiguous(), tensor.numel())
+            for name, tensor in tensors_of(made).items()}
+
+
+@pytest.mark.parametrize("make", [plain_state, mixed_state, trained_state],
+                         ids=["plain", "mixed", "trained"])
+def test_each_tensor_is_where_torch_s_unpickler_finds_it(tmp_path, make):
+    state = make()
+    for save in (nvmeswap.save, torch.save):
+        path = tmp_path / f"{save.__module__}.pt"
+        save(state, path)
+        entries = ZipEntries(str(path))
+        read = saved_tensors(entries.pickle)
+        assert read is not None
+        ours = {name: (tensor.key, tensor.dtype, tensor.offset, tensor.shape, tensor.stride,
+                       tensor.is_contiguous(), tensor.numel())
+                for name, tensor in tensors_of(read).items()}
+        assert ours == torch_s_reading(entries)
+        assert len(ours) == len(tensors_of(state))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("kind", ["device", "sparse", "quantized", "nested", "attribute",
+                                  "object"])
+def test_a_pickle_naming_anything_else_is_left_to_torch_s_unpickler(tmp_path, kind):
+    kinds = every_kind_state()
+    other = {"device": torch.device("cpu"), "sparse": kinds["coo"],
+             "quantized": kinds["quantized"], "nested": kinds["nested"],
+             "attribute": kinds["noted"], "object": fractions_of_three()}[kind]
+    state = {"w": random_tensor((8,), torch.float32, 1), "other": other}
+    path = tmp_path / "other.pt"
+    nvmeswap.save(state, path)
+    assert saved_tensors(ZipEntries(str(path)).pickle) is None
+    into = {"w": torch.zeros(8)}
+    if kind == "object":        # one weights_only refuses: torch's unpickler says so
+        with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+            nvmeswap.load_into(path, into, strict=False)
+    elif kind in ("quantized", "nested"):      # torch makes neither over meta storages
+        with pytest.raises(ValueError, match="other.pt: holds a tensor load_into cannot"):
+            nvmeswap.load_into(path, into, strict=False)
+    elif kind == "sparse":
+        nvmeswap.load_into(path, into, strict=False)
+        with pytest.raises(ValueError, match="other.pt: other is a torch.sparse_coo tensor"):
+            nvmeswap.load_into(path, {"w": torch.zeros(8), "other": other})
+    else:
+        into["other"] = torch.zeros_like(other) if kind == "attribute" else other
+        nvmeswap.load_into(path, into)
+        assert_same(state, into)
+    if kind not in ("object", "quantized", "nested"):
+        assert_same(state["w"], into["w"])
+
+
+def fractions_of_three():
+    import fractions
+
+    return fractions.Fraction(1, 3)
+
+
+class _Runs:
+    """Pickles to a call of ``os.system``: what weights_only is there to refuse."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_pickle_that_would_run_a_command_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(3), "x": _Runs(f"touch {marker}")}, path)
+    assert saved_tensors(ZipEntries(str(path)).pickle) is None
+    with pytest.raises(pickle.UnpicklingError):
+        nvmeswap.load_into(path, {"w": torch.zeros(3)}, strict=False)
+    assert not marker.exists()
+
+
+class _Rebuilt:
+    """Pickles as torch pickles a tensor of 2 float32 elements, at ``offset`` and of
+    ``stride`` in a storage of 4."""
+
+    def __init__(self, offset, stride):
+        self.offset, self.stride = offset, stride
+
+    def __reduce__(self):
+        return torch._utils._rebuild_tensor_v2, (
+            torch.UntypedStorage(16), self.offset, (2,), self.stride, False,
+            collections.OrderedDict())
+
+
+def pickled(obj):
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", torch.FloatStorage, "0", "cpu", 4) \
+                if isinstance(obj, torch.UntypedStorage) else None
+
+    data = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # TypedStorage is deprecated
+        Pickler(data, protocol=2).dump(obj)
+    return data.getvalue()
+
+
+def test_tensors_of_odd_offsets_or_strides_are_left_to_torch():
+    """Not tensors torch.save makes: torch's unpickler is to judge them."""
+    (read,) = saved_tensors(pickled([_Rebuilt(1, (1,))]))
+    assert (read.key, read.dtype, read.offset, read.shape, read.stride) == \
+        ("0", torch.float32, 1, (2,), (1,))
+    assert saved_tensors(pickled([_Rebuilt(-1, (1,))])) is None
+    assert saved_tensors(pickled([_Rebuilt(0, (1.5,))])) is None
+    assert saved_tensors(pickled([_Rebuilt(0, (1, 1))])) is None
