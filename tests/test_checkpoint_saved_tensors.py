@@ -174,3 +174,51 @@ def test_tensors_of_odd_offsets_or_strides_are_left_to_torch():
     assert saved_tensors(pickled([_Rebuilt(-1, (1,))])) is None
     assert saved_tensors(pickled([_Rebuilt(0, (1.5,))])) is None
     assert saved_tensors(pickled([_Rebuilt(0, (1, 1))])) is None
+
+
+@pytest.mark.parametrize("make", [plain_state, mixed_state, trained_state],
+                         ids=["plain", "mixed", "trained"])
+def test_a_plain_state_loads_by_the_c_unpickler_as_torch_loads_it(tmp_path, make,
+                                                                  monkeypatch):
+    state = make()
+    path = tmp_path / "plain.pt"
+    nvmeswap.save(state, path)
+    monkeypatch.setattr(loading, "_torch_s_unpickling", None)     # not called
+    loaded = nvmeswap.load(path)
+    expected = torch.load(path)
+    assert_same(expected, loaded)
+    for name, tensor in tensors_of(expected).items():
+        ours = tensors_of(loaded)[name]
+        assert type(ours) is type(tensor) and ours.requires_grad == tensor.requires_grad
+    if make is plain_state:
+        assert type(loaded["ordered"]) is collections.OrderedDict
+        assert loaded["values"] == state["values"]
+        assert type(loaded["param"]) is torch.nn.Parameter
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_anything_else_loads_by_torch_s_unpickler(tmp_path, monkeypatch):
+    kinds = every_kind_state()
+    state = {"w": random_tensor((8,), torch.float32, 1), "coo": kinds["coo"],
+             "noted": kinds["noted"], "device": torch.device("cpu")}
+    path = tmp_path / "kinds.pt"
+    nvmeswap.save(state, path)
+    calls = []
+    real = loading._torch_s_unpickling
+    monkeypatch.setattr(loading, "_torch_s_unpickling",
+                        lambda *args: calls.append(args) or real(*args))
+    loaded = nvmeswap.load(path)
+    assert len(calls) == 1
+    assert_same({"w": state["w"], "noted": state["noted"]},
+                {"w": loaded["w"], "noted": loaded["noted"]})
+    assert torch.equal(loaded["coo"].to_dense(), state["coo"].to_dense())
+    assert loaded["noted"].note == "kept" and loaded["device"] == torch.device("cpu")
+
+
+def test_a_pickle_that_would_run_a_command_is_refused_by_load(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(3), "x": _Runs(f"touch {marker}")}, path)
+    with pytest.raises(pickle.UnpicklingError, match="evil.pt: .*weights_only"):
+        nvmeswap.load(path)
+    assert not marker.exists()

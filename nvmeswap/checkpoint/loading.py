@@ -29,7 +29,7 @@ from typing import Any
 from ..units import ALIGNMENT
 from .fresh_reads import FreshReads
 from .own_queue import Registration, reader_of
-from .saved_tensors import SavedTensor, saved_tensors
+from .saved_tensors import NOT_PLAIN, SavedTensor, plain_load, saved_tensors
 from .striped_checkpoints import (
     layout_file,
     opened,
@@ -78,6 +78,24 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
                                                      _internal=True)
         return loaded[key]
 
+    tls = serialization._serialization_tls
+    previous, tls.map_location = tls.map_location, map_location
+    try:
+        # Note [reading where tensors are]: a plain state's pickle by the C unpickler
+        result = plain_load(entries.pickle, persistent_load) if weights_only else NOT_PLAIN
+        if result is NOT_PLAIN:
+            result = _torch_s_unpickling(entries, persistent_load, weights_only)
+    finally:
+        tls.map_location = previous
+    torch._utils._validate_loaded_sparse_tensors()
+    return result
+
+
+def _torch_s_unpickling(entries: ZipEntries, persistent_load: Any, weights_only: bool) -> Any:
+    """The archive's object by torch's weights-only unpickler, or the C unpickler with
+    torch's ``find_class`` where ``weights_only`` is off."""
+    from torch import serialization
+
     data = io.BytesIO(entries.pickle)
     if weights_only:
         from torch import _weights_only_unpickler
@@ -96,21 +114,14 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
 
         unpickler = _Unpickler(data)
     unpickler.persistent_load = persistent_load
-    tls = serialization._serialization_tls
-    previous, tls.map_location = tls.map_location, map_location
     try:
-        try:
-            result = unpickler.load()
-        except pickle.UnpicklingError as error:
-            if weights_only:
-                raise pickle.UnpicklingError(
-                    f"{entries.path}: {error}; pass weights_only=False only for a file "
-                    "from a source you trust") from None
-            raise
-    finally:
-        tls.map_location = previous
-    torch._utils._validate_loaded_sparse_tensors()
-    return result
+        return unpickler.load()
+    except pickle.UnpicklingError as error:
+        if weights_only:
+            raise pickle.UnpicklingError(
+                f"{entries.path}: {error}; pass weights_only=False only for a file "
+                "from a source you trust") from None
+        raise
 
 
 GROUP_BYTES = 64 << 20

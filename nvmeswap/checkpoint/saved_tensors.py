@@ -1,20 +1,21 @@
-"""Where a torch.save archive keeps each tensor's bytes, read from its pickle without
-making the tensors: what ``load_into`` needs to place them.
+"""A torch.save pickle of a plain state read by the C unpickler: where each tensor's bytes
+are (what ``load_into`` needs), or the state itself (``nvmeswap.load``).
 
-Note [reading where tensors are]: ``load_into`` reads each saved tensor straight into a
-tensor the caller has; of the pickle it needs only the structure (dicts, lists, tuples)
-and each tensor's dtype, shape, strides and place in its storage. Torch's weights-only
-unpickler, which makes every tensor (over meta storages here), is Python and took most
-of a ``load_into`` of many small tensors (2000 tensors: some 50 us each, more than the
-reads, 2026-11-27). The pickle of a state of plain tensors names a handful of globals:
-the rebuild functions of tensors and Parameters, ``OrderedDict``, the storage types and
-dtypes (and ``_codecs.encode``, protocol 2's way to pickle bytes). ``saved_tensors`` reads it with the C unpickler, each of those globals resolved
-to an inert stand-in (a rebuild gives a ``SavedTensor``; a storage type or a dtype is
-only a value) and every other global refused: a pickle naming one (a tensor subclass,
-a sparse or quantized tensor, any other object) is read by torch's weights-only
-unpickler as before. Nothing a file names is called but these stand-ins and
-``OrderedDict`` (and latin-1 encoding), so this admits less than ``weights_only=True``
-does.
+Note [reading where tensors are]: torch's weights-only unpickler is Python, some 50 us a
+tensor: for a state of many small tensors it was most of a load (2000 tensors: about as
+long as ``torch.load``'s whole load, 2026-11-27) and of a ``load_into``, which makes
+every tensor over meta storages only to learn its dtype, shape, strides and place. The
+pickle of a state of plain tensors names a handful of globals: the rebuild functions of
+tensors and Parameters, ``OrderedDict``, the storage types and dtypes (and
+``_codecs.encode``, protocol 2's way to pickle bytes). Such a pickle is read by the C
+unpickler with only those globals resolved, every other one refused: for
+``load_into`` each to an inert stand-in (a rebuild gives a ``SavedTensor``, a storage
+type or a dtype is only a value), for a load to what torch's weights-only unpickler
+resolves it to (the same rebuild functions make the same tensors). A pickle naming any
+other global (a tensor subclass, a sparse or quantized tensor, a device, any object)
+or failing in any way is read again, from its start, by torch's weights-only unpickler,
+which loads or refuses it as ``torch.load`` does. What a file can call is thus a subset
+of what ``weights_only=True`` lets it call.
 """
 from __future__ import annotations
 
@@ -97,22 +98,25 @@ def _latin1(text: str, encoding: str) -> bytes:
 
 
 @functools.cache
-def _globals() -> dict[tuple[str, str], Any]:
-    """The globals a plain state's pickle names, each to its stand-in."""
+def _globals(stand_ins: bool) -> dict[tuple[str, str], Any]:
+    """The globals a plain state's pickle names: each to its stand-in, or (not
+    ``stand_ins``) to what torch's weights-only unpickler gives for it."""
     import torch
+    from torch import serialization
 
+    rebuilds = {"_rebuild_tensor_v2": _rebuild_tensor_v2, "_rebuild_tensor_v3": _rebuild_tensor_v3,
+                "_rebuild_parameter": _rebuild_parameter,
+                "_rebuild_parameter_with_state": _rebuild_parameter}
+    untyped = _StorageType(torch.uint8) if stand_ins else torch.UntypedStorage
     found: dict[tuple[str, str], Any] = {
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("_codecs", "encode"): _latin1,
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
-        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-        ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
-        ("torch", "UntypedStorage"): _StorageType(torch.uint8),
-    }
+        ("torch.storage", "UntypedStorage"): untyped, ("torch", "UntypedStorage"): untyped}
+    for name, stand_in in rebuilds.items():
+        found["torch._utils", name] = stand_in if stand_ins else getattr(torch._utils, name)
     for dtype, name in torch.storage._dtype_to_storage_type_map().items():
-        found["torch", name] = _StorageType(dtype)
+        found["torch", name] = _StorageType(dtype) if stand_ins else \
+            serialization.StorageType(name)
     for dtype in vars(torch).values():
         if isinstance(dtype, torch.dtype):
             found["torch", str(dtype).removeprefix("torch.")] = dtype
@@ -120,26 +124,46 @@ def _globals() -> dict[tuple[str, str], Any]:
 
 
 class _Unpickler(pickle.Unpickler):
+    def __init__(self, pickled: bytes, found: dict[tuple[str, str], Any]) -> None:
+        super().__init__(io.BytesIO(pickled), encoding="utf-8")
+        self.found = found
+
     def find_class(self, module: str, name: str) -> Any:
-        found = _globals().get((module, name))
+        found = self.found.get((module, name))
         if found is None:
             raise pickle.UnpicklingError(f"{module}.{name} is not a plain state's")
         return found
 
-    def persistent_load(self, saved_id: Any) -> _SavedStorage:
-        typename, storage_type, key, _location, _numel = saved_id
-        if typename not in ("storage", b"storage") or not isinstance(storage_type,
-                                                                     _StorageType):
-            raise pickle.UnpicklingError(f"unknown persistent id {saved_id!r}")
-        return _SavedStorage(key.decode() if isinstance(key, bytes) else key,
-                             storage_type.dtype)
+
+def _saved_storage(saved_id: Any) -> _SavedStorage:
+    typename, storage_type, key, _location, _numel = saved_id
+    if typename not in ("storage", b"storage") or not isinstance(storage_type, _StorageType):
+        raise pickle.UnpicklingError(f"unknown persistent id {saved_id!r}")
+    return _SavedStorage(key.decode() if isinstance(key, bytes) else key, storage_type.dtype)
 
 
 def saved_tensors(pickled: bytes) -> Any:
     """The object of a torch.save pickle with each tensor a ``SavedTensor``, or None where
     the pickle holds more than containers, scalars and plain tensors (Note [reading
     where tensors are])."""
+    unpickler = _Unpickler(pickled, _globals(stand_ins=True))
+    unpickler.persistent_load = _saved_storage
     try:
-        return _Unpickler(io.BytesIO(pickled), encoding="utf-8").load()
+        return unpickler.load()
     except Exception:       # anything else, or a file torch's unpickler is to judge
         return None
+
+
+NOT_PLAIN = object()
+
+
+def plain_load(pickled: bytes, persistent_load: Any) -> Any:
+    """The object of a torch.save pickle of a plain state, made as torch's weights-only
+    unpickler makes it (``persistent_load`` giving its storages), or ``NOT_PLAIN`` where
+    it holds anything else or fails: torch's unpickler is then to read (or refuse) it."""
+    unpickler = _Unpickler(pickled, _globals(stand_ins=False))
+    unpickler.persistent_load = persistent_load
+    try:
+        return unpickler.load()
+    except Exception:       # torch's unpickler gives it again, or its own error
+        return NOT_PLAIN
