@@ -81,7 +81,7 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
     tls = serialization._serialization_tls
     previous, tls.map_location = tls.map_location, map_location
     try:
-        # Note [reading where tensors are]: a plain state's pickle by the C unpickler
+        # A plain state's pickle by the C unpickler (Note [reading where tensors are])
         result = plain_load(entries.pickle, persistent_load) if weights_only else NOT_PLAIN
         if result is NOT_PLAIN:
             result = _torch_s_unpickling(entries, persistent_load, weights_only)
