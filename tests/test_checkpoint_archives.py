@@ -83,7 +83,9 @@ def test_crc_places_are_found_in_a_zip64_directory_past_4_gib():
         runs[f"data/{key}"] = types.SimpleNamespace(crc_slots=[])
     writer.write_end_of_file()
     base, segment = recorder.pieces[-1]
-    directory = torch_zip._central_directory_offset(segment, base)
+    _, directory, _ = torch_zip._directory_place(
+        lambda offset, nbytes: bytes(segment[offset - base:offset - base + nbytes]),
+        0, base + len(segment))
     assert directory > 5 << 30
     assert struct.unpack_from("<I", segment, directory - base)[0] == 0x02014B50
     torch_zip._find_central_crc_slots((base, segment), runs)

@@ -475,9 +475,15 @@ def _find_central_crc_slots(last_piece, runs):
     """Point each storage's run at the CRC field torch left as 0 in its central directory
     entry, in the file's last piece (from the central directory to the end)."""
     base, segment = last_piece
-    directory = _central_directory_offset(segment, base) - base
+
+    def read_at(offset, nbytes):
+        if offset < base:
+            raise AssertionError("the central directory is not in the last piece")
+        return bytes(segment[offset - base:offset - base + nbytes])
+
+    _, directory, _ = _directory_place(read_at, 0, base + len(segment))
     wanted = {name.encode(): run for name, run in runs.items()}
-    at = directory
+    at = directory - base
     while at + 46 <= len(segment):
         signature, name_len, extra_len, comment_len = _CENTRAL_ENTRY.unpack_from(segment, at)
         if signature != _CENTRAL:
@@ -489,23 +495,6 @@ def _find_central_crc_slots(last_piece, runs):
         at += 46 + name_len + extra_len + comment_len
     if wanted:
         raise AssertionError(f"no central directory entry for {sorted(wanted)}")
-
-
-def _central_directory_offset(segment, base):
-    """Where the central directory starts in the file whose last ``len(segment)`` bytes,
-    from ``base``, are ``segment``: from the end of central directory record, or the
-    zip64 one it points to (torch's writer writes both)."""
-    end = len(segment) - 22         # the record, with no comment
-    if end < 0 or segment[end:end + 4] != b"PK\x05\x06":
-        raise AssertionError("no end of central directory record")
-    (offset,) = struct.unpack_from("<I", segment, end + 16)
-    locator = end - 20
-    if locator >= 0 and segment[locator:locator + 4] == b"PK\x06\x07":
-        (zip64_end,) = struct.unpack_from("<Q", segment, locator + 8)
-        (offset,) = struct.unpack_from("<Q", segment, zip64_end - base + 48)
-    if not base <= offset < base + len(segment):
-        raise AssertionError("the central directory is not in the last piece")
-    return offset
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -529,12 +518,11 @@ def _reads_at(file: Any) -> Any:
     return lambda offset, nbytes: os.pread(fd, nbytes, offset)
 
 
-def _central_directory(read_at: Any, base: int,
-                       length: int) -> list[tuple[str, int, int, int, int]]:
-    """``(name, method, size, crc, local header offset)`` of each record of the zip archive
-    of ``length`` bytes at ``base`` (of what ``read_at`` reads), offsets from ``base``;
-    ValueError if it is not one. Read straight from its central directory (for a state of 2000 tensors
-    ``zipfile`` took 15 of the 20 ms of finding the records, 2026-11-27)."""
+def _directory_place(read_at: Any, base: int, length: int) -> tuple[int, int, int]:
+    """``(record count, offset, size)`` of the central directory of the zip archive of
+    ``length`` bytes at ``base`` (of what ``read_at`` reads), offset from ``base``; from
+    the end of central directory record, or the zip64 one it points to (torch's writer
+    writes both). ValueError if there is none."""
     # The end record is the last 22 bytes but for a comment (none in torch's files): only
     # those and the zip64 locator before them are read first, as a striped file's
     # headers are in its first and last stripes.
@@ -554,6 +542,16 @@ def _central_directory(read_at: Any, base: int,
         if len(record) < _ZIP64_END_RECORD.size or record[:4] != b"PK\x06\x06":
             raise ValueError("bad zip64 end of central directory record")
         *_, count, directory_size, directory_at = _ZIP64_END_RECORD.unpack(record)
+    return count, directory_at, directory_size
+
+
+def _central_directory(read_at: Any, base: int,
+                       length: int) -> list[tuple[str, int, int, int, int]]:
+    """``(name, method, size, crc, local header offset)`` of each record of the zip archive
+    of ``length`` bytes at ``base`` (of what ``read_at`` reads), offsets from ``base``;
+    ValueError if it is not one. Read straight from its central directory (for a state of
+    2000 tensors ``zipfile`` took 15 of the 20 ms of finding the records, 2026-11-27)."""
+    count, directory_at, directory_size = _directory_place(read_at, base, length)
     directory = read_at(base + directory_at, directory_size) \
         if directory_at + directory_size <= length else b""
     if len(directory) != directory_size:
