@@ -196,6 +196,24 @@ def test_a_plain_state_loads_by_the_c_unpickler_as_torch_loads_it(tmp_path, make
         assert type(loaded["param"]) is torch.nn.Parameter
 
 
+def test_a_storage_that_cannot_be_read_fails_the_load_once(tmp_path, monkeypatch):
+    """A failed storage read is the load's error, not a cue to unpickle again."""
+    path = tmp_path / "plain.pt"
+    nvmeswap.save(plain_state(), path)
+    monkeypatch.setattr(loading, "_torch_s_unpickling", None)     # not called
+    keys = []
+
+    def make_storage(key, dtype, nbytes, location):
+        keys.append(key)
+        if len(keys) == 2:
+            raise OSError(5, "Input/output error", str(path))
+        return torch.UntypedStorage(nbytes)
+
+    with pytest.raises(OSError, match="plain.pt") as raised:
+        loading.unpickle(ZipEntries(str(path)), make_storage, weights_only=True)
+    assert raised.value.errno == 5 and len(keys) == 2
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_anything_else_loads_by_torch_s_unpickler(tmp_path, monkeypatch):
     kinds = every_kind_state()

@@ -160,10 +160,22 @@ NOT_PLAIN = object()
 def plain_load(pickled: bytes, persistent_load: Any) -> Any:
     """The object of a torch.save pickle of a plain state, made as torch's weights-only
     unpickler makes it (``persistent_load`` giving its storages), or ``NOT_PLAIN`` where
-    it holds anything else or fails: torch's unpickler is then to read (or refuse) it."""
+    it holds anything else or fails: torch's unpickler is then to read (or refuse) it. An
+    error of ``persistent_load`` (a storage that could not be read) is raised as it is."""
+    storage_errors = []
+
+    def load_storage(saved_id):
+        try:
+            return persistent_load(saved_id)
+        except BaseException as error:
+            storage_errors.append(error)
+            raise
+
     unpickler = _Unpickler(pickled, _globals(stand_ins=False))
-    unpickler.persistent_load = persistent_load
+    unpickler.persistent_load = load_storage
     try:
         return unpickler.load()
-    except Exception:       # torch's unpickler gives it again, or its own error
-        return NOT_PLAIN
+    except Exception as error:
+        if any(error is failed for failed in storage_errors):
+            raise           # not the pickle's fault: reading it again would fail again
+        return NOT_PLAIN    # torch's unpickler gives it again, or its own error
