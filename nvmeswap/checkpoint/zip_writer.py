@@ -23,7 +23,7 @@ probe out otherwise (``torch_zip._own_writer_end_records``, once a process).
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 from .crc import crc32
 from .image import FileImage, TensorRun, uint8_view
@@ -48,6 +48,17 @@ def _combine(seed: int, value: int) -> int:
     return seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _HASH_MASK)
 
 
+class _CentralEntry(NamedTuple):
+    """What a record's central directory entry holds (``run``: the storage whose CRC
+    is to be filled in)."""
+    name: bytes
+    flags: int
+    crc: int
+    nbytes: int
+    header_at: int
+    run: TensorRun | None
+
+
 class _Archive:
     """An image being written record by record; the bytes since the last storage are
     kept in ``pending`` until the next storage (or the end) closes them into a run."""
@@ -57,7 +68,7 @@ class _Archive:
         self.image = FileImage()
         self.pending = bytearray()
         self.pending_slots: list[tuple[TensorRun, int]] = []   # CRC places in pending
-        self.central: list[tuple[bytes, int, int, int, int, TensorRun | None]] = []
+        self.central: list[_CentralEntry] = []
         self.names_hash = self.crcs_hash = 0
 
     @property
@@ -92,18 +103,19 @@ class _Archive:
             self.pending_slots.append((run, 4))
         if nbytes:
             self.pending += _DESCRIPTOR.pack(0x08074B50, crc, nbytes, nbytes)
-        self.central.append((full_name, flags, crc, nbytes, at, run))
+        self.central.append(_CentralEntry(full_name, flags, crc, nbytes, at, run))
         self.names_hash = _combine(self.names_hash, crc32(full_name))
         self.crcs_hash = _combine(self.crcs_hash, crc)
 
     def finish(self) -> None:
         directory_at = self.cursor
-        for full_name, flags, crc, nbytes, at, run in self.central:
-            if run is not None:
-                self.pending_slots.append((run, len(self.pending) + 16))
-            self.pending += _CENTRAL.pack(0x02014B50, 0, 0, flags, 0, 0, 0, crc, nbytes,
-                                          nbytes, len(full_name), 0, 0, 0, 0, 0, at)
-            self.pending += full_name
+        for entry in self.central:
+            if entry.run is not None:
+                self.pending_slots.append((entry.run, len(self.pending) + 16))
+            self.pending += _CENTRAL.pack(0x02014B50, 0, 0, entry.flags, 0, 0, 0, entry.crc,
+                                          entry.nbytes, entry.nbytes, len(entry.name), 0, 0,
+                                          0, 0, 0, entry.header_at)
+            self.pending += entry.name
         directory_size = self.cursor - directory_at
         count = len(self.central)
         zip64_end_at = self.cursor
@@ -130,8 +142,8 @@ def archive_image(records: list[tuple[str, Any]], storages: dict[str, Any],
                   serialization_id: bytes | None = None) -> FileImage | None:
     """The image of the zip archive torch's writer makes of ``records`` (``(name, bytes)``,
     or ``(name, nbytes)`` for the storage ``storages[name]``) followed by
-    ``end_records`` and a serialization id (nvmeswap's unless given); None where torch's writer would write zip64
-    fields (Note [own zip writer])."""
+    ``end_records`` and a serialization id (nvmeswap's unless given); None where torch's
+    writer would write zip64 fields (Note [own zip writer])."""
     total = sum(len(data) if isinstance(data, bytes) else data for _, data in records)
     headers = sum(2 * len(name) + 150 + alignment for name, _ in records)
     if total + headers + 4 * alignment >= _LIMIT or len(records) + 2 >= _MAX_RECORDS:
