@@ -261,3 +261,52 @@ def test_a_damaged_archive_is_an_error_naming_it(tmp_path, damage):
         torch_zip.ZipEntries(str(path))
     with pytest.raises(ValueError, match="damaged.pt: not a torch.save zip archive"):
         nvmeswap.load(path)
+
+
+def storage_headers(path):
+    """``{record: local header offset}`` of each storage of the archive at ``path``."""
+    entries = torch_zip.ZipEntries(str(path))
+    return {record: span[0] for record, span in entries.spans.items()
+            if record.startswith("data/")}
+
+
+def test_a_load_reads_no_storage_header_before_the_storages(tmp_path, monkeypatch):
+    """Note [headers in the reads]: the headers come with the storages' bytes."""
+    state = {f"t{index}": random_tensor((64,), torch.float32, index) for index in range(50)}
+    path = tmp_path / "many.pt"
+    nvmeswap.save(state, path)
+    headers = set(storage_headers(path).values())
+    reads = []
+    real = torch_zip._reads_at
+
+    def counted(file):
+        read_at = real(file)
+        return lambda offset, nbytes: reads.append(offset) or read_at(offset, nbytes)
+
+    monkeypatch.setattr(torch_zip, "_reads_at", counted)
+    assert_same(state, nvmeswap.load(path))
+    assert reads and not headers & set(reads)
+    assert len(reads) < 20
+
+
+@pytest.mark.parametrize("damage", ["signature", "name", "extra length"])
+@pytest.mark.parametrize("road", ["own queue", "handle"])
+def test_a_damaged_storage_header_fails_the_load_naming_it(tmp_path, request, damage, road):
+    state = {f"t{index}": random_tensor((1000,), torch.float32, index) for index in range(4)}
+    path = tmp_path / "damaged.pt"
+    nvmeswap.save(state, path)
+    data = bytearray(path.read_bytes())
+    at = storage_headers(path)["data/2"]
+    if damage == "signature":
+        data[at + 1] ^= 0xFF
+    elif damage == "name":
+        data[at + 30 + len("archive/data/")] = ord("7")
+    else:       # the bytes start 100 bytes late: into the next record
+        data[at + 28:at + 30] = (int.from_bytes(data[at + 28:at + 30], "little") + 100
+                                 ).to_bytes(2, "little")
+    path.write_bytes(data)
+    handle = request.getfixturevalue("handle") if road == "handle" else None
+    expected = ("runs past the next record" if damage == "extra length"
+                else "bad local header for archive/data/2")
+    with pytest.raises(ValueError, match=f"damaged.pt: .*{expected}"):
+        nvmeswap.load(path, handle=handle)

@@ -53,6 +53,7 @@ own); every other tensor is torch's to reduce.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import gc
@@ -546,11 +547,12 @@ def _directory_place(read_at: Any, base: int, length: int) -> tuple[int, int, in
 
 
 def _central_directory(read_at: Any, base: int,
-                       length: int) -> list[tuple[str, int, int, int, int]]:
-    """``(name, method, size, crc, local header offset)`` of each record of the zip archive
-    of ``length`` bytes at ``base`` (of what ``read_at`` reads), offsets from ``base``;
-    ValueError if it is not one. Read straight from its central directory (for a state of
-    2000 tensors ``zipfile`` took 15 of the 20 ms of finding the records, 2026-11-27)."""
+                       length: int) -> list[tuple[str, int, int, int, int, bytes]]:
+    """``(name, method, size, crc, local header offset, name's bytes)`` of each record of
+    the zip archive of ``length`` bytes at ``base`` (of what ``read_at`` reads), offsets
+    from ``base``; ValueError if it is not one. Read straight from its central
+    directory (for a state of 2000 tensors ``zipfile`` took 15 of the 20 ms of finding
+    the records, 2026-11-27)."""
     count, directory_at, directory_size = _directory_place(read_at, base, length)
     directory = read_at(base + directory_at, directory_size) \
         if directory_at + directory_size <= length else b""
@@ -563,11 +565,12 @@ def _central_directory(read_at: Any, base: int,
         (_, _, _, flags, method, _, _, crc, packed, size, name_len, extra_len, comment_len,
          _, _, _, header_at) = _CENTRAL_RECORD.unpack_from(directory, at)
         at += _CENTRAL_RECORD.size
-        name = directory[at:at + name_len].decode("utf-8" if flags & 0x800 else "cp437")
+        raw_name = directory[at:at + name_len]
+        name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
         if 0xFFFFFFFF in (packed, size, header_at):
             size, header_at = _zip64_values(directory[at + name_len:at + name_len + extra_len],
                                             packed, size, header_at)
-        records.append((name, method, size, crc, header_at))
+        records.append((name, method, size, crc, header_at, raw_name))
         at += name_len + extra_len + comment_len
     return records
 
@@ -599,12 +602,19 @@ class ZipEntries:
     """Where each record of a torch.save archive is: ``records`` maps the record name
     (``data.pkl``, ``data/0``, ...) to ``(file offset of its bytes, size, crc)``. The
     archive may be ``length`` bytes from ``base`` inside a larger file (DCP's files); it
-    is read from ``file`` (an open binary file) where given, else from ``path``."""
+    is read from ``file`` (an open binary file) where given, else from ``path``.
+
+    Without ``storage_headers`` the local headers of the storages' records are not read
+    (Note [headers in the reads]): their offset is None until ``storage_start`` finds it
+    in bytes read since; ``spans`` holds each one's ``(header offset, end)``, the end
+    being where the next record (or the central directory) starts."""
 
     def __init__(self, path: str, base: int = 0, length: int | None = None, *,
-                 file: Any = None) -> None:
+                 file: Any = None, storage_headers: bool = True) -> None:
         self.path = path
-        self.records: dict[str, tuple[int, int, int]] = {}
+        self.records: dict[str, tuple[int | None, int, int]] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
+        self._names: dict[str, tuple[str, bytes]] = {}    # record -> its name, as held
         opened = open(path, "rb") if file is None else contextlib.nullcontext(file)  # noqa: SIM115
         with opened as raw:
             read_at = _reads_at(raw)
@@ -616,24 +626,45 @@ class ZipEntries:
                 raise ValueError(f"{path}: not a torch.save zip archive ({error}); files "
                                  "of torch's legacy (pre-1.6) format are not supported") \
                     from None
-            for name, method, size, crc, header_at in directory:
+            headers = sorted(entry[4] for entry in directory)
+            for name, method, size, crc, header_at, raw_name in directory:
                 if method != 0:
                     raise ValueError(f"{path}: record {name} is compressed")
-                header = read_at(base + header_at, 30)
-                if len(header) < 30 or struct.unpack_from("<I", header)[0] != _LOCAL:
-                    raise ValueError(f"{path}: bad local header for {name}")
-                name_len, extra_len = struct.unpack_from("<HH", header, 26)
-                start = base + header_at + 30 + name_len + extra_len
-                if start + size > base + length:
-                    raise ValueError(f"{path}: record {name} runs past the end of the "
-                                     "archive (a truncated file?)")
                 record = name.split("/", 1)[1] if "/" in name else name
-                self.records[record] = (start, size, crc)
+                following = bisect.bisect_right(headers, header_at)
+                self.spans[record] = (base + header_at, base + (
+                    headers[following] if following < len(headers) else length))
+                self._names[record] = name, raw_name
+                self.records[record] = (None, size, crc)
+                if storage_headers or not record.startswith("data/"):
+                    self.storage_start(record, read_at)
             if "data.pkl" not in self.records:
                 raise ValueError(f"{path}: not a torch.save archive (no data.pkl)")
             self.pickle = self.read(read_at, "data.pkl")
             self.byteorder = (self.read(read_at, "byteorder").decode()
                               if "byteorder" in self.records else "little")
+
+    def storage_start(self, record: str, read_at: Any) -> int:
+        """The file offset of ``record``'s bytes, from its local header (read by
+        ``read_at(offset, nbytes)``) if not known yet; ValueError if the header is not
+        one, or has the record run into the next."""
+        start, size, crc = self.records[record]
+        if start is not None:
+            return start
+        header_at, end = self.spans[record]
+        name, raw_name = self._names[record]
+        header = read_at(header_at, 30 + len(raw_name))
+        if (len(header) < 30 + len(raw_name) or header[:4] != b"PK\x03\x04"
+                or struct.unpack_from("<H", header, 26)[0] != len(raw_name)
+                or header[30:] != raw_name):
+            raise ValueError(f"{self.path}: bad local header for {name}")
+        start = header_at + 30 + len(raw_name) + struct.unpack_from("<H", header, 28)[0]
+        if start + size > end:
+            raise ValueError(f"{self.path}: record {name} runs past "
+                             "the next record or the end of the archive (a truncated "
+                             "file?)")
+        self.records[record] = (start, size, crc)
+        return start
 
     def read(self, read_at: Any, record: str) -> bytes:
         start, size, _ = self.records[record]
