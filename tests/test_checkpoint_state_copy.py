@@ -9,6 +9,7 @@ import io
 import pickle
 import threading
 import zipfile
+from unittest import mock
 
 import pytest
 
@@ -18,6 +19,7 @@ from test_checkpoint import assert_same, mixed_state, trained_state
 
 import nvmeswap
 import nvmeswap.checkpoint.checkpointer as checkpointer_module
+from nvmeswap.checkpoint import saved_tensors
 from nvmeswap.checkpoint.state import state_copy
 
 
@@ -229,6 +231,41 @@ def test_a_layout_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled)
         assert seen == [False] and gc.isenabled() is enabled
         with pytest.raises((pickle.PicklingError, AttributeError)):
             nvmeswap.save({"bad": lambda: None}, tmp_path / "bad.pt")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("call", ["load", "load_into"])
+def test_a_load_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled, call):
+    """Collection is paused while a load makes its objects too (Note [laying out many
+    tensors]), and as it was after, whether the load succeeded or failed."""
+    import gc
+
+    path = tmp_path / "state.pt"
+    state = {"t": torch.arange(10.0), "u": torch.ones(3)}
+    nvmeswap.save(state, path)
+    found = saved_tensors._globals(stand_ins=call == "load_into")  # what the pickle names
+    rebuild = found["torch._utils", "_rebuild_tensor_v2"]
+    seen = []
+
+    def spied(*args):
+        seen.append(gc.isenabled())
+        return rebuild(*args)
+
+    into = {"t": torch.zeros(10), "u": torch.zeros(3)}
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with mock.patch.dict(found, {("torch._utils", "_rebuild_tensor_v2"): spied}):
+            if call == "load":
+                assert_same(state, nvmeswap.load(path))
+            else:
+                assert_same(state, nvmeswap.load_into(path, into))
+        assert seen == [False, False] and gc.isenabled() is enabled
+        path.write_bytes(b"not an archive")
+        with pytest.raises(ValueError, match="state.pt: not a torch.save"):
+            nvmeswap.load(path) if call == "load" else nvmeswap.load_into(path, into)
         assert gc.isenabled() is enabled
     finally:
         gc.enable()

@@ -40,6 +40,7 @@ from ..units import ALIGNMENT
 from .fresh_reads import FreshReads
 from .own_queue import Registration, reader_of
 from .saved_tensors import NOT_PLAIN, SavedTensor, plain_load, saved_tensors
+from .state import paused_gc
 from .striped_checkpoints import (
     layout_file,
     opened,
@@ -275,6 +276,7 @@ def _read_archive(path, handle, in_flight=False):
         return entries, read_data(source, layout, handle, spans, in_flight=in_flight)
 
 
+@paused_gc()        # Note [laying out many tensors]: a load makes as many objects
 def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -> Any:
     """``nvmeswap.load``: the storages are views of locked buffers, ``handle``'s or (no
     handle) fresh private ones; those of storages bound for a GPU registered with CUDA
@@ -376,6 +378,7 @@ def _same_memory(restored: Any, storage: Any) -> bool:
         return True         # something else: keep the buffer, as before
 
 
+@paused_gc()
 def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     """``nvmeswap.load_into``: each saved tensor read straight into the matching tensor of
     ``into`` (through ``handle``, or without one the process's own queue); every match

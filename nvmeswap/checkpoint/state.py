@@ -1,9 +1,25 @@
 """The tensors a checkpointed state holds where a walk can see them: through its dicts,
-lists and tuples."""
+lists and tuples; and the garbage collector's pause while a state's objects are made."""
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection meanwhile (Note [laying out many tensors] in
+    torch_zip.py: a layout, or a load, makes tens of thousands of objects, none of them
+    cyclic garbage); left off if it was off."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def state_tensors(obj: Any) -> Iterator[tuple[str, Any]]:
