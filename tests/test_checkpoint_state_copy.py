@@ -20,6 +20,7 @@ from test_checkpoint import assert_same, mixed_state, trained_state
 import nvmeswap
 import nvmeswap.checkpoint.checkpointer as checkpointer_module
 from nvmeswap.checkpoint import saved_tensors
+from nvmeswap.checkpoint.image import StreamWriter
 from nvmeswap.checkpoint.state import state_copy
 
 
@@ -214,8 +215,8 @@ def test_a_layout_leaves_torch_settings_alone(tmp_path):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_layout_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled):
-    """Note [laying out many tensors]: collection is paused while a layout runs, and
-    on (or off) again after it, whether it succeeded or failed."""
+    """Note [laying out many tensors]: collection is paused while a layout and the
+    write after it run, and on (or off) again after, whether they succeeded or failed."""
     import gc
 
     seen = []
@@ -225,10 +226,17 @@ def test_a_layout_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled)
             seen.append(gc.isenabled())
             return (int, (5,))
 
+    planned = StreamWriter._plan
+
+    def plan(image):
+        seen.append(gc.isenabled())
+        return planned(image)
+
     (gc.enable if enabled else gc.disable)()
     try:
-        nvmeswap.save({"spy": Spy(), "t": torch.arange(10)}, tmp_path / "spied.pt")
-        assert seen == [False] and gc.isenabled() is enabled
+        with mock.patch.object(StreamWriter, "_plan", staticmethod(plan)):
+            nvmeswap.save({"spy": Spy(), "t": torch.arange(10)}, tmp_path / "spied.pt")
+        assert seen == [False, False] and gc.isenabled() is enabled
         with pytest.raises((pickle.PicklingError, AttributeError)):
             nvmeswap.save({"bad": lambda: None}, tmp_path / "bad.pt")
         assert gc.isenabled() is enabled

@@ -19,7 +19,7 @@ from . import safetensors as safetensors_format
 from .crc import crc32
 from .image import FileImage, StreamWriter, TensorRun, uint8_view
 from .own_queue import QueueWriter, Registration, private_tensor, reader_of
-from .state import state_copy, state_tensors
+from .state import paused_gc, state_copy, state_tensors
 from .striped_checkpoints import write_committed
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
 from .torch_zip import layout, refuse_skip_data
@@ -286,7 +286,8 @@ class Checkpointer:
         at all (Note [crash-consistent checkpoints])."""
         self._check_open()
         path = checked_path(path, writing=True)
-        self.write_image(layout(obj), path)
+        with paused_gc():   # Note [laying out many tensors]: the write makes as many
+            self.write_image(layout(obj), path)
 
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through the ring, crash-consistently."""
@@ -362,7 +363,8 @@ class Checkpointer:
         layout, which nvmeswap's loads follow)."""
         self._check_open()
         path = checked_path(path, writing=True)
-        self.write_image(safetensors_format.layout(tensors, metadata), path)
+        with paused_gc():   # Note [laying out many tensors]
+            self.write_image(safetensors_format.layout(tensors, metadata), path)
 
     def load_safetensors(self, path: str | os.PathLike) -> dict:
         """Read a safetensors file (ours or the package's) into locked CPU tensors."""
