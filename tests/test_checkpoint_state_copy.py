@@ -279,6 +279,30 @@ def test_a_load_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled, c
         gc.enable()
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_async_save_pauses_the_collector_for_the_caller_s_part(tmp_path, enabled):
+    import gc
+
+    seen = []
+    real = checkpointer_module.state_copy
+
+    def spied(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    state = {"t": torch.arange(10.0), "u": torch.ones(3)}
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with mock.patch.object(checkpointer_module, "state_copy", spied), \
+                nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2) as checkpointer:
+            # (not checked before the save is done: its thread pauses it for a layout)
+            assert checkpointer.async_save(state, tmp_path / "state.pt").result() is None
+        assert seen == [False] and gc.isenabled() is enabled
+        assert_same(state, torch.load(tmp_path / "state.pt"))
+    finally:
+        gc.enable()
+
+
 def many_small_tensors():
     """A state whose tensors average far under PACKED_BELOW_MEAN_BYTES: packed."""
     state = trained_state()

@@ -381,6 +381,7 @@ class Checkpointer:
         return safetensors_format.load_into(path, into, self._load_handle(), strict)
 
     # -- asynchronous --------------------------------------------------------------------
+    @paused_gc()    # for the caller's part only (Note [laying out many tensors])
     def async_save(self, obj: Any, path: str | os.PathLike, *, one_off: bool = False,
                    background_snapshot: bool = False) -> SaveFuture:
         """Snapshot ``obj``'s tensors into locked memory, then write in the background.
