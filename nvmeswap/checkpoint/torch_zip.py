@@ -59,7 +59,6 @@ whose reduction differs keeps its own); every other tensor is torch's to reduce.
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import io
@@ -598,7 +597,7 @@ class ZipEntries:
     Without ``storage_headers`` the local headers of the storages' records are not read
     (Note [headers in the reads]): their offset is None until ``storage_start`` finds it
     in bytes read since; ``spans`` holds each one's ``(header offset, end)``, the end
-    being where the next record (or the central directory) starts."""
+    being where the next record's header is (for the last record, the archive's end)."""
 
     def __init__(self, path: str, base: int = 0, length: int | None = None, *,
                  file: Any = None, storage_headers: bool = True) -> None:
@@ -618,13 +617,12 @@ class ZipEntries:
                                  "of torch's legacy (pre-1.6) format are not supported") \
                     from None
             headers = sorted(entry[4] for entry in directory)
+            next_header = dict(zip(headers, headers[1:] + [length]))
             for name, method, size, crc, header_at, raw_name in directory:
                 if method != 0:
                     raise ValueError(f"{path}: record {name} is compressed")
                 record = name.split("/", 1)[1] if "/" in name else name
-                following = bisect.bisect_right(headers, header_at)
-                self.spans[record] = (base + header_at, base + (
-                    headers[following] if following < len(headers) else length))
+                self.spans[record] = (base + header_at, base + next_header[header_at])
                 self._names[record] = name, raw_name
                 self.records[record] = (None, size, crc)
                 if storage_headers or not record.startswith("data/"):
