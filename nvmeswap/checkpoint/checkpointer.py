@@ -80,18 +80,20 @@ def _check_unchanged(watched, path):
             "taken; wait for future.snapshot_taken before changing the state")
 
 
-def _packable(obj: Any, one_off: bool) -> tuple[Any, list[tuple[str, Any]]] | None:
-    """``state_copy(obj, aliases=True)`` where an asynchronous save of ``obj`` should
-    pack its snapshot (Note [packed snapshot]), else None."""
+def _packable(obj: Any, one_off: bool) -> tuple[Any, dict[int, Any]] | None:
+    """Where an asynchronous save of ``obj`` should pack its snapshot (Note [packed
+    snapshot]): the state of ``state_copy(obj, aliases=True)`` and its tensors'
+    distinct storages; else None."""
     copied = state_copy(obj, aliases=True)
     if copied is None or not copied[1]:
         return None
     if one_off and any(tensor.is_cuda for _, tensor in copied[1]):
         return None         # cloned on the device instead (Note [one-off snapshot of CUDA state])
-    storages = _distinct_storages(copied[1]).values()
-    if sum(storage.nbytes() for storage in storages) >= len(storages) * PACKED_BELOW_MEAN_BYTES:
+    storages = _distinct_storages(copied[1])
+    if (sum(storage.nbytes() for storage in storages.values())
+            >= len(storages) * PACKED_BELOW_MEAN_BYTES):
         return None
-    return copied
+    return copied[0], storages
 
 
 def _distinct_storages(named: list[tuple[str, Any]]) -> dict[int, Any]:
@@ -456,17 +458,15 @@ class Checkpointer:
         # a GiB; host tensors on the host), and the saving thread writes the clones as a
         # synchronous save does, through the ring, then drops them.
         refuse_skip_data()      # this thread's setting: the saving thread would not see it
-        image, copied, packed = None, None, False
-        if background_snapshot:
-            copied = state_copy(obj)
+        image, named, storages = None, [], None
+        if background_snapshot and (copied := state_copy(obj)) is not None:
+            obj, named = copied             # what the saving thread lays out
+        elif not background_snapshot and (packed := _packable(obj, one_off)) is not None:
+            obj, storages = packed          # what the saving thread lays out, and packs
         else:
-            copied = _packable(obj, one_off)
-            packed = copied is not None
-        if copied is None:
             image = layout(obj)
-            named = list(state_tensors(obj)) if background_snapshot else []
-        else:
-            obj, named = copied     # what the saving thread lays out
+            if background_snapshot:
+                named = list(state_tensors(obj))
         write = self._write_from_snapshot
         future = SaveFuture()
         future.set_running_or_notify_cancel()
@@ -495,8 +495,8 @@ class Checkpointer:
                     return taken
             else:
                 self.wait_in_flight()
-                if packed:
-                    places = self._pack_into_snapshot(named, one_off)
+                if storages is not None:
+                    places = self._pack_into_snapshot(storages, one_off)
                     snapshot = self._snapshot
 
                     def write(_, path):
@@ -528,10 +528,9 @@ class Checkpointer:
                 snapshot[offset:offset + run.nbytes].copy_(run.source)
                 run.source = None        # the snapshot is the source from now on
 
-    def _pack_into_snapshot(self, named, one_off):
-        """Each storage of ``named``'s tensors copied whole into the snapshot, one after
+    def _pack_into_snapshot(self, storages, one_off):
+        """Each of ``storages`` (by ``_cdata``) copied whole into the snapshot, one after
         the other (Note [packed snapshot]); where each one is, by storage."""
-        storages = _distinct_storages(named)
         places, size = {}, 0
         for key, storage in storages.items():
             places[key] = (size, storage.nbytes())
