@@ -242,6 +242,22 @@ def test_striped_saves_of_one_path_from_two_threads_leave_one_set_of_stripes(fol
     assert_same(states[1], nvmeswap.load(path))
 
 
+def test_a_striped_save_leaves_the_stripes_of_checkpoints_named_like_it_alone(folders):
+    """"ckpt" and "ckpt.2024-06-01" (whose stripes start "ckpt.2024-...") in one folder:
+    the saves of "ckpt" take only their own stripes for orphans."""
+    states = [{"w": torch.full((1 << 16,), k, dtype=torch.uint8)} for k in range(3)]
+    dated, latest = (os.path.join(folders[0], name) for name in ("ckpt.2024-06-01", "ckpt"))
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save(states[0], dated)
+        checkpointer.save(states[1], latest)
+        checkpointer.save(states[2], latest)
+    assert_same(states[0], nvmeswap.load(dated))
+    assert_same(states[2], nvmeswap.load(latest))
+    names = {json.loads(Path(path).read_text())["name"] for path in (dated, latest)}
+    assert all(set(os.listdir(folder)) - {"ckpt", "ckpt.2024-06-01"} == names
+               for folder in folders)
+
+
 _FORK_DURING_A_STRIPED_COMMIT = r"""
 import os, sys, torch, nvmeswap
 from nvmeswap.checkpoint import striped_checkpoints

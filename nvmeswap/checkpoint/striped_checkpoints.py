@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -142,15 +143,16 @@ def _remove_orphans(stripes, base, current, writing):
     """Delete stripe files of ``base`` that no layout names, left by saves whose process
     is gone, or by this process's saves that are not ``writing`` them now."""
     keep = current.get("name") if current else None
+    # Exactly the names write_striped gives: "ckpt.2024-06-01.<pid>-<hex>.stripe" is
+    # another checkpoint's stripe, not one of "ckpt"'s.
+    named = re.compile(re.escape(base) + r"\.([0-9]+)-[0-9a-f]{8}\.stripe")
     for folder in stripes.folders:
         with contextlib.suppress(OSError):
             for other in os.listdir(folder):
-                if not (other.startswith(base + ".") and other.endswith(".stripe")) \
-                        or other == keep:
+                found = named.fullmatch(other)
+                if found is None or other == keep:
                     continue
-                pid = other[len(base) + 1:].split("-", 1)[0]
-                if not pid.isdigit():
-                    continue
+                pid = found.group(1)
                 ours = int(pid) == os.getpid()
                 if (ours and other not in writing) or (not ours and _gone(int(pid))):
                     with contextlib.suppress(OSError):
