@@ -1,17 +1,18 @@
 """Tensor archives from templates and DCP items read by kind (Note [tensor archives]),
 and file images: the bytes are torch's own whichever way they were made."""
 import warnings
+import zipfile
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from test_checkpoint import assert_same, mixed_state, random_tensor
+from test_checkpoint import assert_same, mixed_state, random_tensor, raw
 
 import nvmeswap
 from nvmeswap.checkpoint import dcp as nvme_dcp
-from nvmeswap.checkpoint import torch_zip
+from nvmeswap.checkpoint import loading, own_queue, torch_zip
 from nvmeswap.checkpoint.image import TensorRun
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -270,28 +271,81 @@ def storage_headers(path):
             if record.startswith("data/")}
 
 
-def test_a_load_reads_no_storage_header_before_the_storages(tmp_path, monkeypatch):
+@pytest.mark.parametrize("call", ["load", "load_into"])
+def test_a_load_reads_no_storage_header_before_the_storages(tmp_path, monkeypatch, call):
     """Note [headers in the reads]: the headers come with the storages' bytes."""
     state = {f"t{index}": random_tensor((64,), torch.float32, index) for index in range(50)}
     path = tmp_path / "many.pt"
     nvmeswap.save(state, path)
     headers = set(storage_headers(path).values())
     reads = []
-    real = torch_zip._reads_at
+    real = torch_zip.reads_at
 
     def counted(file):
         read_at = real(file)
         return lambda offset, nbytes: reads.append(offset) or read_at(offset, nbytes)
 
-    monkeypatch.setattr(torch_zip, "_reads_at", counted)
-    assert_same(state, nvmeswap.load(path))
+    monkeypatch.setattr(torch_zip, "reads_at", counted)
+    monkeypatch.setattr(loading, "reads_at", counted)
+    if call == "load":
+        assert_same(state, nvmeswap.load(path))
+    else:
+        into = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+        assert nvmeswap.load_into(path, into) is into
+        assert_same(state, into)
     assert reads and not headers & set(reads)
     assert len(reads) < 20
 
 
+def test_load_into_gathers_records_into_ranges_and_reads_large_ones_apart(tmp_path,
+                                                                        monkeypatch):
+    """Records whose span fits a range are read with their neighbours, headers and all;
+    larger ones (here past 64 KiB) are read after their own header, in pieces; views of
+    one storage each get their own bytes; a record left out is skipped."""
+    monkeypatch.setattr(own_queue.QueueReader, "range_bytes", property(lambda _: 64 << 10))
+    shared = random_tensor((6000,), torch.float32, 99)
+    state = {"small": random_tensor((100,), torch.float32, 1),
+             "large": random_tensor((100_000,), torch.float32, 2),      # 400 KB: apart
+             "head": shared[:1000], "tail": shared[5000:],             # one storage
+             "half": random_tensor((3000,), torch.bfloat16, 3),
+             "bits": random_tensor((5,), torch.bool, 4),
+             "left out": random_tensor((50,), torch.float32, 5),
+             "last": random_tensor((7,), torch.int64, 6)}
+    path = tmp_path / "mixed.pt"
+    nvmeswap.save(state, path)
+    into = {name: torch.zeros_like(tensor) for name, tensor in state.items()
+            if name != "left out"}
+    nvmeswap.load_into(path, into, strict=False)
+    for name, tensor in into.items():
+        assert torch.equal(raw(tensor), raw(state[name])), name
+
+
+@pytest.mark.parametrize("road", ["own queue", "handle"])
+def test_load_into_refuses_a_tensor_running_past_its_storage_s_record(tmp_path, request,
+                                                                      road):
+    """A pickle that says 1000 floats of a record of 100 (a damaged file): an error naming
+    it, not the bytes after the record."""
+    good, damaged = tmp_path / "good.pt", tmp_path / "damaged.pt"
+    torch.save({"a": torch.arange(1000, dtype=torch.float32), "b": torch.full((2000,), 7.0)},
+               good)
+    with zipfile.ZipFile(good) as source, \
+            zipfile.ZipFile(damaged, "w", compression=zipfile.ZIP_STORED) as cut:
+        for info in source.infolist():
+            data = source.read(info)
+            cut.writestr(info.filename, data[:400] if info.filename.endswith("data/0")
+                         else data)
+    handle = request.getfixturevalue("handle") if road == "handle" else None
+    into = {"a": torch.zeros(1000), "b": torch.zeros(2000)}
+    with pytest.raises(ValueError, match="damaged.pt: a runs past the end of its storage"):
+        nvmeswap.load_into(damaged, into, handle=handle)
+    assert not into["a"].any() and not into["b"].any()
+
+
 @pytest.mark.parametrize("damage", ["signature", "name", "extra length"])
 @pytest.mark.parametrize("road", ["own queue", "handle"])
-def test_a_damaged_storage_header_fails_the_load_naming_it(tmp_path, request, damage, road):
+@pytest.mark.parametrize("call", ["load", "load_into"])
+def test_a_damaged_storage_header_fails_the_load_naming_it(tmp_path, request, damage, road,
+                                                          call):
     state = {f"t{index}": random_tensor((1000,), torch.float32, index) for index in range(4)}
     path = tmp_path / "damaged.pt"
     nvmeswap.save(state, path)
@@ -309,4 +363,8 @@ def test_a_damaged_storage_header_fails_the_load_naming_it(tmp_path, request, da
     expected = ("runs past the next record" if damage == "extra length"
                 else "bad local header for archive/data/2")
     with pytest.raises(ValueError, match=f"damaged.pt: .*{expected}"):
-        nvmeswap.load(path, handle=handle)
+        if call == "load":
+            nvmeswap.load(path, handle=handle)
+        else:
+            nvmeswap.load_into(path, {name: torch.zeros_like(tensor)
+                                      for name, tensor in state.items()}, handle=handle)

@@ -24,7 +24,15 @@ with its readahead. The groups read those headers anyway (they lie between the
 storages), so a load reads only the central directory, the pickle and the records
 before the storages first; each storage's range starts at its local header, and where
 its bytes start is found in the bytes read, the header checked (its signature, and the
-name the central directory gives) before any byte of the storage is used.
+name the central directory gives) before any byte of the storage is used. ``load_into``
+without a handle does the same through its reader's ring (``read_records``): records
+whose span fits a ring slot are read with their neighbours, up to a slot a request (one
+request a tensor before, 4 in flight), and each tensor copied out once its header is
+checked in the slot; a larger record's header is read on its own first. A cold
+``load_into`` of 2000 small tensors, whose header reads had become 0.21 to 0.25 s of its
+0.29 to 0.45 s on a slower day for fresh memory (their readahead fills the page cache),
+took 0.12 to 0.18 s (2026-11-27, memory-backed device). Through a given handle the
+headers are still read first, one by one.
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ from typing import Any
 
 from ..units import ALIGNMENT
 from .fresh_reads import FreshReads
-from .own_queue import Registration, reader_of
+from .own_queue import Registration, copy_into, reader_of
 from .saved_tensors import NOT_PLAIN, SavedTensor, plain_load, saved_tensors
 from .state import paused_gc
 from .striped_checkpoints import (
@@ -48,7 +56,7 @@ from .striped_checkpoints import (
     striped_reader,
     unstriped,
 )
-from .torch_zip import ZipEntries
+from .torch_zip import ZipEntries, reads_at
 
 
 def _storage_dtype(storage_type):
@@ -384,10 +392,50 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     ``into`` (through ``handle``, or without one the process's own queue); every match
     checked before any read."""
     with opened(path) as (layout, file, source):
-        reads = _placed(path, ZipEntries(path, file=file), into, strict)
+        entries = ZipEntries(path, file=file, storage_headers=False)
+        placed = _placed(path, entries, into, strict)
+        read_at = reads_at(file)
         with reading(source, layout, handle) as (reader, file_name):
-            read_each(reader, file_name, reads)
+            if handle is None:
+                read_records(reader, file_name, entries, placed, read_at)
+            else:
+                read_each(reader, file_name, [
+                    (target, entries.storage_start(record, read_at) + within)
+                    for target, record, within in placed])
     return into
+
+
+def read_records(reader: Any, path: int | str, entries: ZipEntries,
+                 placed: list[tuple[Any, str, int]], read_at: Any) -> None:
+    """Each ``(tensor, record, byte offset in it)`` of ``placed`` read from ``path``
+    through ``reader`` (a ``QueueReader``). Note [headers in the reads]: a record whose
+    span (its local header to the next record's) fits in one of the reader's ranges is
+    read whole, header and all, with its neighbours, and its header checked in the bytes
+    read; a larger one's header is read first, on its own."""
+    wanted: dict[str, list[tuple[Any, int]]] = {}
+    for target, record, within in placed:
+        wanted.setdefault(record, []).append((target, within))
+    whole, apart = [], []
+    for record in sorted(wanted, key=lambda record: entries.spans[record][0]):
+        span_start, span_end = entries.spans[record]
+        (whole if span_end - span_start <= reader.range_bytes else apart).append(record)
+    for record in apart:
+        start = entries.storage_start(record, read_at)
+        for target, within in wanted[record]:
+            reader.async_pread(target, path, start + within)
+
+    def land(index: int, view: Any) -> None:
+        record = whole[index]
+        span_start = entries.spans[record][0]
+        start = entries.storage_start(
+            record, lambda offset, nbytes: view[offset - span_start:
+                                                offset - span_start + nbytes].numpy().tobytes())
+        for target, within in wanted[record]:
+            at = start - span_start + within
+            copy_into(target, view[at:at + target.numel() * target.element_size()])
+
+    reader.read_ranges(path, [entries.spans[record] for record in whole], land)
+    reader.wait()
 
 
 @contextlib.contextmanager
@@ -417,8 +465,8 @@ def read_each(handle: Any, path: int | str, reads: list[tuple[Any, int]]) -> Non
 
 
 def _placed(path, entries, into, strict):
-    """``(target tensor, file offset of its saved bytes)`` for each non-empty saved tensor
-    with a place in ``into``, every match checked first."""
+    """``(target tensor, its storage's record, byte offset in the record)`` for each
+    non-empty saved tensor with a place in ``into``, every match checked first."""
     import torch
 
     _check_byteorder(entries)
@@ -452,10 +500,14 @@ def _placed(path, entries, into, strict):
         if not source.is_contiguous():
             raise ValueError(f"{path}: {name} was saved as a non-contiguous view; use "
                              "nvmeswap.load for it")
-        start = entries.records[f"data/{source.key}"][0] + \
-            source.offset * torch._utils._element_size(source.dtype)
+        record, element = f"data/{source.key}", torch._utils._element_size(source.dtype)
+        within = source.offset * element
+        if record not in entries.records:
+            raise ValueError(f"{path}: storage {source.key} of {name} is not in the archive")
+        if within + source.numel() * element > entries.records[record][1]:
+            raise ValueError(f"{path}: {name} runs past the end of its storage")
         if source.numel():
-            reads.append((target, start))
+            reads.append((target, record, within))
     return reads
 
 

@@ -445,6 +445,18 @@ def reader_of(handle: Any) -> Iterator[Any]:
         yield reader
 
 
+def copy_into(target: Any, view: Any, at: int = 0) -> None:
+    """``view``'s bytes (a uint8 tensor over locked or registered memory) into
+    ``target``'s, from byte ``at`` of it."""
+    import torch
+
+    nbytes = view.numel()
+    if target.device.type == "cpu":
+        copy_memory(target.data_ptr() + at, view.data_ptr(), nbytes)
+    else:       # a GPU's tensor: DMA, the ring being registered (Note [own queue and CUDA])
+        target.view(-1).view(torch.uint8)[at:at + nbytes].copy_(view)
+
+
 class QueueReader:
     """The part of ``aio_handle`` that ``load_into``, ``load_safetensors_into`` and DCP's
     reader use (``async_pread``, ``sync_pread``, ``wait``), through an ``OwnQueue`` (made
@@ -461,6 +473,7 @@ class QueueReader:
         self.ring: Any = None
         self._ring_registration: Registration | None = None
         self._jobs: list[tuple[Any, str, int]] = []
+        self._ranges: list[tuple[str, list[tuple[int, int]], Any]] = []
         self._stripes: dict[str, tuple[list[str], int]] = {}
         self._files: dict[str, Any] = {}
 
@@ -472,20 +485,38 @@ class QueueReader:
         self._jobs.append((target, filename, file_offset))
         return 0
 
+    @property
+    def range_bytes(self) -> int:
+        """The most bytes one range of ``read_ranges`` may span."""
+        return self.slot_bytes - 2 * ALIGNMENT
+
+    def read_ranges(self, filename: str, ranges: list[tuple[int, int]], land: Any) -> None:
+        """At the next ``wait()``, read each ``(start, end)`` of ``ranges`` (file offsets in
+        increasing order, none longer than ``range_bytes``), ranges lying close together
+        in one request, and call ``land(index, view)`` with ``view`` a uint8 tensor over
+        the ring's copy of bytes ``[start, end)`` of range ``index``, as they land (a
+        record found by its header in the bytes read: Note [headers in the reads] in
+        loading.py). What ``land`` raises fails the ``wait()``."""
+        self._ranges.append((filename, ranges, land))
+
     def wait(self) -> int:
         """Make every read asked for; the first failure raises once all have ended."""
         import torch
 
         jobs, self._jobs = self._jobs, []
-        if not jobs:
+        ranges, self._ranges = self._ranges, []
+        if not jobs and not ranges:
             return 0
         if self.own is None:
-            self.own = OwnQueue(f"reading {self._name(jobs[0][1])}")
+            self.own = OwnQueue(f"reading {self._name(jobs[0][1] if jobs else ranges[0][0])}")
         if self.ring is None:
             mapping = private_memory(self.slot_bytes * self.slots)
             self.ring = torch.frombuffer(mapping, dtype=torch.uint8)
             self._ring_registration = Registration(self.ring)
-        windows = self._windows(jobs)
+        count = len(jobs) + sum(len(asked[1]) for asked in ranges)
+        large, gathered = self._gathered(jobs)
+        windows = itertools.chain(self._windows(large), *(self._range_windows(*asked)
+                                                          for asked in ranges + gathered))
         free = list(range(self.slots))
         landing: dict[int, list] = {}       # slot -> [requests left, window]
         unsubmitted: collections.deque = collections.deque()
@@ -504,27 +535,70 @@ class QueueReader:
                 landing[slot][0] -= 1
                 first = first or error
                 if landing[slot][0] == 0:
+                    landed = landing.pop(slot)[1]
                     if first is None:
-                        self._copy_out(slot, landing.pop(slot)[1])
-                    else:
-                        del landing[slot]
+                        try:
+                            landed[0](slot, landed)
+                        except Exception as failure:    # a record's header, found wrong
+                            first = failure
                     free.append(slot)
         if first is not None:
             raise first
-        return len(jobs)
+        return count
+
+    def _gathered(self, jobs):
+        """``(larger jobs, ranges)``: the targets of ``jobs`` no larger than a range as
+        ``read_ranges``' arguments, a file's in file order, to be read several to a
+        request where they lie close (2000 small tensors were 2000 requests, 4 in
+        flight); the others as they are."""
+        large, small = [], {}
+        for target, filename, file_offset in jobs:
+            nbytes = target.numel() * target.element_size()
+            if nbytes > self.range_bytes:
+                large.append((target, filename, file_offset))
+            elif nbytes:
+                small.setdefault(filename, []).append((file_offset, file_offset + nbytes,
+                                                       target))
+        ranges = []
+        for filename, pieces in small.items():
+            pieces.sort(key=lambda piece: piece[0])
+            targets = [target for _, _, target in pieces]
+            ranges.append((filename, [(start, end) for start, end, _ in pieces],
+                           lambda index, view, targets=targets: copy_into(targets[index], view)))
+        return large, ranges
 
     def _windows(self, jobs):
-        """``(target, byte offset in it, length, file, file offset)`` of each piece, its
-        aligned window no larger than a slot."""
-        piece = self.slot_bytes - 2 * ALIGNMENT
+        """``(self._copy_out, length, file, file offset, target, byte offset in it)`` of
+        each piece of ``jobs``, its aligned window no larger than a slot."""
+        piece = self.range_bytes
         for target, filename, file_offset in jobs:
             nbytes = target.numel() * target.element_size()
             for at in range(0, nbytes, piece):
-                yield target, at, min(piece, nbytes - at), filename, file_offset + at
+                yield self._copy_out, min(piece, nbytes - at), filename, file_offset + at, \
+                    target, at
+
+    def _range_windows(self, filename, ranges, land):
+        """``(self._land_ranges, length, file, file offset, land, [(index, start, end)])``:
+        ``ranges`` gathered into windows no larger than a slot, a window taking the next
+        range while the gap to it is small against a slot (what the gap holds is read
+        too)."""
+        piece, gap = self.range_bytes, self.range_bytes // 16
+        held: list[tuple[int, int, int]] = []
+        held_end = 0
+        for index, (start, end) in enumerate(ranges):
+            if end - start > piece:
+                raise ValueError(f"a range of {end - start} bytes is more than a slot")
+            if held and (max(end, held_end) - held[0][1] > piece or start - held_end > gap):
+                yield self._land_ranges, held_end - held[0][1], filename, held[0][1], land, held
+                held = []
+            held_end = max(end, held_end) if held else end
+            held.append((index, start, end))
+        if held:
+            yield self._land_ranges, held_end - held[0][1], filename, held[0][1], land, held
 
     def _requests(self, slot, window):
         """The requests (``OwnQueue.submit``'s arguments) that read ``window`` into ``slot``."""
-        _, _, length, filename, offset = window
+        _, length, filename, offset = window[:4]
         start = offset // ALIGNMENT * ALIGNMENT
         end = -(-(offset + length) // ALIGNMENT) * ALIGNMENT
         paths, stripe_bytes = self._stripes.get(filename, ([filename], None))
@@ -544,16 +618,16 @@ class QueueReader:
                                             o_direct=None)
         return self._files[path]
 
-    def _copy_out(self, slot, window):
-        import torch
+    def _land_ranges(self, slot, window):
+        _, _, _, offset, land, held = window
+        base = slot * self.slot_bytes + offset % ALIGNMENT - offset
+        for index, start, end in held:
+            land(index, self.ring[base + start:base + end])
 
-        target, at, length, _, offset = window
+    def _copy_out(self, slot, window):
+        _, length, _, offset, target, at = window
         source = slot * self.slot_bytes + offset % ALIGNMENT
-        if target.device.type == "cpu":
-            copy_memory(target.data_ptr() + at, self.ring.data_ptr() + source, length)
-        else:       # a GPU's tensor: DMA, the ring being registered (Note [own queue and CUDA])
-            flat = target.view(-1).view(torch.uint8)
-            flat[at:at + length].copy_(self.ring[source:source + length])
+        copy_into(target, self.ring[source:source + length], at)
 
     def sync_pread(self, target: Any, filename: str, file_offset: int) -> int:
         self.async_pread(target, filename, file_offset)

@@ -496,7 +496,7 @@ _CENTRAL_RECORD = struct.Struct("<IHHHHHHIIIHHHHHII")
 _ZIP64_FIELDS = 0x0001       # the extra field holding a central record's 64-bit values
 
 
-def _reads_at(file: Any) -> Any:
+def reads_at(file: Any) -> Any:
     """``read_at(offset, nbytes)`` of ``file``: a pread where it has a descriptor, else a
     seek and a read (a striped checkpoint's logical file)."""
     try:
@@ -607,7 +607,7 @@ class ZipEntries:
         self._names: dict[str, tuple[str, bytes]] = {}    # record -> its name, as held
         opened = open(path, "rb") if file is None else contextlib.nullcontext(file)  # noqa: SIM115
         with opened as raw:
-            read_at = _reads_at(raw)
+            read_at = reads_at(raw)
             if length is None:
                 length = raw.seek(0, os.SEEK_END) - base
             try:
