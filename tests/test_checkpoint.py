@@ -629,6 +629,31 @@ def test_async_save_without_a_thread_raises_and_leaves_nothing_in_flight(
     assert_same({"x": torch.arange(4)}, torch.load(tmp_path / "a.pt"))
 
 
+_EXIT_WITH_A_SAVE_IN_FLIGHT = r"""
+import sys, torch, nvmeswap
+path, how = sys.argv[1:]
+state = {"w": torch.arange(8 << 20, dtype=torch.float32)}
+if how == "one call":
+    nvmeswap.async_save(state, path)
+elif how == "background snapshot":
+    nvmeswap.async_save(state, path, background_snapshot=True)
+else:
+    nvmeswap.Checkpointer().async_save(state, path)     # and never closed
+"""
+
+
+@pytest.mark.parametrize("how", ["one call", "background snapshot", "kept"])
+def test_a_program_ending_with_an_async_save_in_flight_finishes_it(tmp_path, how):
+    import subprocess
+    import sys
+
+    path = tmp_path / "last.pt"
+    ended = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_SAVE_IN_FLIGHT, str(path), how],
+                           check=False, capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 0, ended.stderr
+    assert torch.equal(torch.load(path)["w"], torch.arange(8 << 20, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_async_saves_from_two_threads_take_turns(tmp_path, background):
     """Two threads saving through one Checkpointer at once: the snapshot buffer is one,

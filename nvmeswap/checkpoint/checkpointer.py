@@ -511,7 +511,9 @@ class Checkpointer:
                 take = None
             thread = threading.Thread(target=self._save_in_background,
                                       args=(image, path, future, one_off, take, write),
-                                      name="nvmeswap-async-save", daemon=True)
+                                      name="nvmeswap-async-save")
+            # Not a daemon: a save still in flight when the program ends is finished (the
+            # interpreter waits for it) rather than lost, or cut off in torch's code.
             try:
                 thread.start()
             except BaseException as failure:    # no thread (RuntimeError): no save in flight
