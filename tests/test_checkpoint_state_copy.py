@@ -116,6 +116,21 @@ def test_a_tensor_with_attributes_or_a_tuple_holding_itself_is_not_copied():
     assert state_copy({"t": holder}) is None
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("background", [False, True])
+def test_an_async_save_of_a_nested_tensor_lays_it_out_as_torch_does(tmp_path, background):
+    """A nested tensor's layout is strided too, but its bytes are no storage of its own
+    shape: it is not copied as a plain tensor, and saves as the synchronous form does."""
+    nested = torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0)])
+    state = {"nt": nested, "w": torch.arange(5)}
+    assert state_copy(state) is None
+    nvmeswap.async_save(state, tmp_path / "nested.pt",
+                        background_snapshot=background).result(60)
+    loaded = torch.load(tmp_path / "nested.pt")
+    assert all(torch.equal(a, b) for a, b in zip(loaded["nt"].unbind(), nested.unbind()))
+    assert torch.equal(loaded["w"], state["w"])
+
+
 def _layouts_on(monkeypatch, go=None):
     """The names of the threads each layout of an async save ran on; each waits for
     ``go``, if given."""

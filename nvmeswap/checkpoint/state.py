@@ -53,11 +53,12 @@ def _unchanging_types() -> tuple[type, ...]:
 def _plain_tensor(item: Any) -> bool:
     """Whether ``torch.save`` pickles ``item`` from its metadata alone, its bytes left
     for later: a dense host or CUDA tensor, no attributes of its own, no conjugate or
-    negative bit to resolve."""
+    negative bit to resolve (a nested tensor's layout is strided too: not one)."""
     import torch
 
     return (type(item) in (torch.Tensor, torch.nn.Parameter) and item.layout is torch.strided
             and item.device.type in ("cpu", "cuda") and not item.is_quantized
+            and not item.is_nested
             and not item.is_conj() and not item.is_neg() and not item.__dict__)
 
 
