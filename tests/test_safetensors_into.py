@@ -112,6 +112,39 @@ def test_a_file_shorter_than_its_header_says_names_the_file(tmp_path):
         nvmeswap.load_safetensors_into(path, {"w": torch.zeros_like(saved["w"])})
 
 
+def _with_header(path, header, data):
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("header, expected", [
+    ({"t": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 0]}},
+     "t has 0 bytes for shape"),
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 6]}}, "t has 6 bytes for shape"),
+    ({"t": 5}, "t is not described by dtype, shape and data_offsets"),
+    ({"t": {"dtype": "F32", "shape": [2]}}, "t is not described by dtype, shape and"),
+    ([1, 2], "bad safetensors header: a JSON list"),
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}},
+     "t has bad data_offsets"),
+    ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "t has a bad shape"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "shared with another"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, "a gap"),
+], ids=["no bytes", "odd bytes", "not a dict", "no offsets", "a list", "text offsets",
+        "negative shape", "shared bytes", "gap"])
+@pytest.mark.parametrize("call", ["load", "load_into"])
+def test_a_damaged_header_is_an_error_naming_the_file(tmp_path, header, expected, call):
+    """Never tensors of bytes a damaged header misplaces (nor uninitialised memory)."""
+    path = tmp_path / "damaged.safetensors"
+    _with_header(path, header, bytes(range(8)))
+    with pytest.raises(ValueError, match=f"damaged.safetensors: .*{expected}"):
+        if call == "load":
+            nvmeswap.load_safetensors(path)
+        else:
+            nvmeswap.load_safetensors_into(path, {"t": torch.zeros(2), "a": torch.zeros(2),
+                                                  "b": torch.zeros(2)}, strict=False)
+
+
 def test_cuda_targets_through_the_staging_space(tmp_path, monkeypatch):
     use_stand_in_device(monkeypatch)
     saved = {"w": random_tensor(((3 << 20) + 5,), torch.uint8, 6)}

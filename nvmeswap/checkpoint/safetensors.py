@@ -112,26 +112,56 @@ class Header:
             parsed = json.loads(text)
         except ValueError as error:
             raise ValueError(f"{path}: bad safetensors header: {error}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{path}: bad safetensors header: a JSON "  # noqa: TRY004
+                             f"{type(parsed).__name__}, not an object")
         self.path = path
         self.data_start = 8 + length
         self.metadata = parsed.pop("__metadata__", None)
         dtypes = _dtypes()
         self.tensors = {}
-        end_of_data = 0
         for name, entry in parsed.items():
-            dtype = dtypes.get(entry.get("dtype"))
-            if dtype is None:
-                raise ValueError(f"{path}: {name} has a dtype this torch lacks: "
-                                 f"{entry.get('dtype')}")
-            begin, end = entry["data_offsets"]
-            if not 0 <= begin <= end:
-                raise ValueError(f"{path}: {name} has bad data_offsets {begin}, {end}")
-            self.tensors[name] = (dtype, tuple(entry["shape"]), self.data_start + begin,
-                                  self.data_start + end)
-            end_of_data = max(end_of_data, end)
-        if self.data_start + end_of_data > size:
-            raise ValueError(f"{path}: {size} bytes, but its header describes "
-                             f"{self.data_start + end_of_data}")
+            dtype, shape, begin, end = self._entry(path, name, entry, dtypes)
+            self.tensors[name] = (dtype, shape, self.data_start + begin, self.data_start + end)
+        # As the format has it (and the safetensors package checks): the tensors' bytes
+        # follow one another from the data's start to the file's end, none shared.
+        at = self.data_start
+        for name, (_, _, begin, end) in sorted(self.tensors.items(),
+                                               key=lambda item: item[1][2:]):
+            if begin != at:
+                raise ValueError(f"{path}: {name}'s bytes start at {begin - self.data_start} "
+                                 f"of the data, not at {at - self.data_start}: "
+                                 f"{'shared with another tensor' if begin < at else 'a gap'}")
+            at = end
+        if at != size:
+            raise ValueError(f"{path}: {size} bytes, but its header describes {at}")
+
+    @staticmethod
+    def _entry(path, name, entry, dtypes):
+        """``(dtype, shape, begin, end)`` of a header's ``entry`` for tensor ``name``,
+        checked: its offsets hold the bytes of its shape and dtype."""
+        import torch
+
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise ValueError(f"{path}: {name} is not described by dtype, shape and "
+                             "data_offsets in the header")
+        dtype = dtypes.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise ValueError(f"{path}: {name} has a dtype this torch lacks: {entry['dtype']}")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not (isinstance(shape, list)
+                and all(type(dim) is int and dim >= 0 for dim in shape)):
+            raise ValueError(f"{path}: {name} has a bad shape {shape}")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(offset) is int for offset in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{path}: {name} has bad data_offsets {offsets}")
+        begin, end = offsets
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes:
+            raise ValueError(f"{path}: {name} has {end - begin} bytes for shape {shape} of "
+                             f"{dtype}")
+        return dtype, tuple(shape), begin, end
 
     @staticmethod
     def _length(path, head):
