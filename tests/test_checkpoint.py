@@ -888,6 +888,36 @@ def test_bad_arguments_fail_before_any_io(tmp_path):
     assert os.listdir(tmp_path) == ["junk.pt"]
 
 
+@pytest.mark.parametrize("call", ["save", "async_save", "save_safetensors"])
+def test_an_empty_path_fails_at_the_call(tmp_path, monkeypatch, call):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        getattr(nvmeswap, call)({"a": torch.ones(1)}, "")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("call", ["save", "async_save", "save_safetensors", "striped save"])
+def test_a_name_too_long_for_a_suffix_is_saved(tmp_path, call):
+    """torch.save takes any name the filesystem takes (255 bytes); the temporary file and
+    the stripes of such a checkpoint are named by a hash of it instead."""
+    state = {"w": random_tensor((5000,), torch.float32, 1)}
+    path = tmp_path / ("m" * 240)
+    if call == "striped save":
+        folders = [tmp_path, tmp_path / "second"]
+        folders[1].mkdir()
+        with nvmeswap.Checkpointer(stripe_folders=folders) as checkpointer:
+            checkpointer.save(state, path)
+            checkpointer.save(state, path)      # the first one's stripes: orphans, removed
+        assert len(os.listdir(folders[1])) == 1
+    elif call == "async_save":
+        nvmeswap.async_save(state, path).result(60)
+    else:
+        getattr(nvmeswap, call)(state, path)
+    loaded = (nvmeswap.load_safetensors if call == "save_safetensors" else nvmeswap.load)(path)
+    assert torch.equal(raw(loaded["w"]), raw(state["w"]))
+    assert not [name for name in os.listdir(tmp_path) if TEMPORARY in name]
+
+
 def test_a_closed_checkpointer_refuses_work(tmp_path):
     checkpointer = nvmeswap.Checkpointer()
     checkpointer.close()

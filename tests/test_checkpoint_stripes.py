@@ -258,6 +258,14 @@ def test_a_striped_save_leaves_the_stripes_of_checkpoints_named_like_it_alone(fo
                for folder in folders)
 
 
+@pytest.mark.parametrize("call", ["save", "async_save", "save_safetensors"])
+def test_a_striped_save_outside_the_first_folder_fails_at_the_call(folders, tmp_path, call):
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer, \
+            pytest.raises(ValueError, match="lives in the first stripe folder"):
+        getattr(checkpointer, call)({"w": torch.ones(10)}, tmp_path / "elsewhere.pt")
+    assert not (tmp_path / "elsewhere.pt").exists()
+
+
 _FORK_DURING_A_STRIPED_COMMIT = r"""
 import os, sys, torch, nvmeswap
 from nvmeswap.checkpoint import striped_checkpoints

@@ -20,7 +20,7 @@ from .crc import crc32
 from .image import FileImage, StreamWriter, TensorRun, uint8_view
 from .own_queue import QueueWriter, Registration, private_tensor, reader_of
 from .state import paused_gc, state_copy, state_tensors
-from .striped_checkpoints import write_committed
+from .striped_checkpoints import check_striped_path, write_committed
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
 from .torch_zip import layout, refuse_skip_data
 
@@ -44,6 +44,8 @@ def checked_path(path: Any, *, writing: bool) -> str:
         raise TypeError(f"a checkpoint path must be a str or os.PathLike, got "
                         f"{type(path).__name__}")
     path = os.fspath(path)
+    if not path:
+        raise FileNotFoundError(2, "No such file or directory", path)
     if writing:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
@@ -271,6 +273,13 @@ class Checkpointer:
         self.closed = False
         process_state.forget_in_child(self)
 
+    def _save_path(self, path: Any) -> str:
+        """``checked_path(path, writing=True)``, in the first stripe folder where striped."""
+        path = checked_path(path, writing=True)
+        if self._stripes is not None:
+            check_striped_path(self._stripes, path)
+        return path
+
     @property
     def handle(self) -> aio_handle | StripedHandle:
         """The handle given, or one of its own (made now if not yet)."""
@@ -287,7 +296,7 @@ class Checkpointer:
         """Write ``obj`` as ``torch.save`` would (with 4096-aligned storages), whole or not
         at all (Note [crash-consistent checkpoints])."""
         self._check_open()
-        path = checked_path(path, writing=True)
+        path = self._save_path(path)
         with paused_gc():   # Note [laying out many tensors]: the write makes as many
             self.write_image(layout(obj), path)
 
@@ -364,7 +373,7 @@ class Checkpointer:
         this checkpointer stripes (Note [striped checkpoints]: ``path`` then holds the
         layout, which nvmeswap's loads follow)."""
         self._check_open()
-        path = checked_path(path, writing=True)
+        path = self._save_path(path)
         with paused_gc():   # Note [laying out many tensors]
             self.write_image(safetensors_format.layout(tensors, metadata), path)
 
@@ -401,7 +410,7 @@ class Checkpointer:
         before the future is; the snapshot is then plain memory, not locked.
         """
         self._check_open()
-        path = checked_path(path, writing=True)
+        path = self._save_path(path)
         # Note [async checkpoint snapshot]: the caller's thread does only what must happen
         # before the state may change again: lay the archive out (the pickle, small) and
         # copy each tensor's bytes into one locked buffer at its place in the file, with

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import itertools
 import os
 from collections.abc import Callable
@@ -25,17 +26,37 @@ TEMPORARY = ".nvmeswap-tmp-"
 _saves = itertools.count()
 
 
+#: The longest name of a checkpoint whose temporary files are named after it: what is
+#: left of a file name's 255 bytes once the suffix (up to some 40 bytes) is added.
+LONGEST_NAME = 200
+
+
+def named_after(name: str) -> str:
+    """What the files made for the checkpoint ``name`` (temporary files, stripes) start
+    with: ``name``, or where it is longer than LONGEST_NAME a hash of it (a suffix would
+    make a file name too long for the filesystem)."""
+    if len(os.fsencode(name)) > LONGEST_NAME:
+        return hashlib.blake2b(os.fsencode(name), digest_size=16).hexdigest()
+    return name
+
+
+def _temporary_prefix(path: str) -> tuple[str, str]:
+    """``(folder, prefix)`` of the temporary files of saves of ``path``."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return folder, named_after(name) + TEMPORARY
+
+
 def temporary_name(path: str) -> str:
     """Where a save of ``path`` writes before the rename: ``<path>.nvmeswap-tmp-<pid>-<n>``,
     a name of its own (two threads saving one path at once must not share one: each
     would rename the other's half-written file)."""
-    return f"{path}{TEMPORARY}{os.getpid()}-{next(_saves)}"
+    folder, prefix = _temporary_prefix(path)
+    return os.path.join(folder, f"{prefix}{os.getpid()}-{next(_saves)}")
 
 
 def remove_stale(path: str) -> None:
     """Remove the temporary files of earlier saves of ``path`` whose process is gone."""
-    folder, name = os.path.split(os.path.abspath(path))
-    prefix = name + TEMPORARY
+    folder, prefix = _temporary_prefix(path)
     try:
         names = os.listdir(folder)
     except OSError:

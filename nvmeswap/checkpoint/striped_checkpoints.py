@@ -72,16 +72,25 @@ def write_committed(stripes: StripeSet | None, size: int, path: str, write: Any)
         write_striped(stripes, size, path, write)
 
 
+def check_striped_path(stripes: StripeSet, path: str) -> None:
+    """ValueError unless ``path`` is in the first folder of ``stripes``, where a striped
+    checkpoint's layout lives."""
+    if os.path.dirname(os.path.abspath(path)) != stripes.folders[0]:
+        raise ValueError(f"{path}: a striped checkpoint lives in the first stripe folder, "
+                         f"{stripes.folders[0]}")
+
+
 def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
     """Make the checkpoint ``path`` striped over the folders of ``stripes`` (a StripeSet
     or StripedHandle): ``write(name)`` writes its ``size`` bytes to the logical file
     ``name``, whose stripe files are made with their space allocated."""
     import secrets
 
+    from . import commit
+
+    check_striped_path(stripes, path)
     folder, base = os.path.split(os.path.abspath(path))
-    if folder != stripes.folders[0]:
-        raise ValueError(f"{path}: a striped checkpoint lives in the first stripe folder, "
-                         f"{stripes.folders[0]}")
+    base = commit.named_after(base)
     name = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.stripe"
     commits = process_state.shared(_Commits)
     with commits.lock:
