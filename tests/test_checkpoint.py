@@ -896,6 +896,23 @@ def test_an_empty_path_fails_at_the_call(tmp_path, monkeypatch, call):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("call", ["save", "async_save", "save_safetensors"])
+def test_a_save_through_a_symbolic_link_replaces_the_file_it_names(tmp_path, call):
+    """As torch.save: "latest.pt -> step2.pt" stays a link, step2.pt gets the bytes."""
+    state = {"w": random_tensor((5000,), torch.float32, 2)}
+    (tmp_path / "step2.pt").write_bytes(b"an older checkpoint")
+    (tmp_path / "latest.pt").symlink_to("step2.pt")
+    if call == "async_save":
+        nvmeswap.async_save(state, tmp_path / "latest.pt").result(60)
+    else:
+        getattr(nvmeswap, call)(state, tmp_path / "latest.pt")
+    assert os.readlink(tmp_path / "latest.pt") == "step2.pt"
+    loaded = (nvmeswap.load_safetensors if call == "save_safetensors" else nvmeswap.load)(
+        tmp_path / "step2.pt")
+    assert torch.equal(raw(loaded["w"]), raw(state["w"]))
+    assert sorted(os.listdir(tmp_path)) == ["latest.pt", "step2.pt"]
+
+
 @pytest.mark.parametrize("call", ["save", "async_save", "save_safetensors", "striped save"])
 def test_a_name_too_long_for_a_suffix_is_saved(tmp_path, call):
     """torch.save takes any name the filesystem takes (255 bytes); the temporary file and
