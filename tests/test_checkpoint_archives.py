@@ -264,6 +264,31 @@ def test_a_damaged_archive_is_an_error_naming_it(tmp_path, damage):
         nvmeswap.load(path)
 
 
+@pytest.mark.parametrize("call", ["load", "load_into"])
+@pytest.mark.parametrize("at", ["the end", "far past the end"])
+def test_a_record_said_to_lie_past_the_archive_s_end_is_an_error_naming_it(tmp_path, call,
+                                                                           at):
+    """A central directory entry whose local header would be past the file's end (its
+    offset damaged): a ValueError naming the file, not a read of nothing."""
+    state = {f"t{index}": random_tensor((1000,), torch.float32, index) for index in range(4)}
+    path = tmp_path / "damaged.pt"
+    nvmeswap.save(state, path)
+    data = bytearray(path.read_bytes())
+    entry = data.find(b"PK\x01\x02")
+    while not data[entry + 46:entry + 46 + 14].endswith(b"data/2"):
+        entry = data.find(b"PK\x01\x02", entry + 4)
+    data[entry + 42:entry + 46] = (len(data) if at == "the end" else 1 << 30).to_bytes(
+        4, "little")
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="damaged.pt: record archive/data/2 lies past the "
+                                         "end of the archive"):
+        if call == "load":
+            nvmeswap.load(path)
+        else:
+            nvmeswap.load_into(path, {name: torch.zeros_like(tensor)
+                                      for name, tensor in state.items()})
+
+
 def storage_headers(path):
     """``{record: local header offset}`` of each storage of the archive at ``path``."""
     entries = torch_zip.ZipEntries(str(path))

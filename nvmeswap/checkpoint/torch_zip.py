@@ -622,6 +622,9 @@ class ZipEntries:
                 if method != 0:
                     raise ValueError(f"{path}: record {name} is compressed")
                 record = name.split("/", 1)[1] if "/" in name else name
+                if header_at + 30 + len(raw_name) > length:
+                    raise ValueError(f"{path}: record {name} lies past the end of the "
+                                     "archive (a truncated file?)")
                 self.spans[record] = (base + header_at, base + next_header[header_at])
                 self._names[record] = name, raw_name
                 self.records[record] = (None, size, crc)
