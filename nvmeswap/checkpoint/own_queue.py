@@ -526,8 +526,12 @@ class QueueReader:
             while window is not None and free and first is None:
                 slot = free.pop()
                 requests = self._requests(slot, window)
-                landing[slot] = [len(requests), window]
-                unsubmitted.extend(requests)
+                if requests:
+                    landing[slot] = [len(requests), window]
+                    unsubmitted.extend(requests)
+                else:       # nothing to read (an empty range): landed already
+                    free.append(slot)
+                    first = self._landed(slot, window)
                 window = next(windows, None)
             while unsubmitted and self.own.submit(*unsubmitted[0]):
                 unsubmitted.popleft()
@@ -537,14 +541,21 @@ class QueueReader:
                 if landing[slot][0] == 0:
                     landed = landing.pop(slot)[1]
                     if first is None:
-                        try:
-                            landed[0](slot, landed)
-                        except Exception as failure:    # a record's header, found wrong
-                            first = failure
+                        first = self._landed(slot, landed)
                     free.append(slot)
         if first is not None:
             raise first
         return count
+
+    @staticmethod
+    def _landed(slot, window):
+        """Hand ``window``'s bytes in ``slot`` on; what that raises (a record's header
+        found wrong, say), or None."""
+        try:
+            window[0](slot, window)
+        except Exception as failure:
+            return failure
+        return None
 
     def _gathered(self, jobs):
         """``(larger jobs, ranges)``: the targets of ``jobs`` no larger than a range as
