@@ -578,6 +578,29 @@ def test_load_into_without_a_handle_fills_every_target(tmp_path, monkeypatch):
     assert_same(flat, into)
 
 
+def test_a_reader_lands_ranges_near_and_far_empty_or_not(tmp_path):
+    """QueueReader.read_ranges: ranges close together share a request, far ones not, an
+    empty one (at an aligned offset: no request at all) lands too; each is handed the
+    file's bytes, and what ``land`` raises fails the wait."""
+    data = random_tensor((3 << 20,), torch.uint8, 4).numpy().tobytes()
+    path = tmp_path / "bytes"
+    path.write_bytes(data)
+    ranges = [(5, 100), (90, 5000), (40960, 40960), (90000, 90001), (2 << 20, (2 << 20) + 77)]
+    landed = {}
+    with own_queue.QueueReader(slot_bytes=64 << 10, slots=2) as reader:
+        reader.read_ranges(str(path), ranges,
+                           lambda index, view: landed.update({index: view.numpy().tobytes()}))
+        assert reader.wait() == len(ranges)
+        assert landed == {index: data[start:end] for index, (start, end) in enumerate(ranges)}
+
+        def refuse(index, view):
+            raise ValueError(f"range {index} refused")
+
+        reader.read_ranges(str(path), ranges, refuse)
+        with pytest.raises(ValueError, match=r"range \d refused"):
+            reader.wait()
+
+
 @pytest.mark.parametrize("failure", ["EIO", "KeyboardInterrupt"])
 def test_a_failed_or_interrupted_load_into_leaves_nothing_behind(tmp_path, monkeypatch,
                                                                  failure):
