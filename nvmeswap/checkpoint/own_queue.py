@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import mmap
 import os
@@ -457,6 +458,12 @@ def copy_into(target: Any, view: Any, at: int = 0) -> None:
         target.view(-1).view(torch.uint8)[at:at + nbytes].copy_(view)
 
 
+def _copy_to_place(places: list[tuple[Any, int]], index: int, view: Any) -> None:
+    """``view`` into ``places[index]``: a target tensor, from a byte of it."""
+    target, at = places[index]
+    copy_into(target, view, at)
+
+
 class QueueReader:
     """The part of ``aio_handle`` that ``load_into``, ``load_safetensors_into`` and DCP's
     reader use (``async_pread``, ``sync_pread``, ``wait``), through an ``OwnQueue`` (made
@@ -514,9 +521,8 @@ class QueueReader:
             self.ring = torch.frombuffer(mapping, dtype=torch.uint8)
             self._ring_registration = Registration(self.ring)
         count = len(jobs) + sum(len(asked[1]) for asked in ranges)
-        large, gathered = self._gathered(jobs)
-        windows = itertools.chain(self._windows(large), *(self._range_windows(*asked)
-                                                          for asked in ranges + gathered))
+        windows = itertools.chain.from_iterable(
+            self._windows(*asked) for asked in ranges + self._targets_ranges(jobs))
         free = list(range(self.slots))
         landing: dict[int, list] = {}       # slot -> [requests left, window]
         unsubmitted: collections.deque = collections.deque()
@@ -531,7 +537,7 @@ class QueueReader:
                     unsubmitted.extend(requests)
                 else:       # nothing to read (an empty range): landed already
                     free.append(slot)
-                    first = self._landed(slot, window)
+                    first = self._land(slot, window)
                 window = next(windows, None)
             while unsubmitted and self.own.submit(*unsubmitted[0]):
                 unsubmitted.popleft()
@@ -541,58 +547,36 @@ class QueueReader:
                 if landing[slot][0] == 0:
                     landed = landing.pop(slot)[1]
                     if first is None:
-                        first = self._landed(slot, landed)
+                        first = self._land(slot, landed)
                     free.append(slot)
         if first is not None:
             raise first
         return count
 
-    @staticmethod
-    def _landed(slot, window):
-        """Hand ``window``'s bytes in ``slot`` on; what that raises (a record's header
-        found wrong, say), or None."""
-        try:
-            window[0](slot, window)
-        except Exception as failure:
-            return failure
-        return None
-
-    def _gathered(self, jobs):
-        """``(larger jobs, ranges)``: the targets of ``jobs`` no larger than a range as
-        ``read_ranges``' arguments, a file's in file order, to be read several to a
-        request where they lie close (2000 small tensors were 2000 requests, 4 in
-        flight); the others as they are."""
-        large, small = [], {}
-        for target, filename, file_offset in jobs:
-            nbytes = target.numel() * target.element_size()
-            if nbytes > self.range_bytes:
-                large.append((target, filename, file_offset))
-            elif nbytes:
-                small.setdefault(filename, []).append((file_offset, file_offset + nbytes,
-                                                       target))
-        ranges = []
-        for filename, pieces in small.items():
-            pieces.sort(key=lambda piece: piece[0])
-            targets = [target for _, _, target in pieces]
-            ranges.append((filename, [(start, end) for start, end, _ in pieces],
-                           lambda index, view, targets=targets: copy_into(targets[index], view)))
-        return large, ranges
-
-    def _windows(self, jobs):
-        """``(self._copy_out, length, file, file offset, target, byte offset in it)`` of
-        each piece of ``jobs``, its aligned window no larger than a slot."""
+    def _targets_ranges(self, jobs):
+        """``read_ranges``' arguments for the targets of ``jobs``, a file's in file order,
+        each target's bytes as one range, or as pieces of a range where it is larger;
+        small ones lying close are then read several to a request (2000 small tensors
+        were 2000 requests, 4 in flight)."""
         piece = self.range_bytes
+        pieces: dict[str, list[tuple[int, int, Any, int]]] = {}
         for target, filename, file_offset in jobs:
             nbytes = target.numel() * target.element_size()
             for at in range(0, nbytes, piece):
-                yield self._copy_out, min(piece, nbytes - at), filename, file_offset + at, \
-                    target, at
+                pieces.setdefault(filename, []).append(
+                    (file_offset + at, file_offset + min(nbytes, at + piece), target, at))
+        asked = []
+        for filename, held in pieces.items():
+            held.sort(key=lambda found: found[0])
+            places = [(target, at) for _, _, target, at in held]
+            asked.append((filename, [(start, end) for start, end, _, _ in held],
+                          functools.partial(_copy_to_place, places)))
+        return asked
 
-    def _range_windows(self, filename, ranges, land):
-        """``(self._land_ranges, length, file, file offset, land, [(index, start, end)])``:
-        ``ranges`` gathered into windows no larger than a slot, a window taking the next
-        range while the gap to it is small against a slot (what the gap holds is read
-        too)."""
+    def _windows(self, filename, ranges, land):
+        """``(length, file, file offset, land, [(index, start, end)])``: ``ranges``
+        gathered into windows no larger than a slot, a window taking the next range while
+        the gap to it is small against a slot (what the gap holds is read too)."""
         piece, gap = self.range_bytes, self.range_bytes // 16
         held: list[tuple[int, int, int]] = []
         held_end = 0
@@ -600,16 +584,16 @@ class QueueReader:
             if end - start > piece:
                 raise ValueError(f"a range of {end - start} bytes is more than a slot")
             if held and (max(end, held_end) - held[0][1] > piece or start - held_end > gap):
-                yield self._land_ranges, held_end - held[0][1], filename, held[0][1], land, held
+                yield held_end - held[0][1], filename, held[0][1], land, held
                 held = []
             held_end = max(end, held_end) if held else end
             held.append((index, start, end))
         if held:
-            yield self._land_ranges, held_end - held[0][1], filename, held[0][1], land, held
+            yield held_end - held[0][1], filename, held[0][1], land, held
 
     def _requests(self, slot, window):
         """The requests (``OwnQueue.submit``'s arguments) that read ``window`` into ``slot``."""
-        _, length, filename, offset = window[:4]
+        length, filename, offset = window[:3]
         start = offset // ALIGNMENT * ALIGNMENT
         end = -(-(offset + length) // ALIGNMENT) * ALIGNMENT
         paths, stripe_bytes = self._stripes.get(filename, ([filename], None))
@@ -629,16 +613,17 @@ class QueueReader:
                                             o_direct=None)
         return self._files[path]
 
-    def _land_ranges(self, slot, window):
-        _, _, _, offset, land, held = window
+    def _land(self, slot, window):
+        """Hand each range of ``window``, read into ``slot``, to its ``land``; what that
+        raises (a record's header found wrong, say), or None."""
+        _, _, offset, land, held = window
         base = slot * self.slot_bytes + offset % ALIGNMENT - offset
-        for index, start, end in held:
-            land(index, self.ring[base + start:base + end])
-
-    def _copy_out(self, slot, window):
-        _, length, _, offset, target, at = window
-        source = slot * self.slot_bytes + offset % ALIGNMENT
-        copy_into(target, self.ring[source:source + length], at)
+        try:
+            for index, start, end in held:
+                land(index, self.ring[base + start:base + end])
+        except Exception as failure:
+            return failure
+        return None
 
     def sync_pread(self, target: Any, filename: str, file_offset: int) -> int:
         self.async_pread(target, filename, file_offset)
