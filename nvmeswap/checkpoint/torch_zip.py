@@ -56,6 +56,8 @@ layout's pickler reduces a plain tensor (dense, on the host or a GPU, no subclas
 hooks, attributes or conj/neg bits) itself, to the very tuple torch's reduction gives,
 which it checks once a process against torch's own on a few probe tensors (a torch
 whose reduction differs keeps its own); every other tensor is torch's to reduce.
+A plain state on the host skips torch's pickler altogether: nvmeswap writes its pickle
+(Note [own pickle of a plain state] in plain_pickle.py).
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ import types
 import zipfile
 from typing import Any, ClassVar
 
-from . import zip_writer
+from . import plain_pickle, zip_writer
 from .crc import crc32
 from .image import FileImage, TensorRun, uint8_view
 from .state import paused_gc, state_tensors
@@ -377,6 +379,8 @@ def _layout(obj: Any, pickle_module: Any, pickle_protocol: int) -> FileImage:
     tensors = [tensor for _, tensor in state_tensors(obj)]
     off_host = any(tensor.device.type != "cpu" for tensor in tensors)
     recorded = None
+    if not off_host and pickle_module is pickle and pickle_protocol == 2:
+        recorded = _plain_records(obj)
     if _copies_cuda_storages(tensors):
         try:
             recorded = _record(obj, pickle_module, pickle_protocol, skip_data=True,
@@ -385,6 +389,59 @@ def _layout(obj: Any, pickle_module: Any, pickle_protocol: int) -> FileImage:
             pass    # a tensor skip_data refuses, out of the walk's sight: torch's copy, then
     return _image(recorded or _record(obj, pickle_module, pickle_protocol, skip_data=False,
                                       name_storages=off_host))
+
+
+@functools.cache
+def _records_besides_pickle() -> list[tuple[str, bytes]] | None:
+    """The records ``torch.serialization._save`` writes between the pickle and the
+    storages, if nvmeswap's pickle of a probe state is torch's, byte for byte, else None
+    (Note [own pickle of a plain state], once a process)."""
+    import collections
+
+    import torch
+
+    base = torch.arange(24, dtype=torch.float32)
+    shared = ["shared", (1, 2)]
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    probe = {"model": module.state_dict(), "cpu": "storage", "storage": "cpu",
+             "views": [base, base[3:].view(3, 7).t(), base[:0], base],
+             "tensors": (torch.zeros((), dtype=torch.bfloat16), torch.ones(2, 1, 3, 1, 2),
+                         torch.ones(2, dtype=torch.int8, requires_grad=False),
+                         torch.ones(2, requires_grad=True)),
+             "numbers": [0, 255, 256, 65536, -1, -(1 << 31), 1 << 31, 1 << 70, -(1 << 70),
+                         0.1, float("inf"), True, False, None, "", "é\ud800"],
+             "batches": [{index: index for index in range(1001)}, list(range(1000)),
+                         collections.OrderedDict((str(index), index) for index in range(1000))],
+             "again": [shared, shared, (shared, shared), (), (1, 2, 3, 4)]}
+    theirs = _record(probe, pickle, 2, skip_data=False, name_storages=False)
+    ours = plain_pickle.plain_pickle(probe)
+    if ours is None or theirs.records[0] != ("data.pkl", ours[0]):
+        return None
+    besides = [(name, data) for name, data in theirs.records[1:]
+               if not name.startswith("data/")]
+    records = _plain_records(probe, besides)
+    same = records is not None and records.records == theirs.records and all(
+        storage._cdata == theirs.storages[name]._cdata
+        for name, storage in records.storages.items())
+    return besides if same else None
+
+
+def _plain_records(obj: Any, besides: list[tuple[str, bytes]] | None = None) -> _Records | None:
+    """The records ``torch.serialization._save`` hands its writer for a plain state,
+    made by nvmeswap (Note [own pickle of a plain state]); None for any other state, or
+    where nvmeswap's pickle is not this torch's."""
+    if besides is None and (besides := _records_besides_pickle()) is None:
+        return None
+    pickled = plain_pickle.plain_pickle(obj)
+    if pickled is None:
+        return None
+    data, storages = pickled
+    records = _Records()
+    records.records = [("data.pkl", data), *besides]
+    for key, storage in storages.items():
+        records.storages[f"data/{key}"] = storage
+        records.records.append((f"data/{key}", storage.nbytes()))
+    return records
 
 
 def _image(records: _Records) -> FileImage:
