@@ -30,6 +30,9 @@ _LENGTH = struct.Struct("<I")
 _SIGNED = struct.Struct("<i")
 _DOUBLE = struct.Struct(">d")
 _SHORT_TUPLES = (b"\x85", b"\x86", b"\x87")     # TUPLE1, TUPLE2, TUPLE3
+_PUTS = [b"q" + bytes((index,)) for index in range(256)]        # BINPUT
+_GETS = [b"h" + bytes((index,)) for index in range(256)]        # BINGET
+_SMALL_INTS = [b"K" + bytes((value,)) for value in range(256)]  # BININT1
 # torch's persistent id names its strings by literals, which the interpreter interns: the
 # pickler's memo meets the same objects wherever else the state holds them.
 _STORAGE = sys.intern("storage")
@@ -67,24 +70,18 @@ class _Pickler:
         self.metadata = torch._C._get_tensor_metadata
 
     # -- the memo --------------------------------------------------------------------------
-    def put(self) -> None:
+    def put_code(self) -> bytes:
         """A memo entry for what was just written (an object met only once)."""
         index = self.count
         self.count += 1
-        if index < 256:
-            self.out += b"q" + index.to_bytes(1, "little")
-        else:
-            self.out += b"r" + _LENGTH.pack(index)
+        return _PUTS[index] if index < 256 else b"r" + _LENGTH.pack(index)
 
     def memoize(self, obj: Any) -> None:
         self.memo[id(obj)] = self.count
-        self.put()
+        self.out += self.put_code()
 
     def get(self, index: int) -> None:
-        if index < 256:
-            self.out += b"h" + index.to_bytes(1, "little")
-        else:
-            self.out += b"j" + _LENGTH.pack(index)
+        self.out += _GETS[index] if index < 256 else b"j" + _LENGTH.pack(index)
 
     # -- objects ---------------------------------------------------------------------------
     def save(self, obj: Any) -> None:
@@ -100,9 +97,7 @@ class _Pickler:
         elif (index := self.memo.get(id(obj))) is not None:
             self.get(index)
         elif kind is str:
-            encoded = obj.encode("utf-8", "surrogatepass")
-            self.out += b"X" + _LENGTH.pack(len(encoded)) + encoded
-            self.memoize(obj)
+            self.out += self.string_code(obj)
         elif kind is self.tensor_type:
             self.tensor(obj)
         elif kind is dict:
@@ -123,18 +118,15 @@ class _Pickler:
             raise NotPlain
 
     def integer(self, value: int) -> None:
-        if 0 <= value <= 0xFF:
-            self.out += b"K" + value.to_bytes(1, "little")
-        elif 0 <= value <= 0xFFFF:
-            self.out += b"M" + value.to_bytes(2, "little")
-        elif -0x80000000 <= value <= 0x7FFFFFFF:
-            self.out += b"J" + _SIGNED.pack(value)
-        else:
-            encoded = encode_long(value)
-            if len(encoded) < 256:
-                self.out += b"\x8a" + len(encoded).to_bytes(1, "little") + encoded
-            else:
-                self.out += b"\x8b" + _SIGNED.pack(len(encoded)) + encoded
+        self.out += _integer_code(value)
+
+    def string_code(self, text: str) -> bytes:
+        index = self.memo.get(id(text))
+        if index is not None:
+            return _GETS[index] if index < 256 else b"j" + _LENGTH.pack(index)
+        encoded = text.encode("utf-8", "surrogatepass")
+        self.memo[id(text)] = self.count
+        return b"X" + _LENGTH.pack(len(encoded)) + encoded + self.put_code()
 
     def tuple(self, items: tuple) -> None:
         if not items:
@@ -211,63 +203,66 @@ class _Pickler:
             self.out += b"b"
 
     def global_name(self, obj: Any) -> None:
+        self.out += self.global_code(obj)
+
+    def global_code(self, obj: Any) -> bytes:
         index = self.memo.get(id(obj))
         if index is not None:
-            self.get(index)
-            return
-        self.out += b"c%s\n%s\n" % (obj.__module__.encode(), obj.__qualname__.encode())
-        self.memoize(obj)
+            return _GETS[index] if index < 256 else b"j" + _LENGTH.pack(index)
+        self.memo[id(obj)] = self.count
+        return (b"c%s\n%s\n" % (obj.__module__.encode(), obj.__qualname__.encode())
+                + self.put_code())
 
     def tensor(self, tensor: Any) -> None:
         """``_rebuild_tensor_v2(<persistent id>, offset, size, stride, requires_grad,
-        OrderedDict())``, as torch reduces a plain tensor."""
+        OrderedDict())``, as torch reduces a plain tensor; each part's code made in the
+        order it is written, the memo's entries numbered so."""
         storage_type = self.storage_types.get(tensor.dtype)
-        if (storage_type is None or tensor.layout is not self.strided
-                or tensor.device.type != "cpu" or tensor.is_quantized or tensor.is_nested
-                or tensor.is_conj() or tensor.is_neg() or tensor._backward_hooks
-                or tensor.__dict__ or self.metadata(tensor)):
+        if (storage_type is None or tensor.layout is not self.strided or not tensor.is_cpu
+                or tensor.is_quantized or tensor.is_nested or tensor.is_conj()
+                or tensor.is_neg() or tensor._backward_hooks or tensor.__dict__
+                or self.metadata(tensor)):
             raise NotPlain
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer and self.dtypes.setdefault(pointer, tensor.dtype) != tensor.dtype:
             raise NotPlain      # torch.save refuses it, with its own error
-        self.global_name(self.rebuild)
-        self.out += b"(("
-        self.save(_STORAGE)
-        self.global_name(storage_type)
         key = self.keys.get(storage._cdata)
         if key is None:
             key = self.keys[storage._cdata] = str(len(self.keys))
             self.storages[key] = storage
-        self.save(key)
-        self.save(_CPU)
-        self.integer(storage.nbytes() // tensor.element_size())
-        self.out += b"t"
-        self.put()
-        self.out += b"Q"                        # BINPERSID
-        self.integer(tensor.storage_offset())
-        self.ints_tuple(tuple(tensor.size()))
-        self.ints_tuple(tensor.stride())
-        self.out += b"\x88" if tensor.requires_grad else b"\x89"
-        self.global_name(collections.OrderedDict)
-        self.out += b")R"
-        self.put()
-        self.out += b"t"
-        self.put()
-        self.out += b"R"
+        parts = (self.global_code(self.rebuild), b"((", self.string_code(_STORAGE),
+                 self.global_code(storage_type), self.string_code(key),
+                 self.string_code(_CPU), _integer_code(storage.nbytes() // tensor.element_size()),
+                 b"t", self.put_code(), b"Q",            # the persistent id, BINPERSID
+                 _integer_code(tensor.storage_offset()), self.ints_code(tuple(tensor.size())),
+                 self.ints_code(tensor.stride()), b"\x88" if tensor.requires_grad else b"\x89",
+                 self.global_code(collections.OrderedDict), b")R", self.put_code(),
+                 b"t", self.put_code(), b"R")
+        self.out += b"".join(parts)
         self.memoize(tensor)
 
-    def ints_tuple(self, items: tuple) -> None:
+    def ints_code(self, items: tuple) -> bytes:
         """A tuple made for this one tensor (its size or strides): never met again."""
         if not items:
-            self.out += b")"
-            return
-        if len(items) > 3:
-            self.out += b"("
-        for item in items:
-            self.integer(item)
-        self.out += _SHORT_TUPLES[len(items) - 1] if len(items) <= 3 else b"t"
-        self.put()
+            return b")"
+        body = b"".join([_integer_code(item) for item in items])
+        if len(items) <= 3:
+            return body + _SHORT_TUPLES[len(items) - 1] + self.put_code()
+        return b"(" + body + b"t" + self.put_code()
+
+
+def _integer_code(value: int) -> bytes:
+    if 0 <= value <= 0xFF:
+        return _SMALL_INTS[value]
+    if 0 <= value <= 0xFFFF:
+        return b"M" + value.to_bytes(2, "little")
+    if -0x80000000 <= value <= 0x7FFFFFFF:
+        return b"J" + _SIGNED.pack(value)
+    encoded = encode_long(value)
+    if len(encoded) < 256:
+        return b"\x8a" + len(encoded).to_bytes(1, "little") + encoded
+    return b"\x8b" + _SIGNED.pack(len(encoded)) + encoded
 
 
 def plain_pickle(obj: Any) -> tuple[bytes, dict[str, Any]] | None:
