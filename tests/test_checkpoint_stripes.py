@@ -3,6 +3,7 @@ folders come back whole, through StripedHandle, striped checkpoints and the swap
 import errno
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,25 @@ def test_a_child_forked_during_a_striped_commit_saves_striped(folders):
     assert done.stdout.splitlines()[-1] == "child exit 0"
     assert torch.equal(nvmeswap.load(os.path.join(folders[0], "child.pt"))["w"],
                        torch.arange(5000))
+
+
+def test_a_short_stripe_fails_every_load_naming_that_stripe(folders):
+    state = mixed_state()
+    path = os.path.join(folders[0], "state.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save(state, path)
+    name = json.loads(Path(path).read_text())["name"]
+    short = os.path.join(folders[1], name)
+    os.truncate(short, os.path.getsize(short) - 1)
+    into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    message = re.escape(short) + ": a stripe of [0-9]+ bytes where its checkpoint's layout needs"
+    with pytest.raises(ValueError, match=message):
+        nvmeswap.load(path)
+    with pytest.raises(ValueError, match=message):
+        nvmeswap.load_into(path, into, strict=False)
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        with pytest.raises(ValueError, match=message):
+            checkpointer.load(path)
+        with pytest.raises(ValueError, match=message):
+            checkpointer.load_into(path, into, strict=False)
+    assert all(not tensor.any() for tensor in into["model"].values())   # nothing read

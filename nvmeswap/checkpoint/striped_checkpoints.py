@@ -214,6 +214,18 @@ def stripe_paths(layout: dict) -> list[str]:
     return [os.path.join(folder, layout["name"]) for folder in layout["folders"]]
 
 
+def stripe_sizes(layout: dict) -> list[int]:
+    """The bytes each stripe file holds of the layout's logical file, in device order:
+    stripe ``k`` of the file is on device ``k % N`` (Note [stripes])."""
+    size, stripe_bytes, count = layout["size"], layout["stripe_bytes"], len(layout["folders"])
+    whole, rest = divmod(size, stripe_bytes)
+    sizes = [whole // count * stripe_bytes] * count
+    for device in range(whole % count):
+        sizes[device] += stripe_bytes
+    sizes[whole % count] += rest
+    return sizes
+
+
 def layout_file(layout: dict) -> str:
     """The logical file of a striped checkpoint, as a StripedHandle names it."""
     return os.path.join(layout["folders"][0], layout["name"])
@@ -243,8 +255,12 @@ class StripedFile(io.RawIOBase):
         self.position = 0
         self._fds: list[int] = []
         try:
-            for part in stripe_paths(layout):
-                self._fds.append(os.open(part, os.O_RDONLY))
+            for part, needed in zip(stripe_paths(layout), stripe_sizes(layout)):
+                self._fds.append(os.open(part, os.O_RDONLY | os.O_CLOEXEC))
+                held = os.fstat(self._fds[-1]).st_size
+                if held < needed:       # the stripe's own name: not the checkpoint's
+                    raise ValueError(f"{part}: a stripe of {held} bytes where its "
+                                     f"checkpoint's layout needs {needed} (truncated?)")
         except BaseException:
             self.close()
             raise
