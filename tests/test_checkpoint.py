@@ -12,6 +12,8 @@ import math
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import warnings
 import zipfile
 
@@ -22,6 +24,7 @@ from conftest import random_bytes
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
 import nvmeswap
+from nvmeswap.checkpoint import commit
 from nvmeswap.checkpoint.commit import TEMPORARY
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
@@ -644,9 +647,6 @@ else:
 
 @pytest.mark.parametrize("how", ["one call", "background snapshot", "kept"])
 def test_a_program_ending_with_an_async_save_in_flight_finishes_it(tmp_path, how):
-    import subprocess
-    import sys
-
     path = tmp_path / "last.pt"
     ended = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_SAVE_IN_FLIGHT, str(path), how],
                            check=False, capture_output=True, text=True, timeout=120)
@@ -1007,3 +1007,33 @@ def test_a_load_read_in_several_groups_keeps_every_byte(handle_checkpointer, tmp
     loaded = checkpointer.load(tmp_path / "torch.pt")
     assert_same(state, loaded)
     assert checkpointer.free(loaded) == 2
+
+
+def dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def other_tag():
+    ours = commit.writer_name().split("-")[0]
+    return "0badf00d" if ours != "0badf00d" else "0badf00e"
+
+
+def test_a_save_removes_temporary_files_only_of_gone_writers_it_can_see(tmp_path):
+    """Note [files named by their process]: a file of another machine or pid namespace
+    (another tag) may be a live save's there, whatever its pid means here."""
+    path = tmp_path / "ckpt.pt"
+    gone = dead_pid()
+    ours = commit.writer_name().split("-")[0]
+    left = {f"ckpt.pt{TEMPORARY}{other_tag()}-{gone}-0",                # another machine's
+            f"ckpt.pt{TEMPORARY}{other_tag()}-{os.getpid()}-0",        # its pid is ours
+            f"ckpt.pt{TEMPORARY}{ours}-{os.getpid()}-999",              # this process's
+            f"other.pt{TEMPORARY}{ours}-{gone}-0"}                      # another name's
+    removed = {f"ckpt.pt{TEMPORARY}{ours}-{gone}-0", f"ckpt.pt{TEMPORARY}{ours}-{gone}-7"}
+    for name in left | removed:
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    state = {"w": random_tensor((1000,), torch.float32, 2)}
+    nvmeswap.save(state, path)
+    assert set(os.listdir(tmp_path)) == left | {"ckpt.pt"}
+    assert torch.equal(raw(nvmeswap.load(path)["w"]), raw(state["w"]))

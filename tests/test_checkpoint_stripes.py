@@ -329,3 +329,29 @@ def test_a_short_stripe_fails_every_load_naming_that_stripe(folders):
         with pytest.raises(ValueError, match=message):
             checkpointer.load_into(path, into, strict=False)
     assert all(not tensor.any() for tensor in into["model"].values())   # nothing read
+
+
+def test_a_striped_save_removes_stripes_only_of_gone_writers_it_can_see(folders):
+    """Note [files named by their process]: a stripe of another machine or pid namespace
+    (another tag) is left alone, though its pid be gone here, or this process's own."""
+    from test_checkpoint import dead_pid, other_tag
+
+    from nvmeswap.checkpoint import commit
+
+    path = os.path.join(folders[0], "state.pt")
+    gone, ours = dead_pid(), commit.writer_name().split("-")[0]
+    left = {f"state.pt.{other_tag()}-{gone}-0123abcd.stripe",
+            f"state.pt.{other_tag()}-{os.getpid()}-0123abcd.stripe"}
+    removed = {f"state.pt.{ours}-{gone}-0123abcd.stripe"}
+    for folder in folders:
+        for name in left | removed:
+            Path(folder, name).write_bytes(b"a stripe")
+    state = mixed_state()
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save(state, path)
+    name = json.loads(Path(path).read_text())["name"]
+    assert name.startswith(f"state.pt.{commit.writer_name()}-")
+    for folder in folders:
+        assert set(os.listdir(folder)) == left | {name} | ({"state.pt"} if folder == folders[0]
+                                                          else set())
+    assert_same(state, nvmeswap.load(path))

@@ -2,21 +2,34 @@
 durable, then renamed over the old one.
 
 Note [crash-consistent checkpoints]: a checkpoint is written to
-``<name>.nvmeswap-tmp-<pid>-<n>`` in the same folder, every byte of it written and
+``<name>.nvmeswap-tmp-<tag>-<pid>-<n>`` in the same folder, every byte of it written and
 ``fsync``-ed, then renamed over ``<name>`` (``os.replace``, atomic within a filesystem)
 and the folder ``fsync``-ed so the rename itself survives a power cut. A save killed at
 any instant leaves either the old file or the new one under the name, never a mixture,
 and a file under the name is never shorter or other than what was written. The
 temporary file of a killed save is left behind; the next save of the same name removes
 those whose process is gone.
+
+Note [files named by their process]: a temporary file (and a stripe, Note [striped
+checkpoints]) carries the process that writes it, so that a later save can tell one
+left by a killed save from one being written: ``<tag>-<pid>``. A pid means something
+only in its own pid namespace of its own boot of a machine, and a checkpoint folder may
+be shared by several machines (NFS, Lustre) or containers: a save on another node could
+take a live writer's file for a dead one's (its pid unknown here) and delete it, or take
+it for its own (the same pid). The tag, eight hex digits of a hash of the kernel's boot
+id and the pid namespace, names where the pid is meaningful; a save removes only files
+of its own tag whose process is gone. Those of other tags are left to saves there.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import itertools
 import os
+import re
+import socket
 from collections.abc import Callable
 
 from ..errors import os_error
@@ -46,12 +59,49 @@ def _temporary_prefix(path: str) -> tuple[str, str]:
     return folder, named_after(name) + TEMPORARY
 
 
+@functools.cache
+def _namespace_tag() -> str:
+    """Eight hex digits naming this boot of this machine and this process's pid
+    namespace (Note [files named by their process])."""
+    where = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            where.append(boot.read().strip())
+        where.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:         # no /proc: the host's name is the best left
+        where = [socket.gethostname()]
+    return hashlib.blake2b(" ".join(where).encode(), digest_size=4).hexdigest()
+
+
+def writer_name() -> str:
+    """``<tag>-<pid>``: this process, as the names of the files it writes carry it."""
+    return f"{_namespace_tag()}-{os.getpid()}"
+
+
+#: A writer's name inside a file name (Note [files named by their process]).
+WRITER = r"([0-9a-f]{8})-([0-9]+)"
+
+
+def writer_gone(tag: str, pid: str) -> bool:
+    """Whether the writer ``<tag>-<pid>`` of a file is a process of this namespace that is
+    gone (not this one): only then may its file be taken for a killed save's."""
+    if tag != _namespace_tag() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def temporary_name(path: str) -> str:
-    """Where a save of ``path`` writes before the rename: ``<path>.nvmeswap-tmp-<pid>-<n>``,
-    a name of its own (two threads saving one path at once must not share one: each
-    would rename the other's half-written file)."""
+    """Where a save of ``path`` writes before the rename:
+    ``<path>.nvmeswap-tmp-<tag>-<pid>-<n>``, a name of its own (two threads saving one
+    path at once must not share one: each would rename the other's half-written file)."""
     folder, prefix = _temporary_prefix(path)
-    return os.path.join(folder, f"{prefix}{os.getpid()}-{next(_saves)}")
+    return os.path.join(folder, f"{prefix}{writer_name()}-{next(_saves)}")
 
 
 def remove_stale(path: str) -> None:
@@ -61,26 +111,12 @@ def remove_stale(path: str) -> None:
         names = os.listdir(folder)
     except OSError:
         return
+    named = re.compile(re.escape(prefix) + WRITER + "-[0-9]+")
     for other in names:
-        if not other.startswith(prefix):
-            continue
-        pid = other[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(folder, other))
-
-
-def _alive(pid):
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        found = named.fullmatch(other)
+        if found is not None and writer_gone(*found.groups()):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, other))
 
 
 def start(path: str, size: int = 0) -> str:

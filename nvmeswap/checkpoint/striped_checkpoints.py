@@ -12,11 +12,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..io import process_state
+from . import commit
 from .stripes import StripedHandle, StripeSet, unlink_quietly
 
 # Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
 # is a small JSON file there, the layout: the folders, the stripe size, the logical size
-# and the name of the striped data, ``<name>.<pid>-<random>.stripe`` in every folder. A
+# and the name of the striped data, ``<name>.<tag>-<pid>-<random>.stripe`` in every
+# folder (Note [files named by their process] in commit.py). A
 # save writes fresh stripe files under a new name, fsyncs each and each folder, then
 # replaces the layout file as any checkpoint is replaced (Note [crash-consistent
 # checkpoints]): that rename is the one commit point, so a save killed at any instant
@@ -64,8 +66,6 @@ def write_committed(stripes: StripeSet | None, size: int, path: str, write: Any)
     the file ``name`` with its ``size`` bytes: striped over ``stripes`` if given (Note
     [striped checkpoints]), else one temporary file renamed over ``path`` (Note
     [crash-consistent checkpoints])."""
-    from . import commit
-
     if stripes is None:
         commit.write_whole(path, size, write)
     else:
@@ -86,12 +86,10 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
     ``name``, whose stripe files are made with their space allocated."""
     import secrets
 
-    from . import commit
-
     check_striped_path(stripes, path)
     folder, base = os.path.split(os.path.abspath(path))
     base = commit.named_after(base)
-    name = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.stripe"
+    name = f"{base}.{commit.writer_name()}-{secrets.token_hex(4)}.stripe"
     commits = process_state.shared(_Commits)
     with commits.lock:
         commits.writing.add(name)
@@ -110,8 +108,6 @@ def _write_and_commit(stripes, size, path, write, logical, commits):
     """Write the stripe files of ``logical`` (in ``path``'s folder), make them durable,
     then commit the layout at ``path`` naming them."""
     import json
-
-    from . import commit
 
     name = os.path.basename(logical)
     parts = stripes.paths(logical)
@@ -152,30 +148,20 @@ def _remove_orphans(stripes, base, current, writing):
     """Delete stripe files of ``base`` that no layout names, left by saves whose process
     is gone, or by this process's saves that are not ``writing`` them now."""
     keep = current.get("name") if current else None
-    # Exactly the names write_striped gives: "ckpt.2024-06-01.<pid>-<hex>.stripe" is
+    # Exactly the names write_striped gives: "ckpt.2024-06-01.<tag>-<pid>-<hex>.stripe" is
     # another checkpoint's stripe, not one of "ckpt"'s.
-    named = re.compile(re.escape(base) + r"\.([0-9]+)-[0-9a-f]{8}\.stripe")
+    named = re.compile(re.escape(base) + r"\." + commit.WRITER + r"-[0-9a-f]{8}\.stripe")
+    ours = commit.writer_name()
     for folder in stripes.folders:
         with contextlib.suppress(OSError):
             for other in os.listdir(folder):
                 found = named.fullmatch(other)
                 if found is None or other == keep:
                     continue
-                pid = found.group(1)
-                ours = int(pid) == os.getpid()
-                if (ours and other not in writing) or (not ours and _gone(int(pid))):
+                if ("-".join(found.groups()) == ours and other not in writing) or \
+                        commit.writer_gone(*found.groups()):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(folder, other))
-
-
-def _gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 @contextlib.contextmanager
