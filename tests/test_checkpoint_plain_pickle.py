@@ -206,3 +206,20 @@ def test_a_state_left_to_torch_still_saves_and_loads(tmp_path):
     loaded = torch.load(io.BytesIO(path.read_bytes()), weights_only=False)
     assert loaded["tags"] == {"a", "b"} and loaded["raw"] == b"\x00\x01"
     assert torch.equal(loaded["weights"], state["weights"])
+
+
+def test_a_tensor_made_by_autograd_pickles_as_torch_pickles_it():
+    leaf = torch.ones(3, requires_grad=True)
+    assert_torch_pickle({"made": leaf * 2, "leaf": leaf})
+
+
+def test_a_program_pickling_tensors_its_own_way_through_copyreg_is_left_to_torch(monkeypatch):
+    import copyreg
+
+    def as_list(tensor):
+        return list, (tensor.tolist(),)
+
+    monkeypatch.setitem(copyreg.dispatch_table, torch.Tensor, as_list)
+    assert plain_pickle.plain_pickle({"w": torch.ones(2)}) is None
+    monkeypatch.undo()
+    assert plain_pickle.plain_pickle({"w": torch.ones(2)}) is not None

@@ -19,6 +19,7 @@ once a process, on a probe state, and keeps torch's where the two differ (Note
 from __future__ import annotations
 
 import collections
+import copyreg
 import struct
 import sys
 from itertools import islice
@@ -68,6 +69,7 @@ class _Pickler:
         self.rebuild = torch._utils._rebuild_tensor_v2
         self.tensor_type, self.strided = torch.Tensor, torch.strided
         self.metadata = torch._C._get_tensor_metadata
+        self.names = getattr(torch.Tensor, "has_names", None)     # named tensors, if any
 
     # -- the memo --------------------------------------------------------------------------
     def put_code(self) -> bytes:
@@ -221,7 +223,7 @@ class _Pickler:
         if (storage_type is None or tensor.layout is not self.strided or not tensor.is_cpu
                 or tensor.is_quantized or tensor.is_nested or tensor.is_conj()
                 or tensor.is_neg() or tensor._backward_hooks or tensor.__dict__
-                or self.metadata(tensor)):
+                or self.metadata(tensor) or (self.names and self.names(tensor))):
             raise NotPlain
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
@@ -269,6 +271,12 @@ def plain_pickle(obj: Any) -> tuple[bytes, dict[str, Any]] | None:
     """The bytes of torch.save's pickle of ``obj`` (``data.pkl``) and its storages by key
     (untyped, in the order their records follow), or None where ``obj`` is not a
     plain state (Note [own pickle of a plain state])."""
+    import torch
+
+    # A program may change how these pickle through copyreg (the C pickler writes exact
+    # dicts, lists, tuples and strings its own way): then torch's pickler is to.
+    if any(kind in copyreg.dispatch_table for kind in (collections.OrderedDict, torch.Tensor)):
+        return None
     pickler = _Pickler()
     try:
         pickler.save(obj)
