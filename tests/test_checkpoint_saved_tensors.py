@@ -190,6 +190,8 @@ def test_a_plain_state_loads_by_the_c_unpickler_as_torch_loads_it(tmp_path, make
     for name, tensor in tensors_of(expected).items():
         ours = tensors_of(loaded)[name]
         assert type(ours) is type(tensor) and ours.requires_grad == tensor.requires_grad
+        assert ours._backward_hooks == tensor._backward_hooks
+        assert type(ours._backward_hooks) is type(tensor._backward_hooks)
     if make is plain_state:
         assert type(loaded["ordered"]) is collections.OrderedDict
         assert loaded["values"] == state["values"]
@@ -240,3 +242,36 @@ def test_a_pickle_that_would_run_a_command_is_refused_by_load(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="evil.pt: .*weights_only"):
         nvmeswap.load(path)
     assert not marker.exists()
+
+
+def test_tensors_with_a_negative_or_conjugate_bit_load_as_torch_loads_them(tmp_path):
+    real = random_tensor((5,), torch.float32, 3)
+    complex_ = random_tensor((4,), torch.complex64, 4)
+    state = {"negative": real._neg_view(), "conjugate": complex_.conj(), "plain": real}
+    path = tmp_path / "bits.pt"
+    nvmeswap.save(state, path)
+    loaded, expected = nvmeswap.load(path), torch.load(path)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name].resolve_conj().resolve_neg(),
+                           tensor.resolve_conj().resolve_neg())
+        assert (loaded[name].is_neg(), loaded[name].is_conj()) == \
+            (tensor.is_neg(), tensor.is_conj())
+
+
+def test_tensors_are_rebuilt_by_torch_where_a_fake_mode_may_be_on(tmp_path, monkeypatch):
+    """Note [rebuilding without a fake mode]: torch's rebuild gives a tensor a fake
+    device where a fake mode is on; nvmeswap's skips that look only where none is."""
+    path = tmp_path / "plain.pt"
+    state = {"a": random_tensor((4,), torch.float32, 1), "b": random_tensor((2, 3), torch.bfloat16, 2)}
+    nvmeswap.save(state, path)
+    restored = []
+    real_restore = torch._utils._restore_device_fake_mode
+    monkeypatch.setattr(torch._utils, "_restore_device_fake_mode",
+                        lambda tensor: restored.append(tensor) or real_restore(tensor))
+    assert_same(state, nvmeswap.load(path))
+    assert restored == []
+    monkeypatch.setattr(torch._guards, "detect_fake_mode", lambda inputs=None: object())
+    monkeypatch.setattr(torch._utils, "_restore_device_fake_mode",
+                        lambda tensor: restored.append(tensor) or tensor)
+    assert_same(state, nvmeswap.load(path))
+    assert len(restored) == 2

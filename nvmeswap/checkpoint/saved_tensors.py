@@ -123,6 +123,31 @@ def _globals(stand_ins: bool) -> dict[tuple[str, str], Any]:
     return found
 
 
+@functools.cache
+def _globals_without_fake_mode() -> dict[tuple[str, str], Any]:
+    """``_globals(stand_ins=False)`` with torch's ``_rebuild_tensor_v2`` replaced by one
+    that skips its look for a fake tensor mode (Note [rebuilding without a fake mode])."""
+    import torch
+
+    rebuild, set_metadata = torch._utils._rebuild_tensor_v2, torch._utils.set_tensor_metadata
+
+    def rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad,
+                          backward_hooks, metadata=None):
+        if backward_hooks:
+            return rebuild(storage, storage_offset, size, stride, requires_grad,
+                           backward_hooks, metadata)
+        untyped = storage._untyped_storage
+        tensor = torch.empty((0,), dtype=storage.dtype, device=untyped.device).set_(
+            untyped, storage_offset, size, stride)
+        tensor.requires_grad = requires_grad
+        if metadata:
+            set_metadata(tensor, metadata)
+        tensor._backward_hooks = backward_hooks
+        return tensor
+
+    return {**_globals(stand_ins=False), ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor_v2}
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, pickled: bytes, found: dict[tuple[str, str], Any]) -> None:
         super().__init__(io.BytesIO(pickled), encoding="utf-8")
@@ -171,7 +196,16 @@ def plain_load(pickled: bytes, persistent_load: Any) -> Any:
             storage_errors.append(error)
             raise
 
-    unpickler = _Unpickler(pickled, _globals(stand_ins=False))
+    import torch
+
+    # Note [rebuilding without a fake mode]: torch's ``_rebuild_tensor_v2`` ends by looking
+    # for a fake tensor mode (tracing, export) to give the tensor a fake device; the look
+    # was a fifth of a load of 2000 small tensors (cProfile, 2026-11-28). No such mode can
+    # start while a pickle is read, so it is looked for once a load; without one, each
+    # tensor is rebuilt as torch rebuilds it, less the look.
+    fake_mode = torch._guards.detect_fake_mode(None) is not None
+    unpickler = _Unpickler(pickled, _globals(stand_ins=False) if fake_mode
+                           else _globals_without_fake_mode())
     unpickler.persistent_load = load_storage
     try:
         return unpickler.load()
