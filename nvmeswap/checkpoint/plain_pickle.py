@@ -54,10 +54,11 @@ def _storage_types() -> dict[Any, Any]:
             if dtype not in untyped}
 
 
-class _Pickler:
-    def __init__(self) -> None:
-        import torch
+class Pickler:
+    """Writes the pickle of one state (``save(obj)``, then ``out``); ``torch``: the module,
+    for the state's tensors (without it, a tensor is not plain)."""
 
+    def __init__(self, torch: Any = None) -> None:
         self.out = bytearray(b"\x80\x02")       # PROTO 2
         self.memo: dict[int, int] = {}          # id of an object of the state -> index
         self.count = 0
@@ -65,11 +66,13 @@ class _Pickler:
         self.storages: dict[str, Any] = {}      # key -> untyped storage, in key order
         self.dtypes: dict[int, Any] = {}        # data pointer -> dtype, as torch checks
         self.open_tuples: set[int] = set()
-        self.storage_types = _storage_types()
-        self.rebuild = torch._utils._rebuild_tensor_v2
-        self.tensor_type, self.strided = torch.Tensor, torch.strided
-        self.metadata = torch._C._get_tensor_metadata
-        self.names = getattr(torch.Tensor, "has_names", None)     # named tensors, if any
+        self.tensor_type = None                 # no object's type
+        if torch is not None:
+            self.storage_types = _storage_types()
+            self.rebuild = torch._utils._rebuild_tensor_v2
+            self.tensor_type, self.strided = torch.Tensor, torch.strided
+            self.metadata = torch._C._get_tensor_metadata
+            self.names = getattr(torch.Tensor, "has_names", None)     # named tensors, if any
 
     # -- the memo --------------------------------------------------------------------------
     def put_code(self) -> bytes:
@@ -277,7 +280,7 @@ def plain_pickle(obj: Any) -> tuple[bytes, dict[str, Any]] | None:
     # dicts, lists, tuples and strings its own way): then torch's pickler is to.
     if any(kind in copyreg.dispatch_table for kind in (collections.OrderedDict, torch.Tensor)):
         return None
-    pickler = _Pickler()
+    pickler = Pickler(torch)
     try:
         pickler.save(obj)
     except (NotPlain, RecursionError):
