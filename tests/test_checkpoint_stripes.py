@@ -15,6 +15,7 @@ from test_checkpoint import assert_same, mixed_state, race, random_tensor
 
 import nvmeswap
 from nvmeswap.checkpoint.stripes import StripedHandle
+from nvmeswap.errors import ShortFileError
 from nvmeswap.training import TensorSwapper
 
 STRIPE = 64 << 10
@@ -318,16 +319,16 @@ def test_a_short_stripe_fails_every_load_naming_that_stripe(folders):
     short = os.path.join(folders[1], name)
     os.truncate(short, os.path.getsize(short) - 1)
     into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-    message = re.escape(short) + ": a stripe of [0-9]+ bytes where its checkpoint's layout needs"
-    with pytest.raises(ValueError, match=message):
-        nvmeswap.load(path)
-    with pytest.raises(ValueError, match=message):
-        nvmeswap.load_into(path, into, strict=False)
+    message = (re.escape(short) + ": short read: a stripe of [0-9]+ bytes where its "
+               "checkpoint's layout needs")
+    loads = [lambda: nvmeswap.load(path), lambda: nvmeswap.load_into(path, into, strict=False)]
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
-        with pytest.raises(ValueError, match=message):
-            checkpointer.load(path)
-        with pytest.raises(ValueError, match=message):
-            checkpointer.load_into(path, into, strict=False)
+        loads += [lambda: checkpointer.load(path),
+                  lambda: checkpointer.load_into(path, into, strict=False)]
+        for load in loads:
+            with pytest.raises(ShortFileError, match=message) as raised:
+                load()
+            assert raised.value.filename == short
     assert all(not tensor.any() for tensor in into["model"].values())   # nothing read
 
 

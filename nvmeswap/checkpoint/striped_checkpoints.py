@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import short_file_error
 from ..io import process_state
 from . import commit
 from .stripes import StripedHandle, StripeSet, unlink_quietly
@@ -245,8 +246,8 @@ class StripedFile(io.RawIOBase):
                 self._fds.append(os.open(part, os.O_RDONLY | os.O_CLOEXEC))
                 held = os.fstat(self._fds[-1]).st_size
                 if held < needed:       # the stripe's own name: not the checkpoint's
-                    raise ValueError(f"{part}: a stripe of {held} bytes where its "
-                                     f"checkpoint's layout needs {needed} (truncated?)")
+                    raise short_file_error(part, f"short read: a stripe of {held} bytes "
+                                           f"where its checkpoint's layout needs {needed}")
         except BaseException:
             self.close()
             raise
