@@ -145,8 +145,6 @@ class Pickler:
         for item in items:
             self.save(item)
         self.open_tuples.discard(id(items))
-        if id(items) in self.memo:
-            raise NotPlain      # memoized meanwhile: held by itself, the pickler's POPs
         self.out += _SHORT_TUPLES[len(items) - 1] if len(items) <= 3 else b"t"
         self.memoize(items)
 
