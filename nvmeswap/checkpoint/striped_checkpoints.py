@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import short_file_error
 from ..io import process_state
 from . import commit
-from .stripes import StripedHandle, StripeSet, unlink_quietly
+from .stripes import StripedHandle, StripeSet, stripe_file_sizes, unlink_quietly
 
 # Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
 # is a small JSON file there, the layout: the folders, the stripe size, the logical size
@@ -112,9 +112,7 @@ def _write_and_commit(stripes, size, path, write, logical, commits):
 
     name = os.path.basename(logical)
     parts = stripes.paths(logical)
-    expected = [0] * len(parts)
-    for device, device_offset, _, length in stripes.pieces(size, 0):
-        expected[device] = max(expected[device], device_offset + length)
+    expected = stripe_file_sizes(len(parts), stripes.stripe_bytes, size)
     try:
         for part, part_size in zip(parts, expected):
             commit.create(part, part_size)
@@ -201,18 +199,6 @@ def stripe_paths(layout: dict) -> list[str]:
     return [os.path.join(folder, layout["name"]) for folder in layout["folders"]]
 
 
-def stripe_sizes(layout: dict) -> list[int]:
-    """The bytes each stripe file holds of the layout's logical file, in device order:
-    stripe ``k`` of the file is on device ``k % N`` (Note [stripes])."""
-    size, stripe_bytes, count = layout["size"], layout["stripe_bytes"], len(layout["folders"])
-    whole, rest = divmod(size, stripe_bytes)
-    sizes = [whole // count * stripe_bytes] * count
-    for device in range(whole % count):
-        sizes[device] += stripe_bytes
-    sizes[whole % count] += rest
-    return sizes
-
-
 def layout_file(layout: dict) -> str:
     """The logical file of a striped checkpoint, as a StripedHandle names it."""
     return os.path.join(layout["folders"][0], layout["name"])
@@ -242,7 +228,8 @@ class StripedFile(io.RawIOBase):
         self.position = 0
         self._fds: list[int] = []
         try:
-            for part, needed in zip(stripe_paths(layout), stripe_sizes(layout)):
+            sizes = stripe_file_sizes(len(layout["folders"]), self.stripe_bytes, self.size)
+            for part, needed in zip(stripe_paths(layout), sizes):
                 self._fds.append(os.open(part, os.O_RDONLY | os.O_CLOEXEC))
                 held = os.fstat(self._fds[-1]).st_size
                 if held < needed:       # the stripe's own name: not the checkpoint's

@@ -311,6 +311,17 @@ def stripe_pieces(devices: int, stripe_bytes: int, nbytes: int,
     return out
 
 
+def stripe_file_sizes(devices: int, stripe_bytes: int, nbytes: int) -> list[int]:
+    """The bytes each device's file holds of a logical file of ``nbytes`` striped over
+    ``devices``: stripe ``k`` is on device ``k % devices`` (Note [stripes])."""
+    whole, rest = divmod(nbytes, stripe_bytes)
+    sizes = [whole // devices * stripe_bytes] * devices
+    for device in range(whole % devices):
+        sizes[device] += stripe_bytes
+    sizes[whole % devices] += rest
+    return sizes
+
+
 def create_files(paths):
     """Make each of ``paths`` that does not exist, empty."""
     for path in paths:
