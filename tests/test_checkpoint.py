@@ -432,10 +432,11 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, 
     from test_checkpoint_fresh import refuse_workers
 
     from nvmeswap.checkpoint.checkpointer import Checkpointer
+    from nvmeswap.checkpoint.snapshot import Snapshot
     from nvmeswap.io.regions import locked_memory
 
     made = []       # (bytes, in the locked set?, page-locked?) of each snapshot, as made
-    original = Checkpointer._snapshot_buffer
+    original = Snapshot.buffer
 
     def recorded(self, nbytes, locked):
         before = _vm_locked_kib()
@@ -445,7 +446,7 @@ def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, 
             _vm_locked_kib() - before >= snapshot.numel() >> 10))
         return snapshot
 
-    monkeypatch.setattr(Checkpointer, "_snapshot_buffer", recorded)
+    monkeypatch.setattr(Snapshot, "buffer", recorded)
     handle = request.getfixturevalue("handle") if road == "handle" else None
     if handle is None:
         refuse_workers(monkeypatch)
@@ -481,11 +482,11 @@ def test_one_call_async_save_of_clones_writes_through_the_ring(tmp_path, monkeyp
     snapshot. Here a CPU state takes that road (a CUDA one does on a GPU:
     tests/test_checkpoint_gpu.py); its tensors change once the call returns."""
     import nvmeswap.checkpoint.checkpointer as checkpointer_module
+    from nvmeswap.checkpoint.snapshot import Snapshot
 
-    monkeypatch.setattr(checkpointer_module, "_room_on_device", lambda image: True)
-    monkeypatch.setattr(checkpointer_module, "_packable", lambda obj, one_off: None)
-    monkeypatch.setattr(checkpointer_module.Checkpointer, "_snapshot_buffer",
-                        lambda *args: pytest.fail("a host snapshot was made"))
+    monkeypatch.setattr(checkpointer_module, "room_on_device", lambda image: True)
+    monkeypatch.setattr(checkpointer_module, "packable", lambda obj, one_off: None)
+    monkeypatch.setattr(Snapshot, "buffer", lambda *args: pytest.fail("a host snapshot was made"))
     state = mixed_state()
     expected = torch.load(_saved(state, tmp_path / "expected.pt"))
     future = nvmeswap.async_save(state, tmp_path / "one.pt")
@@ -507,16 +508,16 @@ def _held_snapshots(monkeypatch):
     saving thread copies."""
     import threading
 
-    from nvmeswap.checkpoint.checkpointer import Checkpointer
+    from nvmeswap.checkpoint.snapshot import Snapshot
 
     go = threading.Event()
-    original = Checkpointer._copy_into_snapshot
+    original = Snapshot.copy_image
 
-    def held(self, image, one_off):
+    def held(self, image, locked):
         assert go.wait(60), "the test never let the snapshot be taken"
-        return original(self, image, one_off)
+        return original(self, image, locked)
 
-    monkeypatch.setattr(Checkpointer, "_copy_into_snapshot", held)
+    monkeypatch.setattr(Snapshot, "copy_image", held)
     return go
 
 

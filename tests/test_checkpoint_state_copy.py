@@ -300,8 +300,10 @@ def test_a_load_leaves_the_garbage_collector_as_it_found_it(tmp_path, enabled, c
 def test_an_async_save_pauses_the_collector_for_the_caller_s_part(tmp_path, enabled):
     import gc
 
+    import nvmeswap.checkpoint.snapshot as snapshot_module
+
     seen = []
-    real = checkpointer_module.state_copy
+    real = snapshot_module.state_copy
 
     def spied(*args, **kwargs):
         seen.append(gc.isenabled())
@@ -310,7 +312,7 @@ def test_an_async_save_pauses_the_collector_for_the_caller_s_part(tmp_path, enab
     state = {"t": torch.arange(10.0), "u": torch.ones(3)}
     (gc.enable if enabled else gc.disable)()
     try:
-        with mock.patch.object(checkpointer_module, "state_copy", spied), \
+        with mock.patch.object(snapshot_module, "state_copy", spied), \
                 nvmeswap.Checkpointer(chunk_bytes=1 << 20, chunks=2) as checkpointer:
             # (not checked before the save is done: its thread pauses it for a layout)
             assert checkpointer.async_save(state, tmp_path / "state.pt").result() is None

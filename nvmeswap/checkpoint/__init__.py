@@ -14,11 +14,8 @@ from typing import Any
 
 from . import loading
 from . import safetensors as safetensors_format
-from .checkpointer import (
-    Checkpointer,
-    SaveFuture,
-    checked_path,
-)
+from .checkpointer import Checkpointer, checked_path
+from .snapshot import SaveFuture
 from .stripes import StripedHandle
 
 __all__ = ["Checkpointer", "SaveFuture", "StripedHandle", "async_save", "load", "load_into",

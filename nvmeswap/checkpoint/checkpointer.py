@@ -9,16 +9,22 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from .._memory import copy_memory
 from ..aio import aio_handle
 from ..gpu.copies import mark_queued_work
 from ..io import process_state
 from ..units import ALIGNMENT, round_up
 from . import loading
 from . import safetensors as safetensors_format
-from .crc import crc32
-from .image import FileImage, StreamWriter, TensorRun, uint8_view
-from .own_queue import QueueWriter, Registration, private_tensor, reader_of
+from .image import FileImage, StreamWriter
+from .own_queue import QueueWriter, reader_of
+from .snapshot import (
+    SaveFuture,
+    Snapshot,
+    check_unchanged,
+    clone_runs,
+    packable,
+    room_on_device,
+)
 from .state import paused_gc, state_copy, state_tensors
 from .striped_checkpoints import check_striped_path, write_committed
 from .stripes import STRIPE_BYTES, StripedHandle, StripeSet
@@ -28,11 +34,6 @@ from .torch_zip import layout, refuse_skip_data
 CHUNK_BYTES = 16 << 20
 ONE_CALL_CHUNK_BYTES = 2 << 20     # a ring's chunks where none are asked for (ring_shape)
 CHUNKS = 4
-#: Note [packed snapshot]: a layout takes about 60 us a tensor here (torch's pickler and
-#: the record of its writer, 2026-11-27), a second copy of the snapshot through the ring
-#: about 0.1 s a GiB; a state whose tensors' storages average fewer bytes than this is
-#: laid out on the saving thread.
-PACKED_BELOW_MEAN_BYTES = 640 << 10
 #: The handle a checkpointer given none makes when its ``handle`` is asked for.
 HANDLE_ARGS = {"intra_op_parallelism": 2}
 
@@ -62,76 +63,6 @@ def checked_path(path: Any, *, writing: bool) -> str:
         if os.path.isdir(path):
             raise IsADirectoryError(21, "Is a directory", path)
     return path
-
-
-class SaveFuture(Future):
-    """An asynchronous save: ``result()`` is None once the checkpoint is durable under
-    its name (or raises the failure); ``snapshot_taken``, a ``Future`` of its own, is
-    done once the state's tensors are copied (or fails as the save does, if the copy
-    does)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.snapshot_taken: Future = Future()
-        self.snapshot_taken.set_running_or_notify_cancel()
-
-
-def _check_unchanged(watched, path):
-    """Note [snapshot in the background]: a tensor changed in place before its snapshot
-    was complete could leave a checkpoint mixing two states; refuse it."""
-    changed = [name for name, tensor, version in watched if tensor._version != version]
-    if changed:
-        raise RuntimeError(
-            f"{path}: not saved: {', '.join(sorted(changed)[:5])}"
-            f"{' and others' if len(changed) > 5 else ''} changed before the snapshot was "
-            "taken; wait for future.snapshot_taken before changing the state")
-
-
-def _packable(obj: Any, one_off: bool) -> tuple[Any, dict[int, Any]] | None:
-    """Where an asynchronous save of ``obj`` should pack its snapshot (Note [packed
-    snapshot]): the state of ``state_copy(obj, aliases=True)`` and its tensors'
-    distinct storages; else None."""
-    copied = state_copy(obj, aliases=True)
-    if copied is None or not copied[1]:
-        return None
-    if one_off and any(tensor.is_cuda for _, tensor in copied[1]):
-        return None         # cloned on the device instead (Note [one-off snapshot of CUDA state])
-    storages = _distinct_storages(copied[1])
-    if (sum(storage.nbytes() for storage in storages.values())
-            >= len(storages) * PACKED_BELOW_MEAN_BYTES):
-        return None
-    return copied[0], storages
-
-
-def _distinct_storages(named: list[tuple[str, Any]]) -> dict[int, Any]:
-    """The storages of ``named``'s tensors, each once, by its ``_cdata``."""
-    storages = {}
-    for _, tensor in named:
-        storage = tensor.untyped_storage()
-        storages.setdefault(storage._cdata, storage)
-    return storages
-
-
-def _room_on_device(image: FileImage) -> bool:
-    """Whether ``image`` has CUDA runs and each of their devices has free memory for twice
-    their bytes (Note [one-off snapshot of CUDA state])."""
-    import torch
-
-    wanted = image.cuda_bytes()
-    return bool(wanted) and all(torch.cuda.mem_get_info(device)[0] >= 2 * nbytes
-                                for device, nbytes in wanted.items())
-
-
-def _clone_runs(image: FileImage) -> None:
-    """Note [one-off snapshot of CUDA state]: every run of ``image`` cloned where it is
-    (the host ones too: the file holds the state as it was at the call), the copies on
-    a GPU finished before the caller's later work, on any stream."""
-    import torch
-
-    for run in image.tensor_runs():
-        run.source = run.source.clone()
-    for device in image.cuda_bytes():
-        torch.cuda.current_stream(device).synchronize()
 
 
 def ring_shape(chunk_bytes: int | None, chunks: int, image: FileImage,
@@ -269,9 +200,7 @@ class Checkpointer:
         self._chunk_bytes, self._chunks = chunk_bytes, chunks
         self._writer: StreamWriter | None = None
         self._saver: QueueCheckpointer | None = None     # the saves by the own queue
-        self._snapshot = None
-        self._snapshot_in_handle = False    # in the handle's locked set: freed through it
-        self._snapshot_registration: Registration | None = None    # with CUDA
+        self._snapshot = Snapshot(handle)
         self._in_flight: Future | None = None
         self._lock = threading.Lock()           # one write at a time
         self._snapshot_lock = threading.Lock()  # one snapshot started at a time
@@ -416,66 +345,13 @@ class Checkpointer:
         """
         self._check_open()
         path = self._save_path(path)
-        # Note [async checkpoint snapshot]: the caller's thread does only what must happen
-        # before the state may change again: lay the archive out (the pickle, small) and
-        # copy each tensor's bytes into one locked buffer at its place in the file, with
-        # torch's copy (which releases the GIL and uses every core). The CRCs, the headers
-        # and the write run on a thread of their own, whose work releases the GIL too
-        # (the CRC, nvmeswap's wait). The buffer is the size of one checkpoint, kept
-        # for the next save; so that it stays one, a save waits for the one before it.
-        # A one-off save's buffer is never used again: plain memory. Locking fresh
-        # memory would keep the caller longer than a whole synchronous save (0.7 s a GiB
-        # with 4 KiB pages, against 0.4-0.7 s for nvmeswap.save of it, measured
-        # 2026-11-26). Where saves go through the process's own queue (no handle given)
-        # every snapshot is private memory, page-aligned, which the queue writes
-        # straight from; a given handle stages a plain snapshot on the writing thread.
-        # Even unlocked, fresh memory costs its page faults: the one-off copy of 1 GiB
-        # keeps the caller 0.50 to 0.60 s here, longer than a synchronous save (0.46 s
-        # with ISA-L's CRC). Advised for huge pages it took 0.19 to 0.92 s (2026-11-27):
-        # fast only where free 2 MiB blocks were at hand, else the kernel compacts memory
-        # for them first (this VM's balloon hands free memory back to its host), so the
-        # snapshot keeps 4 KiB pages; ``background_snapshot`` is the form that returns at
-        # once.
-        #
-        # Note [packed snapshot]: for a state of many small tensors the layout is most of
-        # what the caller waits for (0.05 to 0.1 s of a model's 758 tensors; their copy
-        # 0.03 s). Such a state (its storages under PACKED_BELOW_MEAN_BYTES on average,
-        # and no CUDA tensors in a one-off save, which are cloned instead) is copied as
-        # ``state_copy(aliases=True)``: new containers holding, for each tensor, an alias
-        # over the same storage with the shape, strides and offset it has at the call,
-        # which pickles to the same bytes; and each storage's bytes are copied whole into
-        # the snapshot, one after another (memcpy). The saving thread lays the aliases
-        # out, points each storage's run at its bytes in the snapshot, and writes the
-        # image through the ring, a second copy of the state that costs less than the
-        # layout did the caller. A storage resized in between fails the save.
-        # Note [snapshot in the background]: with ``background_snapshot`` the copy moves
-        # to the saving thread as well, as DCP's asynchronous staging does, and so does
-        # the layout: the pickle of a state of many small tensors is most of a save's
-        # time (0.05-0.1 s of 0.15-0.2 s for a model's 758, 2026-11-27). The caller only
-        # copies the state's dicts, lists and tuples (``state_copy``: 3 ms for those 758;
-        # a state holding other objects is laid out in the caller, as before), so that
-        # what it changes in them from then on is not saved, and returns; the tensors'
-        # copy overlaps its next forward and backward pass, and it waits for
-        # ``snapshot_taken`` before the optimizer changes the tensors. Not waiting would
-        # mix two states in one file, so every tensor reachable through ``obj``'s dicts,
-        # lists and tuples is watched through torch's version counter (which every
-        # in-place op bumps, optimizers' included; writes through ``.data``, numpy or
-        # another process do not) and a save that sees one change fails instead of
-        # writing. The copy still costs its CPU time, and the layout holds the GIL:
-        # whatever runs beside them is slowed by about that much (bench/checkpoint.py
-        # reports both; docs/checkpoints.md compares the layout's two places).
-        # Note [one-off snapshot of CUDA state]: a one-off save's snapshot is plain
-        # memory, and a copy from the GPU into fresh pageable memory is slow (0.78 s for
-        # 1 GiB on an H100, longer than the synchronous save, measured 2026-11-26). So
-        # where each GPU has room for twice the state's tensors on it, the state is
-        # cloned where it lies instead (on the GPU a device-to-device copy, a millisecond
-        # a GiB; host tensors on the host), and the saving thread writes the clones as a
-        # synchronous save does, through the ring, then drops them.
+        # Notes [async checkpoint snapshot], [packed snapshot], [snapshot in the
+        # background] and [one-off snapshot of CUDA state] in snapshot.py.
         refuse_skip_data()      # this thread's setting: the saving thread would not see it
         image, named, storages = None, [], None
         if background_snapshot and (copied := state_copy(obj)) is not None:
             obj, named = copied             # what the saving thread lays out
-        elif not background_snapshot and (packed := _packable(obj, one_off)) is not None:
+        elif not background_snapshot and (packed := packable(obj, one_off)) is not None:
             obj, storages = packed          # what the saving thread lays out, and packs
         else:
             image = layout(obj)
@@ -504,22 +380,22 @@ class Checkpointer:
                     for event in queued:
                         event.synchronize()
                     taken = image if image is not None else layout(obj)
-                    self._copy_into_snapshot(taken, one_off)
-                    _check_unchanged(watched, path)
+                    self._snapshot.copy_image(taken, locked=not one_off)
+                    check_unchanged(watched, path)
                     return taken
             else:
                 self.wait_in_flight()
                 if storages is not None:
-                    places = self._pack_into_snapshot(storages, one_off)
-                    snapshot = self._snapshot
+                    places = self._snapshot.pack(storages, locked=not one_off)
+                    snapshot = self._snapshot.tensor
 
                     def write(_, path):
                         self._write_packed(obj, snapshot, places, path)
-                elif one_off and _room_on_device(image):
-                    _clone_runs(image)
+                elif one_off and room_on_device(image):
+                    clone_runs(image)
                     write = self.write_image        # from the clones, through the ring
                 else:
-                    self._copy_into_snapshot(image, one_off)
+                    self._snapshot.copy_image(image, locked=not one_off)
                 future.snapshot_taken.set_result(None)
                 self._in_flight = future
                 take = None
@@ -537,34 +413,6 @@ class Checkpointer:
                 raise
         return future
 
-    def _copy_into_snapshot(self, image, one_off):
-        snapshot = self._snapshot_buffer(image.size, locked=not one_off)
-        for offset, run in image.runs:
-            if isinstance(run, TensorRun):
-                snapshot[offset:offset + run.nbytes].copy_(run.source)
-                run.source = None        # the snapshot is the source from now on
-
-    def _pack_into_snapshot(self, storages, one_off):
-        """Each of ``storages`` (by ``_cdata``) copied whole into the snapshot, one after
-        the other (Note [packed snapshot]); where each one is, by storage."""
-        places, size = {}, 0
-        for key, storage in storages.items():
-            places[key] = (size, storage.nbytes())
-            size += round_up(storage.nbytes(), 64)
-        snapshot = self._snapshot_buffer(size, locked=not one_off)
-        address = snapshot.data_ptr()
-        for key, storage in storages.items():
-            start, nbytes = places[key]
-            if not nbytes:
-                continue
-            if storage.device.type == "cpu":
-                # memcpy: torch's copy wakes its threads for each small storage, and
-                # waits for them where the cores are busy (0.08 against 1 s for 758).
-                copy_memory(address + start, storage.data_ptr(), nbytes)
-            else:
-                snapshot[start:start + nbytes].copy_(uint8_view(storage))
-        return places
-
     def _write_packed(self, state, snapshot, places, path):
         """``state`` (the call's aliases of the tensors) laid out, each storage's bytes
         taken from its place in ``snapshot``, written through the ring (Note [packed
@@ -577,36 +425,6 @@ class Checkpointer:
                                    "before the save was written")
             run.source = snapshot[start:start + nbytes]
         self.write_image(image, path)
-
-    def _snapshot_buffer(self, nbytes, locked):
-        import torch
-
-        if self._snapshot is None or self._snapshot.numel() < nbytes:
-            self._free_snapshot()
-            size = round_up(max(nbytes, 1), ALIGNMENT)
-            if self._given is None:     # written straight from it: page-aligned
-                self._snapshot = private_tensor(size, locked=locked)
-                self._snapshot_in_handle = False
-                if locked:  # kept: copies from a GPU into it are DMA
-                    self._snapshot_registration = Registration(self._snapshot)
-            elif locked:
-                self._snapshot = self.handle.new_cpu_locked_tensor(
-                    size, torch.empty(0, dtype=torch.uint8))
-                self._snapshot_in_handle = True
-            else:
-                self._snapshot = torch.empty(size, dtype=torch.uint8)
-                self._snapshot_in_handle = False
-        elif self._snapshot_registration is not None:
-            self._snapshot_registration.ensure()    # CUDA may have come into use since
-        return self._snapshot
-
-    def _free_snapshot(self):
-        registration, self._snapshot_registration = self._snapshot_registration, None
-        if registration is not None:
-            registration.release()
-        snapshot, self._snapshot = self._snapshot, None
-        if snapshot is not None and self._snapshot_in_handle:
-            self.handle.free_cpu_locked_tensor(snapshot)
 
     def _save_in_background(self, image, path, future, one_off, take, write):
         """The saving thread: the snapshot first if ``take`` makes it here (and the
@@ -637,17 +455,8 @@ class Checkpointer:
 
     def _write_from_snapshot(self, image, path):
         """The CRCs and headers into the snapshot, then the snapshot to ``path``."""
-        snapshot = self._snapshot
-        view = memoryview(snapshot.numpy())
-        try:
-            for offset, run in image.runs:
-                if isinstance(run, TensorRun):
-                    run.set_crc(crc32(view[offset:offset + run.nbytes]))
-            for offset, run in image.runs:
-                if not isinstance(run, TensorRun):
-                    view[offset:offset + len(run)] = run
-        finally:
-            view.release()
+        self._snapshot.seal(image)
+        snapshot = self._snapshot.tensor
         with self._lock:
             saver = self._own_queue_saver()
             if saver is not None:
@@ -674,10 +483,7 @@ class Checkpointer:
         self._handle_lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         self._in_flight = None
-        # The snapshot is the parent's: registered with CUDA there, perhaps not mapped
-        # here as it was. The child makes its own at its first async save.
-        self._snapshot = self._snapshot_registration = None
-        self._snapshot_in_handle = False
+        self._snapshot.forget_parent()
 
     def _check_open(self):
         if self.closed:
@@ -704,7 +510,7 @@ class Checkpointer:
         finally:
             self._writer = self._saver = None
             try:
-                self._free_snapshot()
+                self._snapshot.free()
             finally:
                 if self._given is None and self._handle is not None:
                     self._handle.close()

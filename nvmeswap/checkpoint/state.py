@@ -81,7 +81,7 @@ def state_copy(obj: Any, *, aliases: bool = False) -> tuple[Any, list[tuple[str,
     container shared or holding itself as in ``obj``); and ``(name, tensor)`` for each
     tensor of ``obj``, as ``state_tensors``. None if ``obj`` holds anything else, a
     tensor ``_plain_tensor`` refuses (or an inference tensor, to alias), or anything
-    ``torch.save`` refuses (Note [snapshot in the background] in checkpointer.py): its
+    ``torch.save`` refuses (Note [snapshot in the background] in snapshot.py): its
     errors come at the call."""
     from collections import OrderedDict
 
