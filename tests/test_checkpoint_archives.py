@@ -12,7 +12,7 @@ from test_checkpoint import assert_same, mixed_state, random_tensor, raw
 
 import nvmeswap
 from nvmeswap.checkpoint import dcp as nvme_dcp
-from nvmeswap.checkpoint import loading, own_queue, torch_zip
+from nvmeswap.checkpoint import loading, own_queue, torch_zip, zip_entries
 from nvmeswap.checkpoint.image import TensorRun
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -84,7 +84,7 @@ def test_crc_places_are_found_in_a_zip64_directory_past_4_gib():
         runs[f"data/{key}"] = types.SimpleNamespace(crc_slots=[])
     writer.write_end_of_file()
     base, segment = recorder.pieces[-1]
-    _, directory, _ = torch_zip._directory_place(
+    _, directory, _ = zip_entries.directory_place(
         lambda offset, nbytes: bytes(segment[offset - base:offset - base + nbytes]),
         0, base + len(segment))
     assert directory > 5 << 30
@@ -222,7 +222,7 @@ def test_records_past_4_gib_are_found_as_zipfile_finds_them(tmp_path):
     writer.write_record("data/1", b"abc", 3)
     writer.write_end_of_file()
     del writer
-    entries = torch_zip.ZipEntries(str(path))
+    entries = zip_entries.ZipEntries(str(path))
     assert entries.records == records_by_zipfile(path)
     assert entries.records["data/0"][1] == 5 << 30
     assert entries.records["data/1"][0] > 5 << 30
@@ -237,13 +237,13 @@ def test_records_are_found_behind_an_archive_comment_and_compression_is_refused(
         archive.writestr("archive/data.pkl", b"pickled")
         archive.writestr("archive/data/0", bytes(range(256)) * 3)
         archive.comment = b"#" * 3000
-    entries = torch_zip.ZipEntries(str(path))
+    entries = zip_entries.ZipEntries(str(path))
     assert entries.records == records_by_zipfile(path)
     assert entries.pickle == b"pickled" and entries.byteorder == "little"
     with zipfile.ZipFile(path, "a") as archive:
         archive.writestr("archive/data/1", b"x" * 999, compress_type=zipfile.ZIP_DEFLATED)
     with pytest.raises(ValueError, match="commented.pt: record archive/data/1 is compressed"):
-        torch_zip.ZipEntries(str(path))
+        zip_entries.ZipEntries(str(path))
 
 
 @pytest.mark.parametrize("damage", ["cut in the tensor", "cut in the end record",
@@ -259,7 +259,7 @@ def test_a_damaged_archive_is_an_error_naming_it(tmp_path, damage):
                "central directory cut out": data[:len(data) - tail - 100] + data[-tail:]}
     path.write_bytes(damaged[damage])
     with pytest.raises(ValueError, match="damaged.pt: not a torch.save zip archive"):
-        torch_zip.ZipEntries(str(path))
+        zip_entries.ZipEntries(str(path))
     with pytest.raises(ValueError, match="damaged.pt: not a torch.save zip archive"):
         nvmeswap.load(path)
 
@@ -291,7 +291,7 @@ def test_a_record_said_to_lie_past_the_archive_s_end_is_an_error_naming_it(tmp_p
 
 def storage_headers(path):
     """``{record: local header offset}`` of each storage of the archive at ``path``."""
-    entries = torch_zip.ZipEntries(str(path))
+    entries = zip_entries.ZipEntries(str(path))
     return {record: span[0] for record, span in entries.spans.items()
             if record.startswith("data/")}
 
@@ -304,13 +304,13 @@ def test_a_load_reads_no_storage_header_before_the_storages(tmp_path, monkeypatc
     nvmeswap.save(state, path)
     headers = set(storage_headers(path).values())
     reads = []
-    real = torch_zip.reads_at
+    real = zip_entries.reads_at
 
     def counted(file):
         read_at = real(file)
         return lambda offset, nbytes: reads.append(offset) or read_at(offset, nbytes)
 
-    monkeypatch.setattr(torch_zip, "reads_at", counted)
+    monkeypatch.setattr(zip_entries, "reads_at", counted)
     monkeypatch.setattr(loading, "reads_at", counted)
     if call == "load":
         assert_same(state, nvmeswap.load(path))

@@ -22,7 +22,7 @@ from test_checkpoint import (
 import nvmeswap
 from nvmeswap.checkpoint import loading
 from nvmeswap.checkpoint.saved_tensors import SavedTensor, saved_tensors
-from nvmeswap.checkpoint.torch_zip import ZipEntries
+from nvmeswap.checkpoint.zip_entries import ZipEntries
 
 
 def plain_state():

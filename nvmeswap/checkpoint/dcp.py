@@ -43,7 +43,8 @@ from ..units import ALIGNMENT
 from .checkpointer import Checkpointer
 from .image import FileImage
 from .loading import unpickle
-from .torch_zip import ZipEntries, tensor_archive
+from .torch_zip import tensor_archive
+from .zip_entries import ZipEntries
 
 __all__ = ["NvmeFileSystemReader", "NvmeFileSystemWriter"]
 

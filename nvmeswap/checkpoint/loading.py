@@ -56,7 +56,7 @@ from .striped_checkpoints import (
     striped_reader,
     unstriped,
 )
-from .torch_zip import ZipEntries, reads_at
+from .zip_entries import ZipEntries, reads_at
 
 
 def _storage_dtype(storage_type):
