@@ -12,7 +12,7 @@ from test_checkpoint import assert_same, mixed_state, random_tensor, raw
 
 import nvmeswap
 from nvmeswap.checkpoint import dcp as nvme_dcp
-from nvmeswap.checkpoint import loading, own_queue, torch_zip, zip_entries
+from nvmeswap.checkpoint import loading, queue_reader, torch_zip, zip_entries
 from nvmeswap.checkpoint.image import TensorRun
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -327,7 +327,7 @@ def test_load_into_gathers_records_into_ranges_and_reads_large_ones_apart(tmp_pa
     """Records whose span fits a range are read with their neighbours, headers and all;
     larger ones (here past 64 KiB) are read after their own header, in pieces; views of
     one storage each get their own bytes; a record left out is skipped."""
-    monkeypatch.setattr(own_queue.QueueReader, "range_bytes", property(lambda _: 64 << 10))
+    monkeypatch.setattr(queue_reader.QueueReader, "range_bytes", property(lambda _: 64 << 10))
     shared = random_tensor((6000,), torch.float32, 99)
     state = {"small": random_tensor((100,), torch.float32, 1),
              "large": random_tensor((100_000,), torch.float32, 2),      # 400 KB: apart

@@ -19,7 +19,7 @@ from test_checkpoint import assert_same, every_dtype_state, flat_state, mixed_st
 
 import nvmeswap
 from nvmeswap._transfers import Completion
-from nvmeswap.checkpoint import fresh_reads, own_queue
+from nvmeswap.checkpoint import fresh_reads, own_queue, queue_reader
 from nvmeswap.checkpoint.loading import GROUP_BYTES
 from nvmeswap.errors import ShortFileError
 
@@ -471,7 +471,7 @@ def test_a_kept_checkpointer_saves_again_after_an_interrupted_save(tmp_path, mon
 _FORKED_SAVES = r"""
 import os, sys, threading, time
 import torch, nvmeswap
-from nvmeswap.checkpoint import own_queue
+from nvmeswap.checkpoint import queue_writer
 from nvmeswap.checkpoint.own_queue import OwnQueue
 from nvmeswap.io.files import open_target
 
@@ -484,16 +484,16 @@ checkpointer.save(parent_state, folder + "/parent.pt")      # its queue and ring
 queue = OwnQueue("a test")
 # The fork comes while the parent's saving thread holds the checkpointer's lock and
 # the descriptors of the temporary file it writes.
-real_result = own_queue._Write.result
+real_result = queue_writer._Write.result
 writing = threading.Event()
 def slow_result(self):
     writing.set()
     time.sleep(2)
     return real_result(self)
-own_queue._Write.result = slow_result
+queue_writer._Write.result = slow_result
 pending = checkpointer.async_save(parent_state, folder + "/parent_async.pt")
 writing.wait()
-own_queue._Write.result = real_result
+queue_writer._Write.result = real_result
 pid = os.fork()
 if pid == 0:
     code = 1
@@ -587,7 +587,7 @@ def test_a_reader_lands_ranges_near_and_far_empty_or_not(tmp_path):
     path.write_bytes(data)
     ranges = [(5, 100), (90, 5000), (40960, 40960), (90000, 90001), (2 << 20, (2 << 20) + 77)]
     landed = {}
-    with own_queue.QueueReader(slot_bytes=64 << 10, slots=2) as reader:
+    with queue_reader.QueueReader(slot_bytes=64 << 10, slots=2) as reader:
         reader.read_ranges(str(path), ranges,
                            lambda index, view: landed.update({index: view.numpy().tobytes()}))
         assert reader.wait() == len(ranges)

@@ -13,7 +13,7 @@ from test_checkpoint_fresh import refuse_workers
 
 import nvmeswap
 from nvmeswap import locked_tensors
-from nvmeswap.checkpoint import loading, own_queue
+from nvmeswap.checkpoint import loading, own_queue, queue_reader
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_load_into_registers_its_reading_ring_for_the_call(cuda, tmp_path):
     into = {"w": torch.zeros(3 << 20), "b": torch.zeros(5000, dtype=torch.bfloat16),
             "step": 0}
     nvmeswap.load_into(tmp_path / "s.pt", into)
-    assert cuda.sizes == [own_queue.QueueReader().slot_bytes * own_queue.QueueReader().slots]
+    assert cuda.sizes == [queue_reader.QueueReader().slot_bytes * queue_reader.QueueReader().slots]
     assert cuda.registered == {}
     assert_same({**expected, "step": 0}, into)
 

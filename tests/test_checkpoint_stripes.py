@@ -199,16 +199,16 @@ def test_a_full_stripe_folder_fails_the_save_and_keeps_the_previous(folders, sma
 def test_a_striped_save_without_a_handle_opens_each_stripe_file_once(folders, monkeypatch):
     """An async save writes its snapshot in one go, 384 stripe pieces here: each of the
     three stripe files is opened once for them, not once a piece."""
-    from nvmeswap.checkpoint import own_queue
+    from nvmeswap.checkpoint import queue_writer
 
     opened = []
-    real_open = own_queue.open_target
+    real_open = queue_writer.open_target
 
     def counted(path, **kwargs):
         opened.append(path)
         return real_open(path, **kwargs)
 
-    monkeypatch.setattr(own_queue, "open_target", counted)
+    monkeypatch.setattr(queue_writer, "open_target", counted)
     state = {"w": random_tensor((24 << 20,), torch.uint8, 9)}
     path = os.path.join(folders[0], "s.pt")
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:

@@ -16,7 +16,8 @@ from ..units import ALIGNMENT, round_up
 from . import loading
 from . import safetensors as safetensors_format
 from .image import FileImage, StreamWriter
-from .own_queue import QueueWriter, reader_of
+from .queue_reader import reader_of
+from .queue_writer import QueueWriter
 from .snapshot import (
     SaveFuture,
     Snapshot,
@@ -82,7 +83,7 @@ def ring_shape(chunk_bytes: int | None, chunks: int, image: FileImage,
 
 class QueueCheckpointer:
     """The saves of a ``Checkpointer`` given no handle, through the process's own queue:
-    ``write_image`` (Note [saves without a handle] in own_queue.py) and ``write_buffer``,
+    ``write_image`` (Note [saves without a handle] in queue_writer.py) and ``write_buffer``,
     striped over ``stripes`` (a StripeSet) if given. Its ring is ``chunks`` buffers of
     ``chunk_bytes``, by default no larger than the first image needs. A context
     manager; ``close()`` waits for what is in flight. A forked child that goes on using

@@ -46,7 +46,8 @@ from typing import Any
 
 from ..units import ALIGNMENT
 from .fresh_reads import FreshReads
-from .own_queue import Registration, copy_into, reader_of
+from .own_queue import Registration
+from .queue_reader import copy_into, reader_of
 from .saved_tensors import NOT_PLAIN, SavedTensor, plain_load, saved_tensors
 from .state import paused_gc
 from .striped_checkpoints import (
