@@ -16,6 +16,7 @@ from test_checkpoint import (
     every_kind_state,
     mixed_state,
     random_tensor,
+    raw,
     trained_state,
 )
 
@@ -275,3 +276,68 @@ def test_tensors_are_rebuilt_by_torch_where_a_fake_mode_may_be_on(tmp_path, monk
                         lambda tensor: restored.append(tensor) or tensor)
     assert_same(state, nvmeswap.load(path))
     assert len(restored) == 2
+
+
+def _archive_of_pickle(path, payload):
+    """A torch.save archive of no tensors whose pickle is ``payload``."""
+    class Pickler:
+        def __init__(self, file, protocol=2):
+            self.file = file
+
+        def dump(self, obj):
+            self.file.write(payload)
+
+    module = type(os)("crafted_pickle")
+    module.Pickler = Pickler
+    torch.save({}, path, pickle_module=module)
+    return path
+
+
+def _text(value):
+    return b"X" + len(value).to_bytes(4, "little") + value.encode()
+
+
+_NEG_DEFAULTS = b"}" + _text("neg") + b"\x88s\x85"        # ({"neg": True},)
+
+
+@pytest.mark.parametrize("target", [
+    ("torch", "FloatStorage", "dtype", b"ctorch\nint32\n"),
+    ("torch", "UntypedStorage", "dtype", b"ctorch\nint32\n"),
+    ("torch.storage", "UntypedStorage", "nbytes", b"ctorch\nint32\n"),
+    ("torch._utils", "_rebuild_tensor_v2", "__defaults__", _NEG_DEFAULTS),
+    ("torch._utils", "_rebuild_tensor_v3", "__defaults__", _NEG_DEFAULTS),
+    ("torch._utils", "_rebuild_parameter", "__defaults__", _NEG_DEFAULTS),
+    ("_codecs", "encode", "__defaults__", _NEG_DEFAULTS)])
+@pytest.mark.parametrize("form", ["dict", "slots"])
+def test_a_pickle_that_builds_on_a_global_is_refused_and_changes_nothing(tmp_path, target,
+                                                                          form):
+    """Note [sealed globals]: a file whose pickle sets attributes of a global it names
+    (BUILD) is refused, by load and load_into, as torch.load refuses it; the globals
+    later loads resolve stay as they were, and so do torch's rebuild functions."""
+    module, name, attribute, value = target
+    state = b"}" + _text(attribute) + value + b"s"
+    if form == "slots":
+        state = b"N" + state + b"\x86"          # (None, {attribute: value})
+    path = _archive_of_pickle(tmp_path / "evil.pt", b"\x80\x02c" + module.encode() + b"\n"
+                              + name.encode() + b"\n" + state + b"b0}.")
+    expected = {"f": random_tensor((4,), torch.float32, 1),
+                "u16": random_tensor((3,), torch.uint16, 2),
+                "p": torch.nn.Parameter(random_tensor((2,), torch.float32, 3))}
+    good = tmp_path / "good.pt"
+    torch.save(expected, good)
+    defaults = {name: getattr(torch._utils, name).__defaults__
+                for name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")}
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path)
+    for _ in range(2):      # the second time with every global already resolved
+        with pytest.raises(pickle.UnpicklingError, match="evil.pt"):
+            nvmeswap.load(path)
+        with pytest.raises(pickle.UnpicklingError, match="evil.pt"):
+            nvmeswap.load_into(path, {}, strict=False)
+        loaded = nvmeswap.load(good)
+        assert_same(expected, loaded)
+        assert not any(tensor.is_neg() for tensor in loaded.values())
+        into = {name: torch.zeros_like(tensor.detach()) for name, tensor in expected.items()}
+        assert nvmeswap.load_into(good, into) is into
+        assert all(torch.equal(raw(into[name]), raw(tensor)) for name, tensor in expected.items())
+    assert defaults == {name: getattr(torch._utils, name).__defaults__ for name in defaults}

@@ -8,14 +8,26 @@ every tensor over meta storages only to learn its dtype, shape, strides and plac
 pickle of a state of plain tensors names a handful of globals: the rebuild functions of
 tensors and Parameters, ``OrderedDict``, the storage types and dtypes (and
 ``_codecs.encode``, protocol 2's way to pickle bytes). Such a pickle is read by the C
-unpickler with only those globals resolved, every other one refused: for
-``load_into`` each to an inert stand-in (a rebuild gives a ``SavedTensor``, a storage
-type or a dtype is only a value), for a load to what torch's weights-only unpickler
-resolves it to (the same rebuild functions make the same tensors). A pickle naming any
+unpickler with only those globals resolved, every other one refused: a storage type to
+its dtype, and the rebuild functions, for ``load_into``, to inert stand-ins (a rebuild
+gives a ``SavedTensor``), for a load to torch's own (the same tensors). A pickle naming any
 other global (a tensor subclass, a sparse or quantized tensor, a device, any object)
 or failing in any way is read again, from its start, by torch's weights-only unpickler,
 which loads or refuses it as ``torch.load`` does. What a file can call is thus a subset
 of what ``weights_only=True`` lets it call.
+
+Note [sealed globals]: the C unpickler's BUILD sets attributes of whatever object is on
+its stack (by its ``__setstate__`` if it has one, else through its ``__dict__`` and
+``setattr``), where torch's weights-only unpickler builds only tensors, Parameters and
+OrderedDicts. The objects a plain state's globals resolve to are kept from one load to
+the next, and include torch's own rebuild functions: a file that built on one could
+change every later load in the process (the dtype of a storage type, a function's
+defaults). So every global resolves to an object that refuses BUILD: nvmeswap's storage
+types and stand-ins, and each function behind a sealed callable (``_sealed``), all with
+a ``__setstate__`` that raises; ``OrderedDict`` and the dtypes refuse it by themselves.
+A pickle that builds on one is then not plain, and torch's unpickler refuses it. The C
+unpickler reads some opcodes torch's refuses that call nothing (LONG4, a Python int of
+more than 255 bytes): such a state loads.
 """
 from __future__ import annotations
 
@@ -26,7 +38,23 @@ import pickle
 from typing import Any
 
 
-class SavedTensor:
+class _Sealed:
+    """Refuses the C unpickler's BUILD (Note [sealed globals])."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"a pickle may not change {type(self).__name__}")
+
+
+def _sealed(function: Any) -> Any:
+    """A callable that calls ``function`` and refuses BUILD (Note [sealed globals])."""
+    kind = type(function.__name__, (_Sealed,), {"__slots__": (),
+                                                 "__call__": staticmethod(function)})
+    return kind()
+
+
+class SavedTensor(_Sealed):
     """A tensor of a pickle: its storage's key, dtype, storage offset (in elements), shape
     and strides."""
 
@@ -58,14 +86,14 @@ class SavedTensor:
         return True
 
 
-class _SavedStorage:
+class _SavedStorage(_Sealed):
     __slots__ = ("dtype", "key")
 
     def __init__(self, key: str, dtype: Any) -> None:
         self.key, self.dtype = key, dtype
 
 
-class _StorageType:
+class _StorageType(_Sealed):
     """A storage type a persistent id names (``torch.FloatStorage``...): its dtype only."""
 
     __slots__ = ("dtype",)
@@ -99,24 +127,25 @@ def _latin1(text: str, encoding: str) -> bytes:
 
 @functools.cache
 def _globals(stand_ins: bool) -> dict[tuple[str, str], Any]:
-    """The globals a plain state's pickle names: each to its stand-in, or (not
-    ``stand_ins``) to what torch's weights-only unpickler gives for it."""
+    """The globals a plain state's pickle names, each sealed (Note [sealed globals]): the
+    rebuild functions to stand-ins, or (not ``stand_ins``) to torch's own."""
     import torch
-    from torch import serialization
 
     rebuilds = {"_rebuild_tensor_v2": _rebuild_tensor_v2, "_rebuild_tensor_v3": _rebuild_tensor_v3,
                 "_rebuild_parameter": _rebuild_parameter,
                 "_rebuild_parameter_with_state": _rebuild_parameter}
-    untyped = _StorageType(torch.uint8) if stand_ins else torch.UntypedStorage
+    # A load's storages are made by its persistent_load, which needs only their dtype:
+    # the storage types are stand-ins either way, UntypedStorage's bytes.
+    untyped = _StorageType(torch.uint8)
     found: dict[tuple[str, str], Any] = {
         ("collections", "OrderedDict"): collections.OrderedDict,
-        ("_codecs", "encode"): _latin1,
+        ("_codecs", "encode"): _sealed(_latin1),
         ("torch.storage", "UntypedStorage"): untyped, ("torch", "UntypedStorage"): untyped}
     for name, stand_in in rebuilds.items():
-        found["torch._utils", name] = stand_in if stand_ins else getattr(torch._utils, name)
+        found["torch._utils", name] = _sealed(stand_in if stand_ins
+                                              else getattr(torch._utils, name))
     for dtype, name in torch.storage._dtype_to_storage_type_map().items():
-        found["torch", name] = _StorageType(dtype) if stand_ins else \
-            serialization.StorageType(name)
+        found["torch", name] = _StorageType(dtype)
     for dtype in vars(torch).values():
         if isinstance(dtype, torch.dtype):
             found["torch", str(dtype).removeprefix("torch.")] = dtype
@@ -145,7 +174,8 @@ def _globals_without_fake_mode() -> dict[tuple[str, str], Any]:
         tensor._backward_hooks = backward_hooks
         return tensor
 
-    return {**_globals(stand_ins=False), ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor_v2}
+    return {**_globals(stand_ins=False),
+            ("torch._utils", "_rebuild_tensor_v2"): _sealed(rebuild_tensor_v2)}
 
 
 class _Unpickler(pickle.Unpickler):
