@@ -1021,6 +1021,71 @@ def other_tag():
     return "0badf00d" if ours != "0badf00d" else "0badf00e"
 
 
+@pytest.fixture
+def tells_unwritten_ranges(tmp_path):
+    """Skips where tmp_path's filesystem cannot report a range never written."""
+    probe = tmp_path / "probe"
+    commit.create(str(probe), 8192)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        told = commit.never_written(fd, 8192)
+    finally:
+        os.close(fd)
+        probe.unlink()
+    if told != (0, 8192):
+        pytest.skip("this filesystem does not report unwritten extents (FIEMAP)")
+
+
+def test_a_range_never_written_fails_the_commit_naming_it(tmp_path, tells_unwritten_ranges):
+    """Note [never written]: the file is allocated at its full size, so a write that left
+    a range out would pass a check of its size; the range is found and the old file kept."""
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"the previous checkpoint")
+    size = 5 * 4096 + 100
+
+    def write_all_but_one_block(name):
+        fd = os.open(name, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"a" * 4096, 0)
+            os.pwrite(fd, b"b" * (size - 8192), 8192)
+        finally:
+            os.close(fd)
+
+    with pytest.raises(OSError) as raised:
+        commit.write_whole(str(path), size, write_all_but_one_block)
+    assert raised.value.errno == errno.EIO
+    assert TEMPORARY in raised.value.filename
+    assert "bytes 4096 to 8192 were never written" in str(raised.value)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert path.read_bytes() == b"the previous checkpoint"
+
+
+def test_a_save_whose_write_was_lost_fails_and_keeps_the_previous(tmp_path, monkeypatch,
+                                                                  tells_unwritten_ranges):
+    """A ring slot's write that never reached the file (a stand-in for a lost request)
+    fails the save at its commit, and the previous checkpoint loads."""
+    from nvmeswap.checkpoint.queue_writer import QueueWriter
+
+    path = tmp_path / "ckpt.pt"
+    previous = {"w": random_tensor((1 << 20,), torch.float32, 1)}
+    nvmeswap.save(previous, path)
+    real_submit = QueueWriter.submit_pwrite
+    calls = []
+
+    def losing_the_second(self, buffer, filename, file_offset):
+        calls.append(file_offset)
+        if len(calls) == 2:
+            return real_submit(self, buffer[:0], filename, file_offset)
+        return real_submit(self, buffer, filename, file_offset)
+
+    monkeypatch.setattr(QueueWriter, "submit_pwrite", losing_the_second)
+    with pytest.raises(OSError, match="were never written"):
+        nvmeswap.save({"w": random_tensor((2 << 20,), torch.float32, 2)}, path)
+    assert len(calls) > 2
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert_same(previous, nvmeswap.load(path))
+
+
 def test_a_save_removes_temporary_files_only_of_gone_writers_it_can_see(tmp_path):
     """Note [files named by their process]: a file of another machine or pid namespace
     (another tag) may be a live save's there, whatever its pid means here."""

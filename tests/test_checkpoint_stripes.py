@@ -196,6 +196,39 @@ def test_a_full_stripe_folder_fails_the_save_and_keeps_the_previous(folders, sma
     assert_same(old, nvmeswap.load(path))
 
 
+@pytest.mark.parametrize("failure", ["EIO", "KeyboardInterrupt"])
+def test_a_failure_after_the_layout_is_renamed_keeps_the_stripes_it_names(folders,
+                                                                         monkeypatch,
+                                                                         failure):
+    """The fsync of the layout's folder fails (or a Ctrl-C comes) once the new layout is
+    renamed over the old one: the save raises, and the checkpoint at the path, the new
+    one, loads; the next save replaces it and leaves only its own stripes."""
+    from nvmeswap.checkpoint import commit
+
+    path = os.path.join(folders[0], "s.pt")
+    old, new, newer = ({"w": random_tensor((300 << 10,), torch.uint8, seed)}
+                       for seed in (1, 2, 3))
+    real_sync = commit.sync_folder
+
+    def failing_sync(folder):
+        if folder == folders[0] and os.path.isfile(path):
+            if failure == "EIO":
+                raise OSError(errno.EIO, "Input/output error", folder)
+            raise KeyboardInterrupt
+        real_sync(folder)
+
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save(old, path)
+        monkeypatch.setattr(commit, "sync_folder", failing_sync)
+        with pytest.raises(OSError if failure == "EIO" else KeyboardInterrupt):
+            checkpointer.save(new, path)
+        monkeypatch.undo()
+        assert_same(new, nvmeswap.load(path))
+        checkpointer.save(newer, path)
+    assert_same(newer, nvmeswap.load(path))
+    assert [len(os.listdir(folder)) for folder in folders] == [2, 1, 1]
+
+
 def test_a_striped_save_without_a_handle_opens_each_stripe_file_once(folders, monkeypatch):
     """An async save writes its snapshot in one go, 384 stripe pieces here: each of the
     three stripe files is opened once for them, not once a piece."""

@@ -6,9 +6,18 @@ Note [crash-consistent checkpoints]: a checkpoint is written to
 ``fsync``-ed, then renamed over ``<name>`` (``os.replace``, atomic within a filesystem)
 and the folder ``fsync``-ed so the rename itself survives a power cut. A save killed at
 any instant leaves either the old file or the new one under the name, never a mixture,
-and a file under the name is never shorter or other than what was written. The
+and a file under the name is never shorter than what was to be written, nor left with
+a range never written (below). The
 temporary file of a killed save is left behind; the next save of the same name removes
 those whose process is gone.
+
+Note [never written]: a checkpoint's file is made at its full size with its blocks
+allocated (``create``), so its size cannot tell a write that stopped short. The
+filesystem can: a block allocated but never written is an "unwritten" extent (that is
+how fallocate leaves it; reads of it give zeros), which the FIEMAP ioctl reports. Once
+a file is made durable, a range of it still unwritten fails the save, naming the file
+and the range. A filesystem without FIEMAP (tmpfs) or without fallocate (its gaps are
+holes, which may also be zeros it chose not to store) cannot tell, and is not asked.
 
 Note [files named by their process]: a temporary file (and a stripe, Note [striped
 checkpoints]) carries the process that writes it, so that a later save can tell one
@@ -24,12 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import itertools
 import os
 import re
 import socket
+import struct
 from collections.abc import Callable
 
 from ..errors import os_error
@@ -166,16 +177,54 @@ def write_whole(path: str, size: int, write: Callable[[str], None]) -> None:
 
 
 def make_durable(path: str, size: int) -> None:
-    """Check that ``path`` holds exactly ``size`` bytes and ``fsync`` it."""
+    """``fsync`` ``path``, then check that it holds exactly ``size`` bytes, every one
+    written (Note [never written])."""
     fd = os.open(path, os.O_WRONLY)
     try:
+        os.fsync(fd)
         written = os.fstat(fd).st_size
         if written != size:
-            raise OSError(f"{path}: {written} bytes were written, {size} expected; "
-                          "the checkpoint is not complete")
-        os.fsync(fd)
+            raise os_error(errno.EIO, path, f"{written} bytes were written, {size} "
+                                            "expected; the checkpoint is not complete")
+        gap = never_written(fd, size)
+        if gap is not None:
+            raise os_error(errno.EIO, path, f"bytes {gap[0]} to {gap[1]} were never "
+                                            "written; the checkpoint is not complete")
     finally:
         os.close(fd)
+
+
+_FIEMAP = 0xC020660B                                # _IOWR('f', 11, struct fiemap)
+_FIEMAP_HEADER = struct.Struct("=QQIIII")           # start, length, flags, mapped, count
+_FIEMAP_EXTENT = struct.Struct("=QQQ16xI12x")       # logical, physical, length, flags
+_EXTENTS_ASKED = 64
+_EXTENT_LAST, _EXTENT_UNWRITTEN = 0x1, 0x800
+
+
+def never_written(fd: int, size: int) -> tuple[int, int] | None:
+    """``(start, end)`` of the first range of the file's first ``size`` bytes that is
+    allocated but was never written, or None (also where the filesystem cannot tell:
+    Note [never written])."""
+    start = 0
+    while start < size:
+        asked = bytearray(_FIEMAP_HEADER.pack(start, size - start, 0, 0, _EXTENTS_ASKED, 0)
+                          + bytes(_EXTENTS_ASKED * _FIEMAP_EXTENT.size))
+        try:
+            fcntl.ioctl(fd, _FIEMAP, asked)
+        except OSError:
+            return None
+        mapped = _FIEMAP_HEADER.unpack_from(asked)[3]
+        if not mapped:
+            return None
+        for index in range(mapped):
+            logical, _, length, flags = _FIEMAP_EXTENT.unpack_from(
+                asked, _FIEMAP_HEADER.size + index * _FIEMAP_EXTENT.size)
+            if flags & _EXTENT_UNWRITTEN and logical < size:
+                return max(logical, start), min(logical + length, size)
+            if flags & _EXTENT_LAST:
+                return None
+        start = logical + length
+    return None
 
 
 def finish(temporary: str, path: str, size: int) -> None:

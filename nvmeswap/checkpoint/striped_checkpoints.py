@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import short_file_error
 from ..io import process_state
+from ..io.interrupts import deferred_interrupts
 from . import commit
 from .stripes import StripedHandle, StripeSet, stripe_file_sizes, unlink_quietly
 
@@ -113,6 +114,7 @@ def _write_and_commit(stripes, size, path, write, logical, commits):
     name = os.path.basename(logical)
     parts = stripes.paths(logical)
     expected = stripe_file_sizes(len(parts), stripes.stripe_bytes, size)
+    renamed = False     # from the rename on, the layout at ``path`` names these stripes
     try:
         for part, part_size in zip(parts, expected):
             commit.create(part, part_size)
@@ -129,13 +131,21 @@ def _write_and_commit(stripes, size, path, write, logical, commits):
             with open(temporary, "wb") as file:
                 file.write(text)
             with commits.lock:
-                commit.finish(temporary, path, len(text))
+                commit.make_durable(temporary, len(text))
+                with deferred_interrupts():
+                    os.replace(temporary, path)
+                    renamed = True
                 commits.writing.discard(name)
         except BaseException:
-            commit.abandon(temporary)
+            if not renamed:
+                commit.abandon(temporary)
             raise
+        commit.sync_folder(os.path.dirname(os.path.abspath(path)))
     except BaseException:
-        unlink_quietly(parts)
+        # A failure once the layout is renamed (its folder's fsync, a Ctrl-C) leaves the
+        # stripes it names: the checkpoint at ``path`` is the new one.
+        if not renamed:
+            unlink_quietly(parts)
         raise
 
 
