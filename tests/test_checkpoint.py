@@ -1095,6 +1095,7 @@ def test_a_save_removes_temporary_files_only_of_gone_writers_it_can_see(tmp_path
     left = {f"ckpt.pt{TEMPORARY}{other_tag()}-{gone}-0",                # another machine's
             f"ckpt.pt{TEMPORARY}{other_tag()}-{os.getpid()}-0",        # its pid is ours
             f"ckpt.pt{TEMPORARY}{ours}-{os.getpid()}-999",              # this process's
+            f"ckpt.pt{TEMPORARY}{ours}-{10 ** 30}-0",                   # no pid there is
             f"other.pt{TEMPORARY}{ours}-{gone}-0"}                      # another name's
     removed = {f"ckpt.pt{TEMPORARY}{ours}-{gone}-0", f"ckpt.pt{TEMPORARY}{ours}-{gone}-7"}
     for name in left | removed:

@@ -301,6 +301,27 @@ def test_a_striped_save_outside_the_first_folder_fails_at_the_call(folders, tmp_
     assert not (tmp_path / "elsewhere.pt").exists()
 
 
+def test_a_save_over_a_damaged_layout_fails_naming_it_and_holds_no_stripe_name(folders):
+    """A layout at the path that is not one fails the save before any I/O; the stripe
+    name the save had taken is let go, and a stripe of a pid no process has is left."""
+    from nvmeswap.checkpoint import commit, striped_checkpoints
+    from nvmeswap.io import process_state
+
+    path = os.path.join(folders[0], "s.pt")
+    Path(path).write_text('{"nvmeswap_stripes": 1, "name": "s.pt.')       # cut short
+    stray = f"s.pt.{commit.writer_name().split('-')[0]}-{10 ** 30}-0123abcd.stripe"
+    Path(folders[1], stray).write_bytes(b"?")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        with pytest.raises(ValueError, match="s.pt: a damaged stripe layout"):
+            checkpointer.save({"w": torch.ones(10)}, path)
+        assert process_state.shared(striped_checkpoints._Commits).writing == set()
+        os.unlink(path)
+        state = {"w": random_tensor((100_000,), torch.float32, 4)}
+        checkpointer.save(state, path)
+    assert_same(state, nvmeswap.load(path))
+    assert stray in os.listdir(folders[1])
+
+
 _FORK_DURING_A_STRIPED_COMMIT = r"""
 import os, sys, torch, nvmeswap
 from nvmeswap.checkpoint import striped_checkpoints

@@ -102,7 +102,7 @@ def writer_gone(tag: str, pid: str) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
+    except (PermissionError, OverflowError):     # not a pid of this system: not a writer
         return False
     return False
 

@@ -95,8 +95,12 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
     commits = process_state.shared(_Commits)
     with commits.lock:
         commits.writing.add(name)
-        old = read_layout(path) if os.path.isfile(path) else None
-        _remove_orphans(stripes, base, old, commits.writing)
+        try:
+            old = read_layout(path) if os.path.isfile(path) else None
+            _remove_orphans(stripes, base, old, commits.writing)
+        except BaseException:
+            commits.writing.discard(name)
+            raise
     try:
         _write_and_commit(stripes, size, path, write, os.path.join(folder, name), commits)
     finally:
