@@ -393,6 +393,62 @@ def test_load_into_checks_everything_before_reading(checkpointer, tmp_path):
     assert checkpointer.load_into(path, {"a": a}, strict=False)["a"].sum() == 4
 
 
+def _with_bits():
+    """Tensors torch saves with a conjugate or negative bit (their bytes unresolved), as
+    ``x.conj()`` and ``x.conj().imag`` are."""
+    values = random_tensor((6,), torch.complex64, 5)
+    return {"conj": values.conj(), "both": values.conj()._neg_view(),
+            "neg": random_tensor((3,), torch.float32, 7)._neg_view(),
+            "plain": random_tensor((5,), torch.float32, 6)}
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "nvmeswap.save"])
+@pytest.mark.parametrize("unpickler", ["C", "torch's"])
+def test_load_into_gives_tensors_saved_with_a_bit_their_values(tmp_path, monkeypatch,
+                                                               writer, unpickler):
+    """A tensor saved with a conjugate or negative bit is its bytes' conjugate or
+    negation: load_into gives it the values torch.load gives, whichever unpickler
+    placed it (Note [reading where tensors are])."""
+    from nvmeswap.checkpoint import loading
+
+    state = _with_bits()
+    path = tmp_path / "bits.pt"
+    (torch.save if writer == "torch.save" else nvmeswap.save)(state, path)
+    if unpickler == "torch's":
+        monkeypatch.setattr(loading, "saved_tensors", lambda pickled: None)
+    into = {name: torch.zeros(tensor.shape, dtype=tensor.dtype)
+            for name, tensor in state.items()}
+    assert nvmeswap.load_into(path, into) is into
+    for name, tensor in torch.load(path).items():
+        assert not into[name].is_conj() and not into[name].is_neg()
+        assert torch.equal(into[name], tensor.resolve_conj().resolve_neg()), name
+
+
+def test_load_into_refuses_targets_it_could_not_fill(checkpointer, tmp_path):
+    """A target with a conjugate or negative bit (its bytes are not its values), and a
+    tensor target where the file holds something else: errors naming the entry, before
+    any read. A mismatch deep in a state names where it is."""
+    path = tmp_path / "s.pt"
+    values = random_tensor((4,), torch.complex64, 1)
+    checkpointer.save({"c": values, "bias": None, "opt": {"lr": 0.1, "state": {"m": values}}},
+                      path)
+    target = torch.zeros(4, dtype=torch.complex64)
+    with pytest.raises(ValueError, match="the tensor for c is a conjugate or negative view"):
+        checkpointer.load_into(path, {"c": target.conj()}, strict=False)
+    with pytest.raises(TypeError, match="bias is a NoneType in .*s.pt, a Tensor in memory"):
+        checkpointer.load_into(path, {"c": target, "bias": torch.zeros(3)}, strict=False)
+    with pytest.raises(TypeError, match="opt.lr is a float in .*s.pt, a Tensor in memory"):
+        checkpointer.load_into(path, {"opt": {"lr": torch.zeros(()), "state": {}}},
+                               strict=False)
+    with pytest.raises(KeyError, match="differ in opt.state: in the file only \\['m'\\]"):
+        checkpointer.load_into(path, {"c": target, "bias": None,
+                                      "opt": {"lr": 0.0, "state": {}}})
+    assert torch.equal(target, torch.zeros(4, dtype=torch.complex64))     # nothing was read
+    into = {"c": target, "bias": None, "opt": {"lr": 0.0, "state": {"m": torch.zeros_like(target)}}}
+    assert checkpointer.load_into(path, into) is into
+    assert torch.equal(into["c"], values) and torch.equal(into["opt"]["state"]["m"], values)
+
+
 def test_async_save_snapshots_and_writes_in_the_background(tmp_path):
     state = mixed_state()
     expected = {"big": state["big"].clone(), "model": collections.OrderedDict(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch.distributed.checkpoint")
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 
 def free_port():
@@ -44,3 +45,25 @@ def test_two_ranks_save_and_load_through_both_writers_and_readers(tmp_path):
     # Each rank wrote its own shard file through nvmeswap.
     assert sorted(name for name in os.listdir(tmp_path / "ours") if name.endswith(".distcp")) \
         == ["__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("writer", ["FileSystemWriter", "NvmeFileSystemWriter"])
+def test_tensors_with_a_bit_are_read_as_their_values(tmp_path, writer):
+    """DCP saves a conjugate or negative view as its bytes and the bit: our reader gives
+    its values, as DCP's own does, into plain targets and into one with a bit."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from nvmeswap.checkpoint.dcp import NvmeFileSystemReader, NvmeFileSystemWriter
+
+    values = torch.arange(6, dtype=torch.float32).view(torch.complex64) + 1j
+    saved = {"conj": values.conj(), "neg": torch.arange(4.0)._neg_view(), "plain": values}
+    writers = {"FileSystemWriter": FileSystemWriter, "NvmeFileSystemWriter": NvmeFileSystemWriter}
+    dcp.save(saved, storage_writer=writers[writer](tmp_path / "c"), no_dist=True)
+    for reader in (FileSystemReader, NvmeFileSystemReader):
+        loaded = {name: torch.zeros(tensor.shape, dtype=tensor.dtype)
+                  for name, tensor in saved.items()}
+        loaded["plain"] = torch.zeros_like(values).conj()       # a target with a bit
+        dcp.load(loaded, storage_reader=reader(tmp_path / "c"), no_dist=True)
+        for name, tensor in saved.items():
+            assert torch.equal(loaded[name], tensor), (reader.__name__, name)

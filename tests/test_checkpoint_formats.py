@@ -65,3 +65,30 @@ def test_a_non_contiguous_tensor_is_saved_as_its_values(tmp_path):
     nvmeswap.save_safetensors({"t": base.t(), "row": base[4]}, tmp_path / "v.safetensors")
     loaded = safetensors_torch.load_file(tmp_path / "v.safetensors")
     assert_same({"t": base.t().contiguous(), "row": base[4].clone()}, loaded)
+
+
+def test_a_tensor_with_a_bit_is_saved_as_its_values(tmp_path):
+    """A conjugate or negative view's bytes are not its values: the file holds its values,
+    as the package and nvmeswap read them."""
+    values = random_tensor((6,), torch.complex64, 4)
+    state = {"conj": values.conj(), "neg": values.conj().imag}
+    path = tmp_path / "bits.safetensors"
+    nvmeswap.save_safetensors(state, path)
+    expected = {name: tensor.resolve_conj().resolve_neg() for name, tensor in state.items()}
+    assert_same(expected, safetensors_torch.load_file(path))
+    assert_same(expected, dict(nvmeswap.load_safetensors(path)))
+    with pytest.raises(ValueError, match="the tensor for conj is a conjugate or negative"):
+        nvmeswap.load_safetensors_into(path, {"conj": torch.zeros_like(values).conj()},
+                                       strict=False)
+
+
+def test_a_header_too_large_for_readers_is_refused_before_any_file(tmp_path):
+    """The package reads no header over 100 MB: such a save fails at the call, and the
+    file saved before stays."""
+    path = tmp_path / "m.safetensors"
+    nvmeswap.save_safetensors({"w": torch.ones(3)}, path)
+    with pytest.raises(ValueError, match="more than readers take"):
+        nvmeswap.save_safetensors({"w": torch.ones(3)}, path,
+                                  metadata={"notes": "x" * 100_000_000})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    assert_same({"w": torch.ones(3)}, safetensors_torch.load_file(path))

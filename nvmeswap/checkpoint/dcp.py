@@ -198,8 +198,12 @@ class NvmeFileSystemReader(FileSystemReader):
                                  f"{tuple(wanted.size())}, the target "
                                  f"{tuple(target.size())}")
             # A CUDA target too: the reader stages its bytes (as load_into's reads).
+            # A conjugate or negative bit (saved, or the target's) takes the copy, which
+            # applies it: the bytes are not the values.
             if (wanted.is_contiguous() and target.is_contiguous()
-                    and target.device.type in ("cpu", "cuda") and target.dtype == wanted.dtype):
+                    and target.device.type in ("cpu", "cuda") and target.dtype == wanted.dtype
+                    and not (wanted.is_conj() or wanted.is_neg() or target.is_conj()
+                             or target.is_neg())):
                 offset = start + wanted.storage_offset() * wanted.element_size()
                 if target.numel():
                     handle.async_pread(target, path, offset)
@@ -210,6 +214,10 @@ class NvmeFileSystemReader(FileSystemReader):
                     handle.sync_pread(whole, path, start)
                 values = whole.view(saved.dtype).as_strided(
                     wanted.size(), wanted.stride(), wanted.storage_offset())
+                if wanted.is_conj():
+                    values = values.conj()
+                if wanted.is_neg():
+                    values = values._neg_view()
                 target.copy_(values)
                 planner.commit_tensor(request, target)
         if any(target.numel() for _, target in direct):

@@ -394,7 +394,7 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
     checked before any read."""
     with opened(path) as (layout, file, source):
         entries = ZipEntries(path, file=file, storage_headers=False)
-        placed = _placed(path, entries, into, strict)
+        placed, with_bits = _placed(path, entries, into, strict)
         read_at = reads_at(file)
         with reading(source, layout, handle) as (reader, file_name):
             if handle is None:
@@ -403,7 +403,21 @@ def load_into(path: str, into: Any, handle: Any, strict: bool) -> Any:
                 read_each(reader, file_name, [
                     (target, entries.storage_start(record, read_at) + within)
                     for target, record, within in placed])
+    _apply_bits(with_bits)
     return into
+
+
+def _apply_bits(with_bits: list[tuple[Any, bool, bool]]) -> None:
+    """Each ``(target, conj, neg)``: a target that holds the bytes of a tensor saved with
+    a conjugate or negative bit, given its values (the bytes' conjugate, negation)."""
+    import torch
+
+    with torch.no_grad():
+        for target, conj, neg in with_bits:
+            if conj:
+                target.conj_physical_()
+            if neg:
+                target.neg_()
 
 
 def read_records(reader: Any, path: int | str, entries: ZipEntries,
@@ -467,7 +481,8 @@ def read_each(handle: Any, path: int | str, reads: list[tuple[Any, int]]) -> Non
 
 def _placed(path, entries, into, strict):
     """``(target tensor, its storage's record, byte offset in the record)`` for each
-    non-empty saved tensor with a place in ``into``, every match checked first."""
+    non-empty saved tensor with a place in ``into``, every match checked first; and
+    ``(target, conj, neg)`` for those saved with a conjugate or negative bit."""
     import torch
 
     _check_byteorder(entries)
@@ -484,7 +499,7 @@ def _placed(path, entries, into, strict):
         except NotImplementedError as error:    # a kind torch cannot make over meta storages
             raise ValueError(f"{path}: holds a tensor load_into cannot place (torch: "
                              f"{str(error).splitlines()[0]}); nvmeswap.load reads it") from None
-    reads = []
+    reads, with_bits = [], []
     for name, source, target in _pairs(saved, into, strict, path):
         if not isinstance(source, SavedTensor):     # one torch's unpickler made
             if source.layout != torch.strided or source.is_quantized or source.is_nested:
@@ -492,12 +507,16 @@ def _placed(path, entries, into, strict):
                                  f"{'quantized ' if source.is_quantized else ''}tensor; "
                                  "load_into reads dense ones, nvmeswap.load any")
             source = SavedTensor(keys[source.untyped_storage()._cdata], source.dtype,
-                                 source.storage_offset(), source.shape, source.stride())
+                                 source.storage_offset(), source.shape, source.stride(),
+                                 source.is_conj(), source.is_neg())
         if source.dtype != target.dtype or source.shape != target.shape:
             raise ValueError(f"{path}: {name} is {source.dtype} {source.shape} in the "
                              f"file, {target.dtype} {tuple(target.shape)} in memory")
         if not target.is_contiguous():
             raise ValueError(f"load_into: the tensor for {name} is not contiguous")
+        if target.is_conj() or target.is_neg():
+            raise ValueError(f"load_into: the tensor for {name} is a conjugate or negative "
+                             "view (its bytes are not its values); pass one without the bit")
         if not source.is_contiguous():
             raise ValueError(f"{path}: {name} was saved as a non-contiguous view; use "
                              "nvmeswap.load for it")
@@ -509,7 +528,9 @@ def _placed(path, entries, into, strict):
             raise ValueError(f"{path}: {name} runs past the end of its storage")
         if source.numel():
             reads.append((target, record, within))
-    return reads
+            if source.conj or source.neg:
+                with_bits.append((target, source.conj, source.neg))
+    return reads, with_bits
 
 
 def _pairs(saved, into, strict, path, name=""):
@@ -530,8 +551,9 @@ def _pairs(saved, into, strict, path, name=""):
         missing = [k for k in saved if k not in into]
         extra = [k for k in into if k not in saved]
         if strict and (missing or extra):
-            raise KeyError(f"load_into: {path} and the target differ: in the file only "
-                           f"{missing}, in the target only {extra}")
+            raise KeyError(f"load_into: {path} and the target differ"
+                           f"{f' in {name}' if name else ''}: in the file only {missing}, "
+                           f"in the target only {extra}")
         for key, value in saved.items():
             if key in into:
                 yield from _pairs(value, into[key], strict, path, f"{name}.{key}" if name
@@ -542,3 +564,7 @@ def _pairs(saved, into, strict, path, name=""):
                             f"of {len(saved)} in {path}, not so in memory")
         for index, (value, target) in enumerate(zip(saved, into)):
             yield from _pairs(value, target, strict, path, f"{name}[{index}]")
+    elif isinstance(into, (torch.Tensor, dict, list, tuple)):
+        # Not loading it would leave the target as it was, unnoticed.
+        raise TypeError(f"load_into: {name or 'the object'} is a {type(saved).__name__} in "
+                        f"{path}, a {type(into).__name__} in memory")

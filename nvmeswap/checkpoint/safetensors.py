@@ -83,11 +83,16 @@ def layout(tensors: Any, metadata: Any = None) -> FileImage:
     text = json.dumps(header, separators=(",", ":")).encode()
     data_start = round_up(8 + len(text), ALIGNMENT)
     text += b" " * (data_start - 8 - len(text))
+    if len(text) > MAX_HEADER:
+        raise ValueError(f"a safetensors header of {len(text)} bytes is more than readers "
+                         f"take ({MAX_HEADER}); save fewer tensors or less metadata")
     image = FileImage()
     image.add_bytes(0, struct.pack("<Q", len(text)) + text)
     for tensor in sources:
         if tensor.numel():
-            data = tensor.detach().contiguous()     # CUDA ones stay there: Note [CUDA state layout]
+            # Its values, a conjugate or negative bit applied; CUDA ones stay there (Note
+            # [CUDA state layout]).
+            data = tensor.detach().resolve_conj().resolve_neg().contiguous()
             image.add_tensor(image.size, uint8_view(data.untyped_storage())[
                 data.storage_offset() * data.element_size():][:data.numel()
                                                               * data.element_size()])
@@ -244,6 +249,10 @@ def _placed(header, into, strict):
         if not target.is_contiguous():
             raise ValueError(f"load_safetensors_into: the tensor for {name} is not "
                              "contiguous")
+        if target.is_conj() or target.is_neg():
+            raise ValueError(f"load_safetensors_into: the tensor for {name} is a conjugate "
+                             "or negative view (its bytes are not its values); pass one "
+                             "without the bit")
         if end > start:     # its bytes are its dtype's and shape's (Header checked them)
             reads.append((target, start))
     return reads

@@ -56,13 +56,16 @@ def _sealed(function: Any) -> Any:
 
 class SavedTensor(_Sealed):
     """A tensor of a pickle: its storage's key, dtype, storage offset (in elements), shape
-    and strides."""
+    and strides, and whether its values are its bytes' conjugate (``conj``) or negation
+    (``neg``), as torch saves a view with those bits."""
 
-    __slots__ = ("dtype", "key", "offset", "shape", "stride")
+    __slots__ = ("conj", "dtype", "key", "neg", "offset", "shape", "stride")
 
-    def __init__(self, key: str, dtype: Any, offset: int, shape: tuple, stride: tuple) -> None:
+    def __init__(self, key: str, dtype: Any, offset: int, shape: tuple, stride: tuple,
+                 conj: bool = False, neg: bool = False) -> None:
         self.key, self.dtype, self.offset = key, dtype, offset
         self.shape, self.stride = tuple(shape), tuple(stride)
+        self.conj, self.neg = conj, neg
         numbers = (offset, *self.shape, *self.stride)
         if len(self.shape) != len(self.stride) or not all(
                 type(number) is int and number >= 0 for number in numbers):
@@ -102,14 +105,25 @@ class _StorageType(_Sealed):
         self.dtype = dtype
 
 
+def _bits(metadata: Any) -> dict[str, bool]:
+    """The conjugate and negative bits of a tensor's saved metadata (torch's
+    ``_get_tensor_metadata``: none but these)."""
+    if not metadata:
+        return {}
+    if not isinstance(metadata, dict) or not set(metadata) <= {"conj", "neg"}:
+        raise pickle.UnpicklingError("a tensor of other metadata than its bits")
+    return {name: bool(value) for name, value in metadata.items()}
+
+
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks,
                        metadata=None):
-    return SavedTensor(storage.key, storage.dtype, storage_offset, size, stride)
+    return SavedTensor(storage.key, storage.dtype, storage_offset, size, stride,
+                       **_bits(metadata))
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks,
                        dtype, metadata=None):
-    return SavedTensor(storage.key, dtype, storage_offset, size, stride)
+    return SavedTensor(storage.key, dtype, storage_offset, size, stride, **_bits(metadata))
 
 
 def _rebuild_parameter(data, requires_grad, backward_hooks, state=None):
