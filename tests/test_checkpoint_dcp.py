@@ -67,3 +67,22 @@ def test_tensors_with_a_bit_are_read_as_their_values(tmp_path, writer):
         dcp.load(loaded, storage_reader=reader(tmp_path / "c"), no_dist=True)
         for name, tensor in saved.items():
             assert torch.equal(loaded[name], tensor), (reader.__name__, name)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_item_cut_short_fails_naming_its_file(tmp_path):
+    """A .distcp file cut short inside its last item: a ShortFileError naming the file
+    and the item, not a complaint about the archive's format."""
+    from nvmeswap.checkpoint.dcp import NvmeFileSystemReader, NvmeFileSystemWriter
+    from nvmeswap.errors import ShortFileError
+
+    saved = {"a": torch.arange(1000.0), "b": torch.arange(3000.0)}
+    dcp.save(saved, storage_writer=NvmeFileSystemWriter(tmp_path / "c"), no_dist=True)
+    (data,) = (tmp_path / "c").glob("*.distcp")
+    os.truncate(data, data.stat().st_size - 8)
+    with pytest.raises(dcp.api.CheckpointException) as raised:
+        dcp.load({name: torch.zeros_like(t) for name, t in saved.items()},
+                 storage_reader=NvmeFileSystemReader(tmp_path / "c"), no_dist=True)
+    failure, _ = raised.value.failures[0]       # DCP gathers each rank's error
+    assert isinstance(failure, ShortFileError) and failure.filename == str(data)
+    assert "runs past the file's end" in str(failure)

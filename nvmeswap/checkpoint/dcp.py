@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import BufferedIOWarning, warn_once
+from ..errors import BufferedIOWarning, short_file_error, warn_once
 from ..units import ALIGNMENT
 from .checkpointer import Checkpointer
 from .image import FileImage
@@ -260,6 +260,10 @@ def _saved_tensor(path, fd, info, kinds):
 
 
 def _parsed_tensor(path, fd, info):
+    size = os.fstat(fd).st_size
+    if info.offset + info.length > size:
+        raise short_file_error(path, f"the item at {info.offset} of {info.length} bytes "
+                                     f"runs past the file's end ({size} bytes; cut short?)")
     with os.fdopen(os.dup(fd), "rb") as file:
         entries = ZipEntries(path, info.offset, info.length, file=file)
     found = {}

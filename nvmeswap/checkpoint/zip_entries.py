@@ -132,9 +132,9 @@ class ZipEntries:
             try:
                 directory = _central_directory(read_at, base, length)
             except ValueError as error:
-                raise ValueError(f"{path}: not a torch.save zip archive ({error}); files "
-                                 "of torch's legacy (pre-1.6) format are not supported") \
-                    from None
+                raise ValueError(f"{path}: not a torch.save zip archive ({error}): damaged, "
+                                 "or of torch's legacy (pre-1.6) format, which is not "
+                                 "supported") from None
             headers = sorted(entry[4] for entry in directory)
             next_header = dict(zip(headers, headers[1:] + [length]))
             for name, method, size, crc, header_at, raw_name in directory:
