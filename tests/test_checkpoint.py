@@ -435,6 +435,8 @@ def test_load_into_refuses_targets_it_could_not_fill(checkpointer, tmp_path):
     target = torch.zeros(4, dtype=torch.complex64)
     with pytest.raises(ValueError, match="the tensor for c is a conjugate or negative view"):
         checkpointer.load_into(path, {"c": target.conj()}, strict=False)
+    with pytest.raises(ValueError, match="the tensor for c is on meta"):
+        checkpointer.load_into(path, {"c": target.to("meta")}, strict=False)
     with pytest.raises(TypeError, match="bias is a NoneType in .*s.pt, a Tensor in memory"):
         checkpointer.load_into(path, {"c": target, "bias": torch.zeros(3)}, strict=False)
     with pytest.raises(TypeError, match="opt.lr is a float in .*s.pt, a Tensor in memory"):

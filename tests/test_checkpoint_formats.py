@@ -80,6 +80,8 @@ def test_a_tensor_with_a_bit_is_saved_as_its_values(tmp_path):
     with pytest.raises(ValueError, match="the tensor for conj is a conjugate or negative"):
         nvmeswap.load_safetensors_into(path, {"conj": torch.zeros_like(values).conj()},
                                        strict=False)
+    with pytest.raises(ValueError, match="the tensor for conj is on meta"):
+        nvmeswap.load_safetensors_into(path, {"conj": values.to("meta")}, strict=False)
 
 
 def test_a_header_too_large_for_readers_is_refused_before_any_file(tmp_path):

@@ -514,6 +514,9 @@ def _placed(path, entries, into, strict):
                              f"file, {target.dtype} {tuple(target.shape)} in memory")
         if not target.is_contiguous():
             raise ValueError(f"load_into: the tensor for {name} is not contiguous")
+        if target.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"load_into: the tensor for {name} is on {target.device}; "
+                             "host and CUDA tensors are filled")
         if target.is_conj() or target.is_neg():
             raise ValueError(f"load_into: the tensor for {name} is a conjugate or negative "
                              "view (its bytes are not its values); pass one without the bit")

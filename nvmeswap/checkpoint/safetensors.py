@@ -249,6 +249,9 @@ def _placed(header, into, strict):
         if not target.is_contiguous():
             raise ValueError(f"load_safetensors_into: the tensor for {name} is not "
                              "contiguous")
+        if target.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"load_safetensors_into: the tensor for {name} is on {target.device}; "
+                             "host and CUDA tensors are filled")
         if target.is_conj() or target.is_neg():
             raise ValueError(f"load_safetensors_into: the tensor for {name} is a conjugate "
                              "or negative view (its bytes are not its values); pass one "
