@@ -14,6 +14,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import threading
 import warnings
 import zipfile
 
@@ -632,6 +633,73 @@ def test_background_snapshot_refuses_a_state_changed_too_early(tmp_path, monkeyp
     assert path.read_bytes() != before
     assert_same(state, torch.load(path))
     assert not [p for p in os.listdir(tmp_path) if TEMPORARY in p]
+
+
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("closing", ["close", "with"])
+def test_closing_a_checkpointer_whose_one_off_save_is_in_flight(tmp_path, background,
+                                                                 closing):
+    """A one-off save closes its checkpointer from its own thread once written; a close()
+    of the caller's meanwhile waits for it rather than for ever."""
+    state = mixed_state()
+    path = tmp_path / "one.pt"
+    done = []
+
+    def save_and_close():
+        if closing == "with":
+            with nvmeswap.Checkpointer() as checkpointer:
+                future = checkpointer.async_save(state, path, one_off=True,
+                                                 background_snapshot=background)
+        else:
+            checkpointer = nvmeswap.Checkpointer()
+            future = checkpointer.async_save(state, path, one_off=True,
+                                             background_snapshot=background)
+            checkpointer.close()
+        done.append((future.result(), checkpointer.closed))
+
+    caller = threading.Thread(target=save_and_close, daemon=True)
+    caller.start()
+    caller.join(60)
+    assert not caller.is_alive(), "close() waited for ever"
+    assert done == [(None, True)]
+    assert_same(state, torch.load(path))
+
+
+def test_a_save_that_outlives_a_close_is_refused_and_keeps_nothing(tmp_path, monkeypatch):
+    """close() while another thread's save is laying its state out: that save is refused
+    once the checkpointer is closed, rather than writing through (and keeping) a ring
+    close() has already freed."""
+    import nvmeswap.checkpoint.checkpointer as checkpointer_module
+
+    laying_out, closed = threading.Event(), threading.Event()
+    real_layout = checkpointer_module.layout
+
+    def slow_layout(obj, *args, **kwargs):
+        laying_out.set()
+        assert closed.wait(60)
+        return real_layout(obj, *args, **kwargs)
+
+    checkpointer = nvmeswap.Checkpointer()
+    checkpointer.save({"w": torch.ones(8)}, tmp_path / "first.pt")     # its ring made
+    monkeypatch.setattr(checkpointer_module, "layout", slow_layout)
+    outcome = []
+
+    def save():
+        try:
+            checkpointer.save({"w": torch.ones(8)}, tmp_path / "second.pt")
+            outcome.append("saved")
+        except ValueError as error:
+            outcome.append(str(error))
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    assert laying_out.wait(60)
+    checkpointer.close()
+    closed.set()
+    saver.join(60)
+    assert outcome == ["this Checkpointer is closed"]
+    assert checkpointer._saver is None and checkpointer._writer is None
+    assert sorted(os.listdir(tmp_path)) == ["first.pt"]
 
 
 def test_background_snapshot_of_a_state_that_holds_itself(tmp_path):

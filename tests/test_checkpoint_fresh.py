@@ -20,6 +20,7 @@ from test_checkpoint import assert_same, every_dtype_state, flat_state, mixed_st
 import nvmeswap
 from nvmeswap._transfers import Completion
 from nvmeswap.checkpoint import fresh_reads, own_queue, queue_reader
+from nvmeswap.checkpoint.commit import TEMPORARY
 from nvmeswap.checkpoint.loading import GROUP_BYTES
 from nvmeswap.errors import ShortFileError
 
@@ -27,6 +28,19 @@ from nvmeswap.errors import ShortFileError
 def locked_kib():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmLck"))
+
+
+def temporary_files_open():
+    """What this process's descriptors hold open of checkpoints' temporary files."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:         # closed meanwhile (the listing's own descriptor)
+            continue
+        if TEMPORARY in target:
+            found.append(target)
+    return found
 
 
 def open_fds():
@@ -406,6 +420,49 @@ def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, mo
     assert_same(old, nvmeswap.load(path))
 
 
+def test_a_ctrl_c_just_after_a_request_is_submitted_is_raised_as_such(tmp_path,
+                                                                       monkeypatch):
+    """A Ctrl-C that comes as the kernel takes a request: the request is in the books, the
+    save raises KeyboardInterrupt (not an error about a request it never knew), and the
+    checkpointer's next save is whole."""
+    import signal
+
+    real_init = own_queue.OwnQueue.__init__
+    submits = []
+
+    class InterruptedAfterTheThird:
+        def __init__(self, queue):
+            self.queue = queue
+
+        def __getattr__(self, name):
+            return getattr(self.queue, name)
+
+        def submit(self, *request):
+            taken = self.queue.submit(*request)
+            submits.append(taken)
+            if len(submits) == 3:
+                signal.raise_signal(signal.SIGINT)
+            return taken
+
+    def init(self, what):
+        real_init(self, what)
+        self.queue = InterruptedAfterTheThird(self.queue)
+
+    path = tmp_path / "s.pt"
+    old, new = mixed_state(), two_group_state()
+    nvmeswap.save(old, path)
+    with nvmeswap.Checkpointer() as checkpointer:
+        monkeypatch.setattr(own_queue.OwnQueue, "__init__", init)
+        with pytest.raises(KeyboardInterrupt):
+            checkpointer.save(new, path)
+        monkeypatch.undo()
+        assert temporary_files_open() == []
+        assert_same(old, nvmeswap.load(path))
+        checkpointer.save(new, path)
+    assert_same(new, torch.load(path))
+    assert os.listdir(tmp_path) == ["s.pt"]
+
+
 @pytest.mark.parametrize("space", ["allocated", "written"])
 def test_a_save_past_the_file_size_limit_says_so_and_keeps_the_previous(tmp_path,
                                                                           monkeypatch, space):
@@ -443,9 +500,9 @@ def test_a_save_past_the_file_size_limit_says_so_and_keeps_the_previous(tmp_path
 @pytest.mark.parametrize("call", ["save", "async_save"])
 def test_a_kept_checkpointer_saves_again_after_an_interrupted_save(tmp_path, monkeypatch,
                                                                     call):
-    """A reap cut short (a Ctrl-C) ends that save with the interrupt; the checkpointer's
-    next save waits for what the first left in flight, starts a fresh queue and writes
-    the file whole, and nothing of the first is left."""
+    """A reap cut short (a Ctrl-C) ends that save with the interrupt, once what it left
+    in flight has ended and its files are closed; the checkpointer's next save starts a
+    fresh queue and writes the file whole, and nothing of the first is left."""
     state = two_group_state()
     path = tmp_path / "s.pt"
 
@@ -460,6 +517,8 @@ def test_a_kept_checkpointer_saves_again_after_an_interrupted_save(tmp_path, mon
     with nvmeswap.Checkpointer() as checkpointer:
         with pytest.raises(KeyboardInterrupt):
             save(checkpointer)
+        # Its writes ended with the interrupt: no descriptor of its temporary file is left.
+        assert temporary_files_open() == []
         monkeypatch.undo()
         save(checkpointer)
         assert len(made) == 1 and made[0].in_flight == 0

@@ -4,6 +4,7 @@ by every save and load made through it; the module functions make a short-lived 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from concurrent.futures import Future
@@ -203,6 +204,7 @@ class Checkpointer:
         self._saver: QueueCheckpointer | None = None     # the saves by the own queue
         self._snapshot = Snapshot(handle)
         self._in_flight: Future | None = None
+        self._freed = False
         self._lock = threading.Lock()           # one write at a time
         self._snapshot_lock = threading.Lock()  # one snapshot started at a time
         self.closed = False
@@ -237,7 +239,15 @@ class Checkpointer:
 
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through the ring, crash-consistently."""
+        self._write_image(image, path, in_flight=False)
+
+    def _write_image(self, image, path, *, in_flight):
+        """``write_image``; ``in_flight``: the write of an asynchronous save, which a
+        ``close()`` begun since waits for (any other write it refuses: its buffers are
+        being freed)."""
         with self._lock:
+            if not in_flight:
+                self._check_open()
             saver = self._own_queue_saver()
             if saver is not None:
                 saver.write_image(image, path)
@@ -260,6 +270,7 @@ class Checkpointer:
         """What reads into given tensors (``async_pread``, ``sync_pread``, ``wait``) for
         the time of the block: the handle, or where none was given a ``QueueReader`` of
         the process's own queue, closed after it (``reader_of``)."""
+        self._check_open()
         return reader_of(self._load_handle())
 
     def _own_queue_saver(self) -> QueueCheckpointer | None:
@@ -380,12 +391,15 @@ class Checkpointer:
                         previous.exception()        # its error stays with its own future
                     for event in queued:
                         event.synchronize()
+                    if self._freed:     # by a one-off save before it
+                        raise ValueError("this Checkpointer is closed")
                     taken = image if image is not None else layout(obj)
                     self._snapshot.copy_image(taken, locked=not one_off)
                     check_unchanged(watched, path)
                     return taken
             else:
                 self.wait_in_flight()
+                self._check_open()      # a one-off save before it closes this checkpointer
                 if storages is not None:
                     places = self._snapshot.pack(storages, locked=not one_off)
                     snapshot = self._snapshot.tensor
@@ -394,7 +408,8 @@ class Checkpointer:
                         self._write_packed(obj, snapshot, places, path)
                 elif one_off and room_on_device(image):
                     clone_runs(image)
-                    write = self.write_image        # from the clones, through the ring
+                    # from the clones, through the ring
+                    write = functools.partial(self._write_image, in_flight=True)
                 else:
                     self._snapshot.copy_image(image, locked=not one_off)
                 future.snapshot_taken.set_result(None)
@@ -425,7 +440,7 @@ class Checkpointer:
                 raise RuntimeError(f"{path}: not saved: a tensor's storage was resized "
                                    "before the save was written")
             run.source = snapshot[start:start + nbytes]
-        self.write_image(image, path)
+        self._write_image(image, path, in_flight=True)
 
     def _save_in_background(self, image, path, future, one_off, take, write):
         """The saving thread: the snapshot first if ``take`` makes it here (and the
@@ -446,7 +461,7 @@ class Checkpointer:
         if one_off:
             self._in_flight = None
             try:
-                self.close()
+                self._close_after_one_off()
             except BaseException as failure:
                 error = error or failure
         if error is not None:
@@ -496,13 +511,24 @@ class Checkpointer:
             if self.closed:
                 return
             self.closed = True
-            try:
-                self.wait_in_flight()
-            finally:
-                with self._lock:        # nor does a synchronous save write meanwhile
-                    self._free_buffers()
+        # Not under the lock: a one-off save's thread closes it too (and an async_save
+        # of another thread may hold the lock, waiting for the save in flight).
+        try:
+            self.wait_in_flight()
+        finally:
+            with self._lock:        # nor does a synchronous save write meanwhile
+                self._free_buffers()
+
+    def _close_after_one_off(self):
+        """The one-off save's thread, its save written: closed, the buffers freed."""
+        self.closed = True
+        with self._lock:
+            self._free_buffers()
 
     def _free_buffers(self):
+        """Free the ring, the own queue's saver, the snapshot and the handle if it is
+        ours; idempotent."""
+        self._freed = True
         try:
             if self._saver is not None:
                 self._saver.close()
@@ -514,7 +540,8 @@ class Checkpointer:
                 self._snapshot.free()
             finally:
                 if self._given is None and self._handle is not None:
-                    self._handle.close()
+                    handle, self._handle = self._handle, None
+                    handle.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -27,6 +27,7 @@ import threading
 from typing import Any
 
 from .._memory import copy_memory
+from ..io.interrupts import deferred_interrupts
 from ..units import ALIGNMENT, round_up
 from .crc import crc32
 
@@ -190,6 +191,7 @@ class StreamWriter:
         ring_address = self.ring.data_ptr()
         view = self.view
         at = 0                          # index of the run being copied
+        failed = True
         try:
             for slot_number, start in enumerate(range(0, image.size, self.chunk_bytes)):
                 slot = slot_number % self.chunks
@@ -224,8 +226,10 @@ class StreamWriter:
                     position = upto
                     if upto == run_end:
                         at += 1
-                futures[slot] = self.handle.submit_pwrite(
-                    self.ring[into + start:into + end], filename, start)
+                with deferred_interrupts():     # a write started is one waited for
+                    futures[slot] = self.handle.submit_pwrite(
+                        self.ring[into + start:into + end], filename, start)
+            failed = False
         finally:
             checksums.close()
             first = None
@@ -236,7 +240,7 @@ class StreamWriter:
                     future.result()
                 except BaseException as error:      # the first one is raised below
                     first = first or error
-            if first is not None:
+            if first is not None and not failed:    # else the error under way is raised
                 raise first
 
     @staticmethod

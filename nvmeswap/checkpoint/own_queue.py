@@ -123,10 +123,12 @@ class OwnQueue:
             raise RuntimeError(f"this kernel queue belongs to process {self.creator}, not "
                                f"to this forked child ({file.name})")
         request = next(self._ids)
-        if not self.queue.submit(request, 0, is_read, file.direct_fd, address, length,
-                                 offset):
-            return False
-        self.requests[request] = file, is_read, offset, needed, owner
+        # Held back from a Ctrl-C: a request the kernel has must be in the books.
+        with deferred_interrupts():
+            if not self.queue.submit(request, 0, is_read, file.direct_fd, address, length,
+                                     offset):
+                return False
+            self.requests[request] = file, is_read, offset, needed, owner
         return True
 
     def reap(self) -> list[tuple[Any, BaseException | None]]:

@@ -17,6 +17,7 @@ workers, per device).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -75,10 +76,9 @@ class QueueWriter:
 
     def __init__(self, what: str, stripes: StripeSet | None = None) -> None:
         self._what = what
-        self.own = OwnQueue(what)
+        self.own: OwnQueue | None = OwnQueue(what)      # None after a reap cut short
         self.stripes = stripes
         self._writes: list[_Write] = []
-        self._interrupted: BaseException | None = None
         self._registered: dict[int, Registration] = {}    # by address
 
     def new_cpu_locked_tensor(self, nbytes: int, example: Any) -> Any:
@@ -101,8 +101,8 @@ class QueueWriter:
 
     def submit_pwrite(self, buffer: Any, filename: str, file_offset: int) -> _Write:
         """Start writing ``buffer`` at ``file_offset`` (aligned, as the ring's slots are)."""
-        if self._interrupted is not None:
-            self._recover()
+        if self.own is None:
+            self.own = OwnQueue(self._what)
         nbytes = buffer.numel()
         if self.stripes is None:
             pieces = [(filename, file_offset, 0, nbytes)]
@@ -112,8 +112,14 @@ class QueueWriter:
                       in self.stripes.pieces(nbytes, file_offset)]
         write = _Write(self, _open_once(pieces))
         self._writes.append(write)
-        for path, offset, at, length in pieces:
-            self._write_piece(write, write.files[path], offset, buffer[at:at + length])
+        try:
+            for path, offset, at, length in pieces:
+                self._write_piece(write, write.files[path], offset, buffer[at:at + length])
+        except BaseException:
+            # The caller never gets this write: wait for what it started, close its files.
+            with contextlib.suppress(BaseException):
+                write.result()
+            raise
         return write
 
     def _write_piece(self, write, file, offset, piece):
@@ -138,32 +144,25 @@ class QueueWriter:
                     file.name, False, err, offset + direct, len(tail), wrote)
 
     def settle(self) -> None:
-        """Wait for some requests to end, each counted against its write. Once a reap has
-        been cut short (a Ctrl-C), completions may have gone uncounted: the next call
-        waits for everything in flight instead and ends every write with that error."""
-        if self._interrupted is None:
-            try:
-                for write, error in self.own.reap():
-                    write.left -= 1
-                    write.error = write.error or error
-            except BaseException as error:
-                self._interrupted = error
-                raise
-            return
-        self.own.close()
-        for write in self._writes:
-            write.left = 0
-            write.error = write.error or self._interrupted
+        """Wait for some requests to end, each counted against its write. A reap cut
+        short (a Ctrl-C) may leave completions uncounted: then every request in flight
+        is waited for, every write ended with that error and its files closed, and the
+        error raised; the next ``submit_pwrite`` starts a fresh queue."""
+        try:
+            for write, error in self.own.reap():
+                write.left -= 1
+                write.error = write.error or error
+        except BaseException as error:
+            self._abandon(error)
+            raise
 
-    def _recover(self):
-        """After a reap cut short: wait for what is in flight, end every write with
-        that error and close its files, then a fresh queue for the writes to come (a
-        kept Checkpointer's next save)."""
-        self.settle()
+    def _abandon(self, error: BaseException) -> None:
+        own, self.own = self.own, None
+        own.close()             # waits for what is in flight (a Ctrl-C held back)
         for write in list(self._writes):
+            write.left = 0
+            write.error = write.error or error
             self.forget(write)
-        self.own = OwnQueue(self._what)
-        self._interrupted = None
 
     def close_files(self) -> None:
         """Close this process's descriptors of every write's files, and nothing else: in
@@ -179,7 +178,8 @@ class QueueWriter:
                 file.close()
 
     def close(self) -> None:
-        self.own.close()
+        if self.own is not None:
+            self.own.close()
         for write in list(self._writes):
             self.forget(write)
         registered, self._registered = self._registered, {}

@@ -41,8 +41,11 @@ saved, and returns; the tensors' copy overlaps its next forward and backward pas
 it waits for ``snapshot_taken`` before the optimizer changes the tensors. Not waiting
 would mix two states in one file, so every tensor reachable through ``obj``'s dicts,
 lists and tuples is watched through torch's version counter (which every in-place op
-bumps, optimizers' included; writes through ``.data``, numpy or another process do not)
-and a save that sees one change fails instead of writing. The copy still costs its CPU
+bumps as it ends, optimizers' included; writes through ``.data``, numpy or another
+process do not, and inference tensors have none), checked once the copy is made: a
+save that sees one change fails instead of writing. An op still running then is not
+seen (torch bumps the version as an op ends, and a change after ``snapshot_taken`` is
+the caller's right: a later check could not tell the two apart). The copy still costs its CPU
 time, and the layout holds the GIL: whatever runs beside them is slowed by about that
 much (bench/checkpoint.py reports both; docs/checkpoints.md compares the layout's two
 places).
