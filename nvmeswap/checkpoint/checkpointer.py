@@ -4,7 +4,6 @@ by every save and load made through it; the module functions make a short-lived 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from concurrent.futures import Future
@@ -239,15 +238,11 @@ class Checkpointer:
 
     def write_image(self, image: FileImage, path: str) -> None:
         """Write ``image`` to ``path`` through the ring, crash-consistently."""
-        self._write_image(image, path, in_flight=False)
-
-    def _write_image(self, image, path, *, in_flight):
-        """``write_image``; ``in_flight``: the write of an asynchronous save, which a
-        ``close()`` begun since waits for (any other write it refuses: its buffers are
-        being freed)."""
         with self._lock:
-            if not in_flight:
-                self._check_open()
+            # Not once close() has freed the buffers: a ring made now would be kept. (A
+            # save in flight is written before they are freed: close() waits for it.)
+            if self._freed:
+                raise ValueError("this Checkpointer is closed")
             saver = self._own_queue_saver()
             if saver is not None:
                 saver.write_image(image, path)
@@ -408,8 +403,7 @@ class Checkpointer:
                         self._write_packed(obj, snapshot, places, path)
                 elif one_off and room_on_device(image):
                     clone_runs(image)
-                    # from the clones, through the ring
-                    write = functools.partial(self._write_image, in_flight=True)
+                    write = self.write_image        # from the clones, through the ring
                 else:
                     self._snapshot.copy_image(image, locked=not one_off)
                 future.snapshot_taken.set_result(None)
@@ -440,7 +434,7 @@ class Checkpointer:
                 raise RuntimeError(f"{path}: not saved: a tensor's storage was resized "
                                    "before the save was written")
             run.source = snapshot[start:start + nbytes]
-        self._write_image(image, path, in_flight=True)
+        self.write_image(image, path)
 
     def _save_in_background(self, image, path, future, one_off, take, write):
         """The saving thread: the snapshot first if ``take`` makes it here (and the
