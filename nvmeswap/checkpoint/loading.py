@@ -512,14 +512,7 @@ def _placed(path, entries, into, strict):
         if source.dtype != target.dtype or source.shape != target.shape:
             raise ValueError(f"{path}: {name} is {source.dtype} {source.shape} in the "
                              f"file, {target.dtype} {tuple(target.shape)} in memory")
-        if not target.is_contiguous():
-            raise ValueError(f"load_into: the tensor for {name} is not contiguous")
-        if target.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"load_into: the tensor for {name} is on {target.device}; "
-                             "host and CUDA tensors are filled")
-        if target.is_conj() or target.is_neg():
-            raise ValueError(f"load_into: the tensor for {name} is a conjugate or negative "
-                             "view (its bytes are not its values); pass one without the bit")
+        check_target("load_into", name, target)
         if not source.is_contiguous():
             raise ValueError(f"{path}: {name} was saved as a non-contiguous view; use "
                              "nvmeswap.load for it")
@@ -534,6 +527,20 @@ def _placed(path, entries, into, strict):
             if source.conj or source.neg:
                 with_bits.append((target, source.conj, source.neg))
     return reads, with_bits
+
+
+def check_target(call: str, name: str, target: Any) -> None:
+    """ValueError (from ``call``, naming the entry) unless bytes read straight into
+    ``target`` are its values: contiguous, on the host or a GPU, no conjugate or
+    negative bit."""
+    if not target.is_contiguous():
+        raise ValueError(f"{call}: the tensor for {name} is not contiguous")
+    if target.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{call}: the tensor for {name} is on {target.device}; host and "
+                         "CUDA tensors are filled")
+    if target.is_conj() or target.is_neg():
+        raise ValueError(f"{call}: the tensor for {name} is a conjugate or negative view "
+                         "(its bytes are not its values); pass one without the bit")
 
 
 def _pairs(saved, into, strict, path, name=""):

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..units import ALIGNMENT, round_up
 from .image import FileImage, uint8_view
-from .loading import read_data, read_each, reading
+from .loading import check_target, read_data, read_each, reading
 from .striped_checkpoints import opened
 
 #: safetensors' dtype names; the unsigned 16/32/64-bit ones need torch 2.3+.
@@ -246,16 +246,7 @@ def _placed(header, into, strict):
         if target.dtype != dtype or tuple(target.shape) != shape:
             raise ValueError(f"{path}: {name} is {dtype} {shape} in the file, "
                              f"{target.dtype} {tuple(target.shape)} in memory")
-        if not target.is_contiguous():
-            raise ValueError(f"load_safetensors_into: the tensor for {name} is not "
-                             "contiguous")
-        if target.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"load_safetensors_into: the tensor for {name} is on {target.device}; "
-                             "host and CUDA tensors are filled")
-        if target.is_conj() or target.is_neg():
-            raise ValueError(f"load_safetensors_into: the tensor for {name} is a conjugate "
-                             "or negative view (its bytes are not its values); pass one "
-                             "without the bit")
+        check_target("load_safetensors_into", name, target)
         if end > start:     # its bytes are its dtype's and shape's (Header checked them)
             reads.append((target, start))
     return reads
