@@ -228,3 +228,67 @@ def test_small_tensors_share_a_pack_file_and_batch_their_writes(tmp_path):
         swapper.swap_out("t3", torch.randn(5000), async_op=False)      # grew: a new slot
         assert swapper.swap_in("t3", async_op=False).numel() == 5000
     assert os.listdir(tmp_path) == []
+
+
+def test_a_key_moving_between_pack_file_and_own_file_keeps_one_place(tmp_path):
+    sizes = {"small": 100, "big": 10_000}
+    for order in (("small", "big"), ("big", "small")):
+        with TensorSwapper(tmp_path, pack_below=4096) as swapper:
+            for which in order:
+                data = torch.arange(sizes[which], dtype=torch.int16).to(torch.uint8)
+                swapper.swap_out("k", data, async_op=False)
+            assert torch.equal(swapper.swap_in("k", async_op=False), data)
+            own_files = [f for f in os.listdir(swapper.directory) if f != "pack.swp"]
+            assert len(own_files) == (order[-1] == "big"), order
+            swapper.release("k")
+            assert [f for f in os.listdir(swapper.directory) if f != "pack.swp"] == []
+        assert os.listdir(tmp_path) == []
+
+
+def test_released_pack_slots_are_taken_again(tmp_path):
+    with TensorSwapper(tmp_path, pack_below=64 << 10) as swapper:
+        pack = os.path.join(swapper.directory, "pack.swp")
+        for step in range(20):       # an optimizer's state: read, released, written again
+            swapper.swap_out("a", torch.full((1000,), step, dtype=torch.uint8), async_op=False)
+            swapper.swap_out("b", torch.full((3000,), step, dtype=torch.uint8), async_op=False)
+            assert int(swapper.swap_in("a", async_op=False).sum()) == 1000 * step
+            swapper.release("a")
+            swapper.release("b")
+        assert os.path.getsize(pack) == 2 * 4096
+        swapper.swap_out("c", torch.ones(2000, dtype=torch.uint8), async_op=False)
+        swapper.swap_out("d", torch.ones(100, dtype=torch.uint8) * 3, async_op=False)
+        assert os.path.getsize(pack) == 2 * 4096
+        assert int(swapper.swap_in("d", async_op=False).sum()) == 300
+
+
+def test_a_pack_write_that_cannot_start_fails_its_keys(tmp_path, monkeypatch):
+    with TensorSwapper(tmp_path, pack_below=4096) as swapper:
+        swapper.swap_out("a", torch.full((100,), 1, dtype=torch.uint8), async_op=False)
+        swapper.swap_out("a", torch.full((100,), 2, dtype=torch.uint8))
+        swapper.swap_out("first", torch.full((100,), 3, dtype=torch.uint8))
+        swapper.swap_out("own", torch.full((10_000,), 4, dtype=torch.uint8))
+        real_write = swapper.write_handle.async_pwrite
+
+        def full_disk(buffer, path, offset=0):
+            if path.endswith("pack.swp"):
+                raise OSError(28, "No space left on device", path)
+            return real_write(buffer, path, offset)
+        monkeypatch.setattr(swapper.write_handle, "async_pwrite", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            swapper.synchronize_writes()
+        monkeypatch.undo()
+        for key in ("a", "first"):       # never the old bytes of "a"
+            assert swapper.state(key) is SwapState.FAILED
+            with pytest.raises(SwapError, match="pack.swp failed: .*No space left"):
+                swapper.swap_in(key)
+        assert swapper.state("own") is SwapState.ON_DISK      # its own write landed
+        assert int(swapper.swap_in("own", async_op=False).sum()) == 40_000
+        swapper.swap_out("a", torch.full((100,), 5, dtype=torch.uint8), async_op=False)
+        assert int(swapper.swap_in("a", async_op=False).sum()) == 500
+    assert os.listdir(tmp_path) == []
+
+
+def test_one_handle_for_reads_and_writes_is_refused(tmp_path, handle):
+    with pytest.raises(ValueError, match="two handles, one for reads and one for writes"):
+        TensorSwapper(tmp_path, read_handle=handle, write_handle=handle)
+    assert os.listdir(tmp_path) == []

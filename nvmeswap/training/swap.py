@@ -62,9 +62,9 @@ class TensorSwapper:
         stripe (Note [stripes] in checkpoint/stripes.py); the default handles are then
         ``StripedHandle``s.
     read_handle, write_handle : aio_handle, optional
-        The handles to use; by default two of its own (``**handle_args``) that share
-        their locked memory, so reads are never queued behind writes and tensors from
-        ``new_locked_tensor`` are zero-copy both ways.
+        The handles to use, two different ones; by default two of its own
+        (``**handle_args``) that share their locked memory, so reads are never queued
+        behind writes and tensors from ``new_locked_tensor`` are zero-copy both ways.
     pack_below : int
         Tensors smaller than this many bytes share one pack file, each in an aligned
         slot that it keeps when swapped out again; their writes wait until
@@ -85,6 +85,10 @@ class TensorSwapper:
     def __init__(self, folder: str | os.PathLike[str], read_handle: aio_handle | None = None,
                  write_handle: aio_handle | None = None, *, pack_below: int = 0,
                  stripe_bytes: int | None = None, **handle_args: Any) -> None:
+        if read_handle is not None and read_handle is write_handle:
+            # Each side's wait() counts its own operations: one handle would count both.
+            raise ValueError("TensorSwapper needs two handles, one for reads and one for "
+                             "writes; pass two, or neither (it makes its own)")
         folders = [os.fspath(f) for f in folder] if isinstance(folder, (list, tuple)) \
             else [os.fspath(folder)]
         for each in folders:
@@ -162,6 +166,8 @@ class TensorSwapper:
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
         flat = as_bytes(tensor)
         packed = 0 < flat.numel() < self.pack_below
+        if entry is not None:
+            self._leave_place(key, entry, packed)
         path, offset = (self._pack.path, self._pack.slot(key, flat.numel())) if packed else \
             (os.path.join(self.directory, file_name(key)), 0)
         entry = _Entry(path, offset, tuple(tensor.shape), tensor.dtype, flat.numel())
@@ -189,6 +195,15 @@ class TensorSwapper:
                 self._uncertain_writes += 1
             _fail(entry, f"writing {entry.path} failed: {error}")
             raise
+
+    def _leave_place(self, key, entry, packed):
+        """Give up the place ``key`` had (its file, or its slot of the pack file) when its
+        next bytes go to the other kind: else the file would outlive ``release``."""
+        if entry.path == self._pack.path:
+            if not packed:
+                self._pack.release(key)
+        elif packed:
+            self._remove(entry.path)
 
     def _in_directory(self, write, *args):
         """Start ``write(*args)``; if the swapper's folder is gone (a clean-up job removed
@@ -259,19 +274,22 @@ class TensorSwapper:
         Returns the number of writes completed. If the handle reports a failure or other
         counts than were started, every key written since the last synchronize is left
         ``FAILED`` (which of them landed is not known); a key whose file came up short is
-        left ``FAILED`` and named. Either way a ``SwapError`` (or the handle's error) is
-        raised once no write is in flight; the caller still holds the tensors and can swap
-        them out again.
+        left ``FAILED`` and named; so are the keys of a pack file write that could not be
+        started. Either way a ``SwapError`` (or the handle's error, or the one that kept
+        the pack file's write from starting) is raised once no write is in flight; the
+        caller still holds the tensors and can swap them out again.
         """
         self._check_open()
         keys, self._writing = self._writing, []
         uncertain, self._uncertain_writes = self._uncertain_writes, 0
+        batched, start_error = set(self._pack.batched), None
+        started = len(keys) - len(batched)
         try:
-            started = len(keys) - len(self._pack.batched) + \
-                self._in_directory(self._pack.write_batches, self.write_handle, self._entries)
-        except BaseException:
-            uncertain += 1
-            started = -1
+            started += self._in_directory(self._pack.write_batches, self.write_handle,
+                                          self._entries)
+        except BaseException as error:
+            # Some of the runs may have started: wait() counts those.
+            start_error, uncertain = error, uncertain + len(batched)
             self._pack.batched = []
         try:
             done = self.write_handle.wait()
@@ -282,10 +300,13 @@ class TensorSwapper:
         finally:
             self._pack.buffers = []
         problems = [] if started <= done <= started + uncertain else \
-            [f"{done} writes completed, {max(started, 0)} were started"]
+            [f"{done} writes completed, {started} were started"]
         for key in keys:
             entry = self._entries[key]
             entry.tensor = None
+            if start_error is not None and key in batched:
+                _fail(entry, f"writing {entry.path} failed: {start_error}")
+                continue
             if problems:
                 _fail(entry, problems[0])
                 continue
@@ -297,6 +318,8 @@ class TensorSwapper:
                 _fail(entry, message)
             else:
                 entry.state = SwapState.ON_DISK
+        if start_error is not None:
+            raise start_error
         if problems:
             raise SwapError("; ".join(problems))
         return done

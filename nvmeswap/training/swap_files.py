@@ -36,27 +36,41 @@ def as_bytes(tensor):
 class PackFile:
     """The file the small tensors share: each key keeps an aligned slot in it while it
     fits, and the writes queued in ``batched`` go out as one write per run of adjacent
-    slots (write-behind batching)."""
+    slots (write-behind batching). A released slot is taken again by the next key it
+    fits, so the file grows with the keys held, not with the keys ever written."""
 
     def __init__(self, path):
         self.path = path
         self._end = 0
         self._slots = {}            # packed key -> (offset, capacity) in the pack file
+        self._free = []             # (capacity, offset) of released slots
         self.batched = []           # packed keys written at the next write_batches
         self.buffers = []           # staging of the batched writes in flight
 
     def slot(self, key, nbytes):
-        """The key's place in the pack file: the one it had if it still fits."""
+        """The key's place in the pack file: the one it had if it still fits, else the
+        smallest released one that does, else a new one at the end."""
         offset, capacity = self._slots.get(key, (0, 0))
         if capacity < nbytes:
-            capacity = round_up(nbytes, ALIGNMENT)
-            offset, self._end = self._end, self._end + capacity
+            self.release(key)
+            fitting = [free for free in self._free if free[0] >= nbytes]
+            if fitting:
+                capacity, offset = min(fitting)
+                self._free.remove((capacity, offset))
+            else:
+                capacity = round_up(nbytes, ALIGNMENT)
+                offset, self._end = self._end, self._end + capacity
             self._slots[key] = (offset, capacity)
         return offset
 
     def release(self, key):
-        """Forget the key's slot; False if it had none (its bytes are in a file of its own)."""
-        return self._slots.pop(key, None) is not None
+        """Give the key's slot up; False if it had none (its bytes are in a file of its
+        own)."""
+        place = self._slots.pop(key, None)
+        if place is None:
+            return False
+        self._free.append((place[1], place[0]))
+        return True
 
     def write_batches(self, handle, entries):
         """Start the batched writes on ``handle`` (each key's bytes are
