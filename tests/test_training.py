@@ -7,6 +7,7 @@ test_swap.py.
 import io
 import os
 
+import psutil
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
@@ -378,6 +379,35 @@ def test_refuses_what_it_cannot_offload(tmp_path):
         assert optimizer.optimizer.state[layers[0]]["momentum_buffer"].shape == \
             layers[0].shape                 # kept in memory, not lost
     assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_start_leaves_the_wrapped_optimizer_as_it_was(tmp_path, monkeypatch):
+    """State it cannot offload is refused before any of it moves; an I/O error while the
+    state it had is offloaded puts back what had left and leaves no file or worker."""
+    layers = make_layers()
+    adam = torch.optim.Adam(groups_of(layers), lr=1e-3)
+    Run(layers, adam).step(2)
+    before = {p: {n: v.clone() for n, v in s.items()} for p, s in adam.state.items()}
+    adam.state[layers[2]]["extra"] = [1, 2]
+    with pytest.raises(TypeError, match="keeps a list as state 'extra'"):
+        OffloadedOptimizer(adam, tmp_path)
+    del adam.state[layers[2]]["extra"]
+    real_swap_out = TensorSwapper.swap_out
+
+    def fail_second_group(self, key, tensor, async_op=True):
+        if key.startswith("param2."):
+            raise OSError(28, "No space left on device", key)
+        return real_swap_out(self, key, tensor, async_op)
+    monkeypatch.setattr(TensorSwapper, "swap_out", fail_second_group)
+    with pytest.raises(OSError, match="No space left"):
+        OffloadedOptimizer(adam, tmp_path)
+    assert os.listdir(tmp_path) == []
+    assert psutil.Process().children() == []
+    assert adam.state.keys() == before.keys()
+    for param, state in before.items():
+        assert list(adam.state[param]) == list(state)
+        for name, value in state.items():
+            assert torch.equal(adam.state[param][name], value), name
 
 
 def test_hooks_run_once_per_step_with_the_offloaded_optimizer(tmp_path):

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .offload_state import OffloadedState, StateOffloading
+from .offload_state import OffloadedState, StateOffloading, check_state
 from .swap import TensorSwapper
 
 
@@ -78,6 +78,9 @@ class OffloadedOptimizer(StateOffloading, torch.optim.Optimizer):
                             "closure across them")
         for index, group in enumerate(optimizer.param_groups):
             _check_parameters(group["params"], index)
+        for state in optimizer.state.values():
+            for name, value in state.items():
+                check_state(optimizer, name, value)
         # What torch.optim.Optimizer.__init__ sets, but the groups and the state are the
         # wrapped optimizer's (properties below), so it is not called.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -96,7 +99,20 @@ class OffloadedOptimizer(StateOffloading, torch.optim.Optimizer):
         self._state_view = OffloadedState(self)
         self._snapshot = None   # the state state_dict() sees
         if any(optimizer.state.values()):
-            self._run_groups(None)      # state it had already: offloaded now
+            try:
+                self._run_groups(None)      # state it had already: offloaded now
+            except BaseException:
+                self._give_state_back()
+                raise
+
+    def _give_state_back(self):
+        """After a failed start: the state offloaded so far read back into the wrapped
+        optimizer, and the swapper closed."""
+        try:
+            for param in list(self._records):
+                self._bring_in(param)
+        finally:
+            self.close()
 
     # -- what torch.optim.Optimizer has -------------------------------------------------
     @property

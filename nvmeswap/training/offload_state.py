@@ -130,15 +130,10 @@ class StateOffloading:
             if not state:
                 continue
             for name, value in state.items():
+                check_state(self.optimizer, name, value)
                 if isinstance(value, torch.Tensor) and value.numel() >= SMALL_STATE:
-                    _check_state(self.optimizer, param, name, value)
                     layout.append((param, name, offset, tuple(value.shape), value.dtype))
                     offset += round_up(value.numel() * value.element_size(), ALIGNMENT)
-                elif not isinstance(value, (torch.Tensor, *SCALARS)):
-                    raise TypeError(
-                        f"{type(self.optimizer).__name__} keeps a {type(value).__name__} as "
-                        f"state {name!r} of a parameter; OffloadedOptimizer offloads only "
-                        "tensors (and keeps scalars in memory). That state stays in memory.")
         for param in group["params"]:           # entries the optimizer dropped
             names = {name for p, name, *_ in layout if p is param}
             for name in [n for n in self._records.get(param, {}) if n not in names]:
@@ -335,11 +330,19 @@ class OffloadedState(MutableMapping):
                 f"{len(self._owner._records)} offloaded>")
 
 
-def _check_state(optimizer, param, name, value):
-    if value.device.type != "cpu" or value.layout != torch.strided:
-        raise TypeError(f"{type(optimizer).__name__} keeps state {name!r} as a "
-                        f"{value.layout} tensor on {value.device}; OffloadedOptimizer "
-                        "offloads dense CPU tensors. That state stays in memory.")
+def check_state(optimizer, name, value):
+    """TypeError unless ``value``, the state ``name`` of a parameter, can be offloaded
+    (a dense CPU tensor) or kept in memory as it is (a scalar)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.layout != torch.strided:
+            raise TypeError(f"{type(optimizer).__name__} keeps state {name!r} as a "
+                            f"{value.layout} tensor on {value.device}; OffloadedOptimizer "
+                            "offloads dense CPU tensors. That state stays in memory.")
+    elif not isinstance(value, SCALARS):
+        raise TypeError(
+            f"{type(optimizer).__name__} keeps a {type(value).__name__} as state {name!r} "
+            "of a parameter; OffloadedOptimizer offloads only tensors (and keeps scalars "
+            "in memory). That state stays in memory.")
 
 
 def _plan_bytes(plan):
