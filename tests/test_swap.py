@@ -30,6 +30,19 @@ def test_buffer_pool(handle):
     assert not any(handle.is_pinned(b) for b in buffers)
 
 
+def test_a_buffer_pool_that_cannot_be_made_frees_what_it_made(tmp_path):
+    from nvmeswap import aio_handle
+    from nvmeswap.errors import MemoryBudgetError
+    with aio_handle(memory_budget=(64 << 20) + (3 << 20)) as handle:
+        in_use = handle.memory_in_use
+        with pytest.raises(MemoryBudgetError):
+            SwapBufferPool(handle, 4, 1 << 20)
+        assert handle.memory_in_use == in_use
+        pool = SwapBufferPool(handle, 3, 1 << 20)   # the budget holds three
+        assert handle.memory_in_use == in_use + (3 << 20)
+        pool.close()
+
+
 TENSORS = {
     "empty": torch.empty(0),
     "scalar": torch.tensor(3.5, dtype=torch.float64),

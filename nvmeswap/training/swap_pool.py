@@ -16,8 +16,14 @@ class SwapBufferPool:
         import torch
         self._handle = handle
         self._zero = zero
-        self._all = [handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
-                     for _ in range(count)]
+        self._all = []
+        try:
+            for _ in range(count):
+                self._all.append(handle.new_cpu_locked_tensor(
+                    nbytes, torch.empty(0, dtype=torch.uint8)))
+        except BaseException:
+            self.close()        # the ones made: nothing else could free them
+            raise
         self._free = list(self._all)
         self.nbytes = nbytes
 
