@@ -19,12 +19,17 @@ _ALIASES = {
 }
 # Keys of a DeepSpeed "aio" section that say nothing about a handle.
 _IGNORED = {"use_gds"}
+# Keys that make a dict a whole DeepSpeed config: without an "aio" section, the defaults.
+_DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu",
+                   "gradient_accumulation_steps", "zero_optimization", "optimizer",
+                   "scheduler", "fp16", "bf16", "gradient_clipping"}
 
 
 def handle_arguments(config):
     """Keyword arguments for ``aio_handle`` from a dict or JSON text.
 
-    Accepts ``{"aio": {...}}`` or the section itself, DeepSpeed's legacy names
+    Accepts ``{"aio": {...}}`` (a whole DeepSpeed config, whose missing ``"aio"``
+    section means the defaults) or the section itself, DeepSpeed's legacy names
     (``num_threads``, ``thread_count``), ``"true"``/``"false"`` strings and sizes
     such as ``"1M"``.
     """
@@ -32,7 +37,15 @@ def handle_arguments(config):
         config = json.loads(config)
     if not isinstance(config, dict):
         raise TypeError(f"expected a dict or JSON text, got {type(config).__name__}")
-    section = config.get("aio", config)
+    if "aio" in config:
+        section = config["aio"]
+        if not isinstance(section, dict):
+            raise TypeError(f'the "aio" section must be a dict of settings, got '
+                            f"{type(section).__name__}")
+    elif _DEEPSPEED_KEYS.intersection(config) and not set(_ALIASES).intersection(config):
+        section = {}
+    else:
+        section = config
     arguments = {}
     for key, value in section.items():
         if key in _IGNORED:

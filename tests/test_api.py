@@ -132,6 +132,8 @@ def test_locked_tensor_lifecycle(handle):
     (('{"aio": {"single_submit": "true", "overlap_events": "false", "num_threads": 1, '
       '"block_size": "1M", "queue_depth": 8}}'), (1 << 20, 8, True, False, 1)),
     ({"block_size": 65536, "intra_op_parallelism": 2}, (65536, 128, False, False, 2)),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 3}},       # no "aio": defaults
+     (1 << 20, 128, False, False, 1)),
 ])
 def test_from_config(config, expected):
     with nvmeswap.aio_handle.from_config(config) as h:
@@ -142,6 +144,11 @@ def test_from_config(config, expected):
 def test_from_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="unknown aio setting 'blocksize'"):
         nvmeswap.aio_handle.from_config(json.dumps({"aio": {"blocksize": 4096}}))
+    with pytest.raises(ValueError, match="unknown aio setting 'train_batch_size'"):
+        nvmeswap.aio_handle.from_config({"train_batch_size": 8, "block_size": 4096})
+    with pytest.raises(TypeError, match='the "aio" section must be a dict of settings, '
+                                        "got NoneType"):
+        nvmeswap.aio_handle.from_config('{"aio": null}')
 
 
 def test_compat_builder(tmp_path):
