@@ -29,6 +29,14 @@ MAX_QUEUE_DEPTH = 1024
 MAX_BLOCK_SIZE = 1 << 30
 MIN_STAGING_BYTES = 1 << 20
 
+
+def setting_bounds() -> dict[str, tuple[int, int | None]]:
+    """The lowest and highest value (None: no bound) of each whole-number setting of a
+    handle, for callers that check settings before they make one (the command line)."""
+    return {"block_size": (1, MAX_BLOCK_SIZE), "queue_depth": (1, MAX_QUEUE_DEPTH),
+            "intra_op_parallelism": (1, max(8, 4 * (os.cpu_count() or 1))),
+            "staging_bytes": (MIN_STAGING_BYTES, None)}
+
 Buffer = Any            # a torch tensor, a numpy array, or any buffer-protocol object
 Target = Union[str, bytes, "os.PathLike[str]", int]     # a file name, or an open fd
 
@@ -86,14 +94,15 @@ class aio_handle:
                  staging_bytes: int | None = None, memory_budget: int | None = None,
                  share_locked_memory_with: aio_handle | None = None,
                  engine: str | None = None, _limits: Limits | None = None) -> None:
-        self._block_size = checked_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+        bounds = setting_bounds()
+        self._block_size = checked_int("block_size", block_size, *bounds["block_size"])
         # Note [block size]: O_DIRECT requests must cover whole 4 KiB sectors of memory and
         # file, so a smaller (or unaligned) block size asked for is served by the next
         # multiple of 4096. Requests only cut the transfer: the bytes moved are the same.
         engine_block = round_up(self._block_size, ALIGNMENT)
-        self._queue_depth = checked_int("queue_depth", queue_depth, 1, MAX_QUEUE_DEPTH)
-        self._parallelism = checked_int("intra_op_parallelism", intra_op_parallelism, 1,
-                                        max(8, 4 * (os.cpu_count() or 1)))
+        self._queue_depth = checked_int("queue_depth", queue_depth, *bounds["queue_depth"])
+        self._parallelism = checked_int("intra_op_parallelism", intra_op_parallelism,
+                                        *bounds["intra_op_parallelism"])
         self._single_submit = checked_bool("single_submit", single_submit)
         self._overlap_events = checked_bool("overlap_events", overlap_events)
         if o_direct not in (None, True, False):
@@ -104,7 +113,7 @@ class aio_handle:
         self._limits = limits = _limits or DEFAULT_LIMITS
         if staging_bytes is not None:
             limits = self._limits = limits.replace(staging_bytes=round_up(
-                checked_int("staging_bytes", staging_bytes, MIN_STAGING_BYTES, None),
+                checked_int("staging_bytes", staging_bytes, *bounds["staging_bytes"]),
                 ALIGNMENT))
         self._staging_bytes = limits.staging_bytes
         self._made = {}     # region id -> bytes of the locked tensors this handle made

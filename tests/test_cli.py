@@ -65,6 +65,57 @@ def test_bench_config_file(tmp_path):
     assert json.loads(out.read_text())["config"]["handle"] == {
         "block_size": 262144, "queue_depth": 8, "single_submit": True,
         "overlap_events": False, "intra_op_parallelism": 2}
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                              "--config", config, "--no-single-submit", "--json", out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["config"]["handle"]["single_submit"] is False
+
+
+def test_bench_refuses_settings_out_of_range_before_any_work(tmp_path):
+    for option, value in (("--intra-op-parallelism", 1000), ("--queue-depth", 1025),
+                          ("--block-size", "3G")):
+        result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", option,
+                                  value)
+        assert result.returncode == 2, (option, result.stderr)
+        assert f"nvmeswap bench: {option}: " in result.stderr and "must be between" in \
+            result.stderr
+    config = tmp_path / "deep.json"
+    config.write_text('{"aio": {"queue_depth": 5000}}')
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--config",
+                              config)
+    assert result.returncode == 2
+    assert f"--config {config}: queue_depth must be between 1 and 1024" in result.stderr
+    config.write_text('{"aio": null}')
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--config",
+                              config)
+    assert result.returncode == 2 and '"aio" section must be a dict' in result.stderr
+    assert os.listdir(tmp_path) == ["deep.json"]
+
+
+@needs_torch
+def test_bench_stripe_read_only_to_json(tmp_path):
+    folders = [tmp_path / "d0", tmp_path / "d1"]
+    for folder in folders:
+        folder.mkdir()
+    out = tmp_path / "stripe.json"
+    result = nvmeswap_command("bench", "--stripe", ",".join(map(str, folders)), "--io-size",
+                              "2M", "--stripe-size", "256K", "--loops", 1, "--read",
+                              "--json", out)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert [device["folder"] for device in summary["devices"]] == list(map(str, folders))
+    assert all(set(device) == {"folder", "read"} and device["read"] > 0
+               for device in summary["devices"])
+    assert summary["sum_of_devices"]["read"] == pytest.approx(
+        sum(device["read"] for device in summary["devices"]))
+    assert summary["striped_over_sum"]["read"] == pytest.approx(
+        summary["striped"]["read"] / summary["sum_of_devices"]["read"])
+    assert "write" not in result.stdout and "striped / sum" in result.stdout
+    assert all(os.listdir(folder) == [] for folder in folders)
+    for extra in (["--ranks", "2"], ["--validate"], ["--folder", str(tmp_path)]):
+        refused = nvmeswap_command("bench", "--stripe", ",".join(map(str, folders)),
+                                   "--io-size", "1M", *extra)
+        assert refused.returncode == 2 and f"drop {extra[0]}" in refused.stderr, extra
 
 
 def test_bench_errors(tmp_path):

@@ -10,6 +10,7 @@ bytes), with ds_io's meanings:
   Speed         all ranks' bytes over all timed loops / that latency
 Ctrl-C stops after the current loop, removes the files and keeps the loops measured.
 """
+import argparse
 import os
 import shutil
 import sys
@@ -55,9 +56,10 @@ def add_arguments(parser):
     parser.add_argument("--queue-depth", "--queue_depth", type=positive_int, default=None,
                         metavar="N", help="requests in flight per worker "
                                           "(default: the handle's, 128)")
-    parser.add_argument("--single-submit", "--single_submit", action="store_true",
-                        default=None, help="one io_submit call per request "
-                                           "(default: batches)")
+    parser.add_argument("--single-submit", "--single_submit",
+                        action=argparse.BooleanOptionalAction, default=None,
+                        help="one io_submit call per request, or (--no-single-submit) "
+                             "batches (default: the handle's, batches)")
     overlap = parser.add_mutually_exclusive_group()
     overlap.add_argument("--overlap-events", "--overlap_events", action="store_true",
                          default=None, help="refill the queue as each request completes "
@@ -125,9 +127,8 @@ def run(args):
     plan = _plan(args)
     if args.stripe is not None:
         from .bench_stripes import run_stripes
-        if args.stripe_size % 4096:
-            raise UsageError(f"--stripe-size must be a multiple of 4096, got {args.stripe_size}")
-        return run_stripes(args, plan["handle"], args.stripe_size)
+        _check_stripe_options(args)
+        return run_stripes(args, plan, args.stripe_size)
     made_folder = None
     if not plan["folders"]:
         try:
@@ -176,6 +177,7 @@ def _plan(args):
     for name in SETTINGS:
         if getattr(args, name) is not None:
             handle_args[name] = getattr(args, name)
+    _check_settings(handle_args, args)
     _check_engine(handle_args.get("engine"), "--engine")
     # Only what was asked for: importing torch to count GPUs takes seconds.
     gpus = gpu_count() if (args.gpu or args.gds or args.buffer == "pinned") else 0
@@ -231,6 +233,36 @@ def _plan(args):
         "ops": args.ops if random else 1,
         "batch": args.batch,
     }
+
+
+def _check_settings(handle_args, args):
+    """Refuse, before the run, a setting out of the handle's range, naming its option
+    or the --config file it came from."""
+    from ..aio import setting_bounds
+    from ..io.operation import checked_int
+    for name, (low, high) in setting_bounds().items():
+        if name in handle_args:
+            try:
+                checked_int(name, handle_args[name], low, high)
+            except (TypeError, ValueError) as error:
+                given = f"--{name.replace('_', '-')}" if getattr(args, name, None) \
+                    is not None else f"--config {args.config}"
+                raise UsageError(f"{given}: {error}") from None
+
+
+def _check_stripe_options(args):
+    """--stripe measures one host buffer on one rank, its folders its own: refuse what it
+    would not do, before any work."""
+    if args.stripe_size % 4096:
+        raise UsageError(f"--stripe-size must be a multiple of 4096, got {args.stripe_size}")
+    unused = [option for option, given in (
+        ("--folder", args.folders), ("--ranks", args.ranks != 1), ("--buffer", args.buffer),
+        ("--gpu", args.gpu), ("--gds", args.gds), ("--validate", args.validate),
+        ("--pattern rand", args.pattern != "seq")) if given]
+    if unused:
+        raise UsageError(f"--stripe measures its own folders on one rank from locked host "
+                         f"memory, and checks the striped bytes itself; drop "
+                         f"{', '.join(unused)}")
 
 
 def _check_engine(engine, option):

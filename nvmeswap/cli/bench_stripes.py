@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from ..units import GB, human_size
-from .options import UsageError, check_folder
+from .options import UsageError, check_folder, write_json
 
 JOBS = ("write", "read")
 
@@ -42,16 +42,23 @@ def _time(loops, warmup, move):
     return best
 
 
-def _measure(handle, buffer, path, loops, warmup):
+def _measure(handle, buffer, path, jobs, loops, warmup):
+    """GB/s of each of ``jobs``; a read alone reads a file written untimed first."""
     nbytes = buffer.numel()
     rates = {}
-    rates["write"] = nbytes / _time(loops, warmup, lambda: handle.sync_pwrite(buffer, path)) / GB
-    rates["read"] = nbytes / _time(loops, warmup, lambda: handle.sync_pread(buffer, path)) / GB
+    if "write" in jobs:
+        rates["write"] = nbytes / _time(loops, warmup,
+                                        lambda: handle.sync_pwrite(buffer, path)) / GB
+    else:
+        handle.sync_pwrite(buffer, path)
+    if "read" in jobs:
+        rates["read"] = nbytes / _time(loops, warmup,
+                                       lambda: handle.sync_pread(buffer, path)) / GB
     return rates
 
 
-def run_stripes(args, handle_args, stripe_bytes):
-    """Run the striped measurement; return the exit status."""
+def run_stripes(args, plan, stripe_bytes):
+    """Run the striped measurement of ``plan`` (bench's); return the exit status."""
     try:
         import torch
     except ImportError:
@@ -60,6 +67,7 @@ def run_stripes(args, handle_args, stripe_bytes):
     from ..checkpoint.stripes import StripedHandle
 
     folders = stripe_folders(args.stripe)
+    handle_args, jobs = plan["handle"], [job for job in JOBS if job in plan["jobs"]]
     work = [tempfile.mkdtemp(prefix="nvmeswap-stripe-", dir=folder) for folder in folders]
     rows = []
     try:
@@ -70,10 +78,10 @@ def run_stripes(args, handle_args, stripe_bytes):
                 for folder, own in zip(folders, work):
                     with aio_handle(**handle_args) as alone:
                         rates = _measure(alone, buffer, os.path.join(own, "alone.bin"),
-                                         args.loops, args.warmup_loops)
+                                         jobs, args.loops, args.warmup_loops)
                     rows.append((folder, rates))
                 logical = os.path.join(work[0], "striped.bin")
-                striped_rates = _measure(striped, buffer, logical, args.loops,
+                striped_rates = _measure(striped, buffer, logical, jobs, args.loops,
                                          args.warmup_loops)
                 check = torch.empty_like(buffer)
                 striped.sync_pread(check, logical)
@@ -89,16 +97,28 @@ def run_stripes(args, handle_args, stripe_bytes):
     finally:
         for own in work:
             shutil.rmtree(own, ignore_errors=True)
-    total = {job: sum(rates[job] for _, rates in rows) for job in JOBS}
-    print(f"striped over {len(folders)} folders, {human_size(stripe_bytes)} a stripe, "
-          f"{human_size(args.io_size)} per operation, best of {args.loops} loops (GB/s, "
-          "GB = 10^9 bytes)")
-    width = max(len("striped / sum"), *(len(f) for f in folders))
-    print(f"{'device':<{width}}  {'write':>7}  {'read':>7}")
-    for folder, rates in rows:
-        print(f"{folder:<{width}}  {rates['write']:7.2f}  {rates['read']:7.2f}")
-    print(f"{'sum of devices':<{width}}  {total['write']:7.2f}  {total['read']:7.2f}")
-    print(f"{'striped':<{width}}  {striped_rates['write']:7.2f}  {striped_rates['read']:7.2f}")
-    print(f"{'striped / sum':<{width}}  {striped_rates['write'] / total['write']:7.2f}  "
-          f"{striped_rates['read'] / total['read']:7.2f}")
+    total = {job: sum(rates[job] for _, rates in rows) for job in jobs}
+    summary = {
+        "stripe_bytes": stripe_bytes, "io_size": args.io_size, "loops": args.loops,
+        "warmup_loops": args.warmup_loops, "handle": handle_args, "gb_per_s": "best loop",
+        "devices": [{"folder": folder, **rates} for folder, rates in rows],
+        "sum_of_devices": total, "striped": striped_rates,
+        "striped_over_sum": {job: striped_rates[job] / total[job] for job in jobs},
+    }
+    if args.json:           # first: a closed pipe on the table must not lose the run
+        write_json(args.json, summary)
+    _print_table(summary, folders, jobs, sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+def _print_table(summary, folders, jobs, out):
+    print(f"striped over {len(folders)} folders, {human_size(summary['stripe_bytes'])} a "
+          f"stripe, {human_size(summary['io_size'])} per operation, best of "
+          f"{summary['loops']} loops (GB/s, GB = 10^9 bytes)", file=out)
+    width = max(len("striped / sum"), *(len(f) for f in folders))
+    rows = [(device["folder"], device) for device in summary["devices"]]
+    rows += [("sum of devices", summary["sum_of_devices"]), ("striped", summary["striped"]),
+             ("striped / sum", summary["striped_over_sum"])]
+    print(f"{'device':<{width}}" + "".join(f"  {job:>7}" for job in jobs), file=out)
+    for name, rates in rows:
+        print(f"{name:<{width}}" + "".join(f"  {rates[job]:7.2f}" for job in jobs), file=out)
