@@ -337,3 +337,28 @@ def test_a_small_read_waiting_for_staging_room_outlives_a_worker_death(handle_fa
     with open(source, "rb") as f:
         assert bytes(small.numpy()) == f.read()[8 * KiB:264 * KiB]
     assert not os.path.exists(tmp_path / "big") or os.path.getsize(tmp_path / "big") == 0
+
+
+@pytest.mark.parametrize("locked", [True, False], ids=["locked", "plain"])
+def test_a_read_of_bytes_a_pending_write_appends_follows_it(handle_factory, tmp_path, locked):
+    """Note [ordering]: the read is not refused as past the end of the file the write has
+    not grown yet; it runs after the write and returns its bytes. With the workers
+    stopped, the writes they take are surely pending when the reads start."""
+    h = handle_factory(intra_op_parallelism=2)
+    memory = h.new_cpu_locked_tensor(2 * 300 * KiB, torch.empty(0, dtype=torch.uint8))
+    for index, nbytes in enumerate((4 * KiB, 300 * KiB)):
+        path = str(tmp_path / f"new{index}")
+        data = torch.frombuffer(bytearray(random_bytes(nbytes, seed=index)), dtype=torch.uint8)
+        source, target = (memory[:nbytes], memory[nbytes:2 * nbytes]) if locked else \
+            (data.clone(), torch.zeros(nbytes, dtype=torch.uint8))
+        source.copy_(data)
+        target.zero_()
+        pieces = [torch.zeros(KiB, dtype=torch.uint8) for _ in range(2)]
+        with _stopped_workers(h):
+            h.async_pwrite(source, path)
+            h.async_pread(target, path)
+            h.async_pread_many(pieces, path, [0, nbytes - KiB])
+        assert h.wait() == 4        # the batch counts its requests
+        assert torch.equal(target, data)
+        assert torch.equal(pieces[0], data[:KiB]) and torch.equal(pieces[1], data[-KiB:])
+    h.free_cpu_locked_tensor(memory)

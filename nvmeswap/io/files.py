@@ -116,12 +116,14 @@ NO_ROOM = {
 }
 
 
-def open_target(target, *, for_write, offset, nbytes, o_direct):
+def open_target(target, *, for_write, offset, nbytes, o_direct, written_end=None):
     """Open ``target`` (a path or an int fd) for one operation.
 
     ``o_direct``: True requires O_DIRECT, False never uses it, None tries it and falls
     back to buffered I/O with one warning per filesystem. A read that would run past
-    the end of the file is refused here, before anything is submitted.
+    the end of the file is refused here, before anything is submitted; past the end the
+    file will have once the writes in flight have landed, if ``written_end(identity)``
+    says where that is (a read started after them follows them, Note [ordering]).
     """
     if isinstance(target, bool) or not isinstance(target, (int, str, bytes, os.PathLike)):
         raise TypeError("expected a file name or an int file descriptor, "
@@ -139,7 +141,8 @@ def open_target(target, *, for_write, offset, nbytes, o_direct):
     buffered_fd = -1
     try:
         size, identity = _checked_size(direct_fd, name)
-        if not for_write and offset + nbytes > size:
+        if not for_write and offset + nbytes > size and (
+                written_end is None or offset + nbytes > written_end(identity)):
             raise short_file_error(
                 name, f"cannot read {nbytes} bytes at offset {offset}: "
                       f"the file is {size} bytes long")

@@ -93,7 +93,8 @@ class Scheduler:
         end = max(request.offset + request.nbytes for request in requests)
         with deferred_interrupts():
             file = open_target(target, for_write=not is_read, offset=start,
-                               nbytes=end - start, o_direct=self._o_direct)
+                               nbytes=end - start, o_direct=self._o_direct,
+                               written_end=writes().written_end)
         try:
             size = max(1, min(SLICE, self._max_chunks // 2))
             for first in range(0, len(requests), size):
