@@ -61,13 +61,18 @@ def registers_with_cuda_now() -> bool:
 
 def free_locked_tensor(locked: Any, tensor: Any, *, address: int | None = None) -> bool:
     """Take the region holding ``tensor`` (or starting at ``address``) out of the set,
-    unmapped from the workers of every user; False if there is none."""
+    unmapped from the workers of every user; False if there is none. Refused while an
+    operation of any handle uses the region: it would find its memory gone."""
     if address is None:
-        region = locked.pop_containing(_data_ptr(tensor))
+        region = locked.containing(_data_ptr(tensor), 0)
     else:
-        region = locked.pop_starting_at(address)
+        region = locked.containing(address, 0)
+        region = region if region is not None and region.address == address else None
     if region is None:
         return False
+    locked.memory.check_unused(region)
+    if locked.pop_starting_at(region.address) is not region:
+        return False        # freed meanwhile by another thread
     locked.memory.free(region)
     return True
 

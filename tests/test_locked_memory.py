@@ -17,7 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
-from conftest import may_lock, open_descriptors, random_bytes, system_setting
+from conftest import (
+    may_lock,
+    open_descriptors,
+    random_bytes,
+    stopped_workers,
+    system_setting,
+)
 
 import nvmeswap
 from nvmeswap._memory import Mapping
@@ -171,6 +177,28 @@ def test_freed_region_stays_readable_until_its_tensor_dies(handle, tmp_path):
     assert (region_of(handle, again).arena, region_of(handle, again).offset) == (arena, offset)
     assert not again.numpy().any()      # fresh pages, nothing of the old tensor's bytes
     assert handle.free_cpu_locked_tensor(again) and handle.free_cpu_locked_tensor(keep)
+
+
+def test_freeing_a_locked_tensor_an_operation_uses_is_refused(handle_factory, tmp_path):
+    """Its memory would be gone under the operation: the free is refused at the call, the
+    operation moves its bytes, and the tensor frees once waited for."""
+    first, second = handle_factory(intra_op_parallelism=2), handle_factory()
+    t = first.new_cpu_locked_tensor(8 * MiB, torch.empty(0, dtype=torch.uint8))
+    data = random_bytes(8 * MiB, seed=5)
+    t.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    path = str(tmp_path / "f")
+    with stopped_workers(first):
+        first.async_pwrite(t, path)
+        for handle in (first, second):      # the locked set is the process's
+            with pytest.raises(RuntimeError, match=r"in use by an operation in flight "
+                                                   rf"\(write of {8 * MiB} bytes at offset 0 "
+                                                   rf"of {path}\); wait\(\) for it"):
+                handle.free_cpu_locked_tensor(t[MiB:])
+    assert first.is_pinned(t)
+    assert first.wait() == 1
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert second.free_cpu_locked_tensor(t) is True and not first.is_pinned(t)
 
 
 def test_regions_of_several_arenas_and_handles(handle_factory, tmp_path):

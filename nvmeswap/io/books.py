@@ -48,6 +48,11 @@ class Books:
         self.pumping_thread = None  # the thread reading responses, if any
         self._driving = False
 
+    def operation_on(self, region):
+        """An operation in flight (started or held) on ``region``, or None."""
+        with self.cond:
+            return next((op for op in self.ops.values() if op.region is region), None)
+
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""
         with deferred_interrupts(), self.cond:

@@ -356,6 +356,17 @@ class LockedMemory:
             self._users.discard(user)
             return [] if self._users else self.table.drain()
 
+    def check_unused(self, region):
+        """RuntimeError if an operation of any user is in flight on ``region``."""
+        with self._lock:
+            users = list(self._users)
+        for user in users:
+            op = user.operation_on(region)
+            if op is not None:
+                raise RuntimeError(f"this locked tensor is in use by an operation in flight "
+                                   f"({op.describe()}); wait() for it before freeing the "
+                                   "tensor")
+
     def free(self, region):
         """Unmap ``region`` in the workers of every user, then close our descriptor."""
         with self._lock:
@@ -384,6 +395,13 @@ class LockedUser:
     def attach(self, scheduler):
         # Weak: the scheduler holds its placement, which holds this user.
         self._scheduler = weakref.ref(scheduler)
+
+    def operation_on(self, region):
+        """An operation of this user in flight on ``region``, or None."""
+        scheduler = self._scheduler() if self._scheduler is not None else None
+        if scheduler is None or scheduler.closed or os.getpid() != scheduler.creator_pid:
+            return None
+        return scheduler.books.operation_on(region)
 
     def unshare(self, region):
         scheduler = self._scheduler() if self._scheduler is not None else None
