@@ -94,3 +94,48 @@ def test_a_header_too_large_for_readers_is_refused_before_any_file(tmp_path):
                                   metadata={"notes": "x" * 100_000_000})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
     assert_same({"w": torch.ones(3)}, safetensors_torch.load_file(path))
+
+
+def test_microscaling_dtypes_both_ways(tmp_path):
+    """float8_e8m0fnu is "F8_E8M0"; float4_e2m1fn_x2 is "F4", whose header counts 4-bit
+    values, twice torch's last dimension (Note [packed float4])."""
+    generator = torch.Generator().manual_seed(3)
+    state = {f"f4 {index}": torch.randint(0, 256, shape, dtype=torch.uint8,
+                                          generator=generator).view(torch.float4_e2m1fn_x2)
+             for index, shape in enumerate([(3, 4), (1,), (0,), (2, 0)])}
+    state["e8m0"] = random_tensor((5, 7), torch.uint8, 9).view(torch.float8_e8m0fnu)
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    nvmeswap.save_safetensors(state, ours)
+    safetensors_torch.save_file(state, theirs)
+    for path in (ours, theirs):
+        header = json.loads(path.read_bytes()[8:8 + struct.unpack("<Q", path.read_bytes()[:8])[0]])
+        assert header["f4 0"]["dtype"] == "F4" and header["f4 0"]["shape"] == [3, 8]
+        assert header["e8m0"]["dtype"] == "F8_E8M0"
+        for loaded in (safetensors_torch.load_file(path), nvmeswap.load_safetensors(path)):
+            assert_same(state, {name: loaded[name] for name in state})
+        into = {name: torch.empty_like(tensor) for name, tensor in state.items()}
+        assert_same(state, nvmeswap.load_safetensors_into(path, into))
+    with pytest.raises(ValueError, match="a 0-dim torch.float4_e2m1fn_x2 tensor has no "
+                                         "safetensors form"):
+        nvmeswap.save_safetensors({"x": torch.zeros((), dtype=torch.uint8).view(
+            torch.float4_e2m1fn_x2)}, tmp_path / "x")
+    odd = tmp_path / "odd.safetensors"
+    text = json.dumps({"x": {"dtype": "F4", "shape": [3], "data_offsets": [0, 1]}}).encode()
+    odd.write_bytes(struct.pack("<Q", len(text)) + text + b"\0")
+    with pytest.raises(ValueError, match=r"odd.safetensors: x has shape \[3\] of 4-bit values"):
+        nvmeswap.load_safetensors(odd)
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"__metadata__": ["a"]}, "__metadata__ is not an object of strings"),
+    ({"__metadata__": {"a": 1}}, "__metadata__ is not an object of strings"),
+    ({"y": {"dtype": "F32", "shape": [0, 2 ** 63], "data_offsets": [8, 8]}},
+     r"y has a bad shape \[0, 9223372036854775808\]"),
+])
+def test_a_header_the_package_refuses_is_refused_naming_the_file(tmp_path, entry, message):
+    path = tmp_path / "bad.safetensors"
+    header = {**entry, "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + struct.pack("<2f", 1, 2))
+    with pytest.raises(ValueError, match=f"bad.safetensors: .*{message}"):
+        nvmeswap.load_safetensors(path)

@@ -27,9 +27,15 @@ _NAMES = {
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
 }
+# Note [packed float4]: torch's float4_e2m1fn_x2 holds two 4-bit values an element, the
+# header counts values: its last dimension is twice torch's (the safetensors package's
+# reading, which refuses a 0-dim one).
+_PACKED = "F4"
 MAX_HEADER = 100_000_000        # the safetensors package's own limit
+MAX_DIMENSION = (1 << 63) - 1   # the format's dimensions are unsigned 64-bit; torch's signed
 
 
 def _dtypes():
@@ -69,7 +75,13 @@ def layout(tensors: Any, metadata: Any = None) -> FileImage:
         if nbytes and tensor.is_contiguous() and tensor.device.type == "cpu":
             start = tensor.data_ptr()
             spans.append((start, start + nbytes, key))
-        header[key] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+        shape = list(tensor.shape)
+        if names[tensor.dtype] == _PACKED:
+            if not shape:
+                raise ValueError(f"{key}: a 0-dim {tensor.dtype} tensor has no safetensors "
+                                 "form (its header counts 4-bit values); reshape it to (1,)")
+            shape[-1] *= 2
+        header[key] = {"dtype": names[tensor.dtype], "shape": shape,
                        "data_offsets": [offset, offset + nbytes]}
         sources.append(tensor)
         offset += nbytes
@@ -123,6 +135,10 @@ class Header:
         self.path = path
         self.data_start = 8 + length
         self.metadata = parsed.pop("__metadata__", None)
+        if self.metadata is not None and not (isinstance(self.metadata, dict) and all(
+                isinstance(value, str) for value in self.metadata.values())):
+            raise ValueError(f"{path}: bad safetensors header: __metadata__ is not an "
+                             "object of strings")
         dtypes = _dtypes()
         self.tensors = {}
         for name, entry in parsed.items():
@@ -155,8 +171,13 @@ class Header:
             raise ValueError(f"{path}: {name} has a dtype this torch lacks: {entry['dtype']}")
         shape, offsets = entry["shape"], entry["data_offsets"]
         if not (isinstance(shape, list)
-                and all(type(dim) is int and dim >= 0 for dim in shape)):
+                and all(type(dim) is int and 0 <= dim <= MAX_DIMENSION for dim in shape)):
             raise ValueError(f"{path}: {name} has a bad shape {shape}")
+        if entry["dtype"] == _PACKED:
+            if not shape or shape[-1] % 2:
+                raise ValueError(f"{path}: {name} has shape {shape} of 4-bit values, which "
+                                 "does not end on a byte")
+            shape = [*shape[:-1], shape[-1] // 2]
         if not (isinstance(offsets, list) and len(offsets) == 2
                 and all(type(offset) is int for offset in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
