@@ -450,6 +450,11 @@ def test_load_into_refuses_targets_it_could_not_fill(checkpointer, tmp_path):
     into = {"c": target, "bias": None, "opt": {"lr": 0.0, "state": {"m": torch.zeros_like(target)}}}
     assert checkpointer.load_into(path, into) is into
     assert torch.equal(into["c"], values) and torch.equal(into["opt"]["state"]["m"], values)
+    for saver in (torch.save, checkpointer.save):     # a tensor saved without bytes
+        saver({"m": torch.empty(3, device="meta"), "c": values}, path)
+        with pytest.raises(ValueError, match="s.pt: m was saved on the meta device, without "
+                                             "bytes"):
+            checkpointer.load_into(path, {"m": torch.zeros(3), "c": target})
 
 
 def test_async_save_snapshots_and_writes_in_the_background(tmp_path):

@@ -1,5 +1,6 @@
 """Tensor archives from templates and DCP items read by kind (Note [tensor archives]),
 and file images: the bytes are torch's own whichever way they were made."""
+import pickle
 import warnings
 import zipfile
 
@@ -262,6 +263,34 @@ def test_a_damaged_archive_is_an_error_naming_it(tmp_path, damage):
         zip_entries.ZipEntries(str(path))
     with pytest.raises(ValueError, match="damaged.pt: not a torch.save zip archive"):
         nvmeswap.load(path)
+
+
+@pytest.mark.parametrize("saver", ["torch.save", "nvmeswap.save"])
+@pytest.mark.parametrize("damage", ["a memo index", "an opcode"])
+def test_a_damaged_pickle_is_an_error_naming_the_file(tmp_path, saver, damage):
+    """Bytes of data.pkl changed in place (its record's length kept): whatever the
+    unpickler raises comes out naming the file, from load and from load_into."""
+    import pickletools
+    state = {"w": random_tensor((30, 100), torch.float32, 1), "b": torch.arange(7),
+             "n": 3, "s": torch.arange(10.0)[2:6]}
+    path = tmp_path / "damaged.pt"
+    (torch.save if saver == "torch.save" else nvmeswap.save)(state, path)
+    data = bytearray(path.read_bytes())
+    pickled = zip_entries.ZipEntries(str(path)).pickle
+    start = data.find(pickled)
+    ops = list(pickletools.genops(pickled))
+    if damage == "a memo index":        # a BINGET of an index never put
+        at = next(position for op, _, position in ops if op.name == "BINGET")
+        data[start + at + 1] = 0xEE
+    else:                               # a dict's SETITEMS turned into an APPENDS
+        at = next(position for op, _, position in ops if op.name == "SETITEMS")
+        data[start + at] = ord("e")
+    path.write_bytes(data)
+    for call in (nvmeswap.load, lambda path: nvmeswap.load_into(
+            path, {name: value.clone() if isinstance(value, torch.Tensor) else value
+                   for name, value in state.items()})):
+        with pytest.raises((ValueError, pickle.UnpicklingError), match="damaged.pt: "):
+            call(path)
 
 
 @pytest.mark.parametrize("call", ["load", "load_into"])

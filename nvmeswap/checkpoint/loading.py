@@ -40,6 +40,7 @@ import bisect
 import contextlib
 import io
 import pickle
+import struct
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -71,6 +72,12 @@ def _check_byteorder(entries: ZipEntries) -> None:
         raise ValueError(f"{entries.path}: written on a {entries.byteorder}-endian machine; "
                          "nvmeswap.load reads native-endian archives only (torch.load "
                          "byte-swaps them)")
+
+
+#: What an unpickler raises on bytes that are not a pickle of a state (a damaged file),
+#: then named with the file. Not MemoryError or OSError: those are the machine's.
+UNPICKLING_FAILURES = (pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError,
+                  ValueError, AttributeError, RuntimeError, OverflowError, struct.error)
 
 
 def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
@@ -105,6 +112,11 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
         result = plain_load(entries.pickle, persistent_load) if weights_only else NOT_PLAIN
         if result is NOT_PLAIN:
             result = _torch_s_unpickling(entries, persistent_load, weights_only)
+    except UNPICKLING_FAILURES as error:
+        if str(entries.path) in str(error) or isinstance(error, torch.OutOfMemoryError):
+            raise
+        raise ValueError(f"{entries.path}: its pickle (data.pkl) could not be read "
+                         f"({type(error).__name__}: {error})") from error
     finally:
         tls.map_location = previous
     torch._utils._validate_loaded_sparse_tensors()
@@ -506,9 +518,13 @@ def _placed(path, entries, into, strict):
                 raise ValueError(f"{path}: {name} is a {source.layout} "
                                  f"{'quantized ' if source.is_quantized else ''}tensor; "
                                  "load_into reads dense ones, nvmeswap.load any")
-            source = SavedTensor(keys[source.untyped_storage()._cdata], source.dtype,
-                                 source.storage_offset(), source.shape, source.stride(),
-                                 source.is_conj(), source.is_neg())
+            key = keys.get(source.untyped_storage()._cdata)
+            if key is None:         # rebuilt without a storage of the archive
+                raise ValueError(f"{path}: {name} was saved on the {source.device} device, "
+                                 "without bytes; load_into has nothing to fill its tensor "
+                                 "with")
+            source = SavedTensor(key, source.dtype, source.storage_offset(), source.shape,
+                                 source.stride(), source.is_conj(), source.is_neg())
         if source.dtype != target.dtype or source.shape != target.shape:
             raise ValueError(f"{path}: {name} is {source.dtype} {source.shape} in the "
                              f"file, {target.dtype} {tuple(target.shape)} in memory")
