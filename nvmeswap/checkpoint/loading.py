@@ -113,8 +113,9 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
         if result is NOT_PLAIN:
             result = _torch_s_unpickling(entries, persistent_load, weights_only)
     except UNPICKLING_FAILURES as error:
-        if str(entries.path) in str(error) or isinstance(error, torch.OutOfMemoryError):
-            raise
+        if str(entries.path) in str(error) or isinstance(
+                error, (torch.OutOfMemoryError, NotImplementedError)):
+            raise       # named already, or the machine's or torch's limits
         raise ValueError(f"{entries.path}: its pickle (data.pkl) could not be read "
                          f"({type(error).__name__}: {error})") from error
     finally:
