@@ -131,7 +131,14 @@ def test_bad_batches_are_refused_before_any_io(handle, source, tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         handle.async_pread_many(views, str(tmp_path / "missing"), [0, 4096])
     assert info.value.filename == str(tmp_path / "missing")
-    assert handle.wait() == 0       # nothing was started
+    with pytest.raises(ValueError, match="requests 0 and 2 of the batch write overlapping "
+                                         "bytes \\(from offset 8192\\)"):
+        handle.async_pwrite_many(locked, str(tmp_path / "missing"), [4096, 0, 8192],
+                                 lengths=[8 * KiB, 4 * KiB, 4 * KiB])
+    handle.async_pread_many(views, path, [0, 0])     # reads may overlap
+    assert handle.wait() == 2
+    assert bytes(views[0].numpy()) == bytes(views[1].numpy()) == data[:4 * KiB]
+    locked.zero_()
     assert bytes(locked.numpy()) == bytes(64 * KiB)
     assert not os.path.exists(tmp_path / "missing")
 

@@ -11,9 +11,10 @@ books, posted to the caller queue in one call (``post_many``) and completed requ
 request as the kernel ends them. ``wait()`` counts each request as one operation, as if
 each had been started on its own; a failed request's error names the file and its
 offset. A slice that cannot go whole (plain memory, unaligned, large) takes the road
-each of its requests would take alone (EACH). Slices hold at most ``slice_limit``
-requests, so that back-pressure and the caller queue's room work on them as on any
-operation.
+each of its requests would take alone (EACH). The requests of a batch run in no set
+order, so a batch whose writes overlap is refused at the call. Slices hold at most
+``slice_limit`` requests, so that back-pressure and the caller queue's room work on them
+as on any operation.
 """
 from .buffers import IoBuffer, io_buffer
 from .operation import MAX_FILE_END, Operation, checked_int
@@ -63,7 +64,20 @@ def checked_requests(buffers, offsets, lengths, *, is_read):
             raise ValueError(f"nothing to transfer: buffer {k} of the batch is empty")
         offset = checked_int(f"offsets[{k}]", offset, 0, MAX_FILE_END - buf.nbytes)
         requests.append(Request(buf, buf.address, buf.nbytes, offset))
+    if not is_read:
+        _check_disjoint(requests)
     return requests
+
+
+def _check_disjoint(requests):
+    """The writes of one batch run in no set order, so none may overlap another."""
+    ordered = sorted(range(len(requests)), key=lambda k: requests[k].offset)
+    for before, after in zip(ordered, ordered[1:]):
+        first, second = requests[before], requests[after]
+        if first.offset + first.nbytes > second.offset:
+            raise ValueError(f"requests {min(before, after)} and {max(before, after)} of the "
+                             f"batch write overlapping bytes (from offset {second.offset}); "
+                             "a batch's writes run in no set order: write them in two calls")
 
 
 def _checked_sequence(name, value):
