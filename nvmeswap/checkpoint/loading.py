@@ -89,8 +89,16 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
 
     _check_byteorder(entries)
     loaded: dict[str, Any] = {}
+    storage_errors: list[BaseException] = []    # raised making storages: not the pickle's
 
     def persistent_load(saved_id):
+        try:
+            return load_storage(saved_id)
+        except BaseException as error:
+            storage_errors.append(error)
+            raise
+
+    def load_storage(saved_id):
         typename = saved_id[0].decode() if isinstance(saved_id[0], bytes) else saved_id[0]
         if typename != "storage":
             raise pickle.UnpicklingError(f"{entries.path}: unknown persistent id {typename!r}")
@@ -113,15 +121,25 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
         if result is NOT_PLAIN:
             result = _torch_s_unpickling(entries, persistent_load, weights_only)
     except UNPICKLING_FAILURES as error:
-        if str(entries.path) in str(error) or isinstance(
+        if str(entries.path) in str(error) or _among(error, storage_errors) or isinstance(
                 error, (torch.OutOfMemoryError, NotImplementedError)):
-            raise       # named already, or the machine's or torch's limits
+            raise       # named already, the storages' own, or the machine's or torch's
         raise ValueError(f"{entries.path}: its pickle (data.pkl) could not be read "
                          f"({type(error).__name__}: {error})") from error
     finally:
         tls.map_location = previous
     torch._utils._validate_loaded_sparse_tensors()
     return result
+
+
+def _among(error: BaseException, errors: list[BaseException]) -> bool:
+    """Whether ``error`` is one of ``errors`` or was raised while handling one."""
+    seen = 0
+    while error is not None and seen < 8:
+        if any(error is other for other in errors):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _torch_s_unpickling(entries: ZipEntries, persistent_load: Any, weights_only: bool) -> Any:
