@@ -79,6 +79,10 @@ def test_bench_refuses_settings_out_of_range_before_any_work(tmp_path):
         assert result.returncode == 2, (option, result.stderr)
         assert f"nvmeswap bench: {option}: " in result.stderr and "must be between" in \
             result.stderr
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "4K", "--pattern",
+                              "rand", "--file-size", "1M", "--batch", 300)
+    assert result.returncode == 2 and "--batch 300 requests of --io-size 4096 do not fit" \
+        in result.stderr
     config = tmp_path / "deep.json"
     config.write_text('{"aio": {"queue_depth": 5000}}')
     result = nvmeswap_command("bench", "--folder", tmp_path, "--io-size", "1M", "--config",

@@ -58,8 +58,8 @@ def add_arguments(parser):
                                           "(default: the handle's, 128)")
     parser.add_argument("--single-submit", "--single_submit",
                         action=argparse.BooleanOptionalAction, default=None,
-                        help="one io_submit call per request, or (--no-single-submit) "
-                             "batches (default: the handle's, batches)")
+                        help="one io_submit call per request; the no- form: batches "
+                             "(default: the handle's, batches)")
     overlap = parser.add_mutually_exclusive_group()
     overlap.add_argument("--overlap-events", "--overlap_events", action="store_true",
                          default=None, help="refill the queue as each request completes "
@@ -217,6 +217,10 @@ def _plan(args):
     file_size = args.file_size or (1 << 30)
     if random and file_size < args.io_size:
         raise UsageError(f"--file-size {file_size} is smaller than --io-size {args.io_size}")
+    if random and args.batch > file_size // args.io_size:
+        raise UsageError(f"--batch {args.batch} requests of --io-size {args.io_size} do not "
+                         f"fit in --file-size {file_size} apart (a batch's writes may not "
+                         "overlap): lower --batch")
     return {
         "folders": folders,
         "io_size": args.io_size,

@@ -133,8 +133,13 @@ def make_file(handle, buffer, path, size):
 
 def random_loop(handle, job, buffer, path, plan, rng):
     """One timed loop of --pattern rand: ``ops`` requests at random aligned offsets."""
-    io_size, batch = plan["io_size"], plan["batch"]
-    offsets = (rng.integers(0, plan["file_size"] // io_size, plan["ops"]) * io_size).tolist()
+    io_size, batch, blocks = plan["io_size"], plan["batch"], plan["file_size"] // plan["io_size"]
+    if batch and job == "write":    # a batch's writes may not overlap (Note [batches])
+        offsets = [int(block) * io_size for first in range(0, plan["ops"], batch)
+                   for block in rng.choice(blocks, min(batch, plan["ops"] - first),
+                                           replace=False)]
+    else:
+        offsets = (rng.integers(0, blocks, plan["ops"]) * io_size).tolist()
     if batch:
         many = handle.async_pread_many if job == "read" else handle.async_pwrite_many
         for first in range(0, len(offsets), batch):
