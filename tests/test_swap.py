@@ -305,3 +305,23 @@ def test_one_handle_for_reads_and_writes_is_refused(tmp_path, handle):
     with pytest.raises(ValueError, match="two handles, one for reads and one for writes"):
         TensorSwapper(tmp_path, read_handle=handle, write_handle=handle)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_forked_child_closing_its_copy_leaves_the_parents_files(tmp_path):
+    data = torch.randn(100_000)
+    with TensorSwapper(tmp_path, pack_below=4096) as swapper:
+        swapper.swap_out("big", data, async_op=False)
+        swapper.swap_out("small", data[:100], async_op=False)
+        files = sorted(os.listdir(swapper.directory))
+        pid = os.fork()
+        if pid == 0:
+            try:
+                swapper.close()         # as leaving a with block in the child would
+                os._exit(0 if swapper.closed else 1)
+            finally:
+                os._exit(2)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert sorted(os.listdir(swapper.directory)) == files
+        assert torch.equal(swapper.swap_in("big", async_op=False), data)
+        assert torch.equal(swapper.swap_in("small", async_op=False), data[:100])
+    assert os.listdir(tmp_path) == []

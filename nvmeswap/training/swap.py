@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from ..aio import aio_handle
+from ..io import process_state
 from .swap_files import PackFile, as_bytes, file_name
 from .swap_pool import SwapBufferPool
 
@@ -96,6 +97,7 @@ class TensorSwapper:
         self.folder = folders[0]
         self.directory = tempfile.mkdtemp(prefix="swap-", dir=self.folder)
         self._closed = False
+        self._creator = process_state.pid       # a forked child's copy deletes nothing
         self._own = [h is None for h in (read_handle, write_handle)]
         self.read_handle = read_handle
         self.write_handle = write_handle
@@ -371,8 +373,13 @@ class TensorSwapper:
 
     def close(self) -> None:
         """Wait for what is in flight, delete every file and the swapper's sub-folder,
-        free the locked tensors it made and close the handles it made. Idempotent."""
+        free the locked tensors it made and close the handles it made. Idempotent. In a
+        forked child it only closes the child's copy: all of it is the parent's."""
         if self._closed:
+            return
+        if process_state.pid != self._creator:
+            # A forked child's copy: the files, folder and handles are the parent's.
+            self._closed = True
             return
         errors = []
         try:
