@@ -325,3 +325,49 @@ def test_a_forked_child_closing_its_copy_leaves_the_parents_files(tmp_path):
         assert torch.equal(swapper.swap_in("big", async_op=False), data)
         assert torch.equal(swapper.swap_in("small", async_op=False), data[:100])
     assert os.listdir(tmp_path) == []
+
+
+def _interrupted_once(monkeypatch, handle):
+    """``handle.wait`` raises KeyboardInterrupt once, counting nothing, as a Ctrl-C in it
+    does: what is in flight stays there, for the next wait to count."""
+    real_wait = handle.wait
+
+    def wait():
+        monkeypatch.setattr(handle, "wait", real_wait)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(handle, "wait", wait)
+
+
+def test_a_ctrl_c_while_synchronizing_leaves_the_swaps_in_flight(tmp_path, monkeypatch):
+    data = {f"k{index}": torch.randn(50_000 + index) for index in range(3)}
+    data.update({f"small{index}": torch.randn(10 + index) for index in range(3)})
+    with TensorSwapper(tmp_path, pack_below=4096) as swapper:
+        for key, tensor in data.items():
+            swapper.swap_out(key, tensor)
+        _interrupted_once(monkeypatch, swapper.write_handle)
+        with pytest.raises(KeyboardInterrupt):
+            swapper.synchronize_writes()
+        assert {swapper.state(key) for key in data} == {SwapState.WRITING}
+        assert swapper.synchronize_writes() == 4        # three files and one pack run
+        assert {swapper.state(key) for key in data} == {SwapState.ON_DISK}
+        back = {key: swapper.swap_in(key) for key in data}
+        _interrupted_once(monkeypatch, swapper.read_handle)
+        with pytest.raises(KeyboardInterrupt):
+            swapper.synchronize_reads()
+        assert {swapper.state(key) for key in data} == {SwapState.READING}
+        assert swapper.synchronize_reads() == len(data)
+        assert all(torch.equal(back[key], data[key]) for key in data)
+        for key, tensor in data.items():        # and the next round counts right
+            swapper.swap_out(key, tensor * 2)
+        assert swapper.synchronize_writes() == 4
+        assert torch.equal(swapper.swap_in("small1", async_op=False), data["small1"] * 2)
+
+
+def test_a_ctrl_c_while_closing_leaves_no_file(tmp_path, monkeypatch):
+    swapper = TensorSwapper(tmp_path, pack_below=4096)
+    swapper.swap_out("big", torch.randn(100_000))
+    swapper.swap_out("small", torch.randn(10))
+    _interrupted_once(monkeypatch, swapper.write_handle)
+    with pytest.raises(KeyboardInterrupt):
+        swapper.close()
+    assert swapper.closed and os.listdir(tmp_path) == []

@@ -355,6 +355,31 @@ def test_continues_after_a_failed_write_back(tmp_path, monkeypatch):
         assert optimizer.state.offloaded(layers[0]) == ["exp_avg", "exp_avg_sq"]
 
 
+def test_goes_on_after_a_ctrl_c_inside_step(tmp_path, monkeypatch):
+    """A Ctrl-C while a step waits for its write-back (nothing counted, the writes in
+    flight): the step raises it, and the optimizer steps, saves and closes as before."""
+    layers = make_layers()
+    with OffloadedOptimizer(torch.optim.Adam(groups_of(layers), lr=1e-3),
+                            tmp_path) as optimizer:
+        loop = Run(layers, optimizer)
+        loop.step(1)
+        handle = optimizer.swapper.write_handle
+        real_wait = handle.wait
+
+        def interrupted():
+            monkeypatch.setattr(handle, "wait", real_wait)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(handle, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            loop.step(1)
+        loop.step(2)
+        state = optimizer.state_dict()["state"]
+        assert sorted(state) == [0, 1, 2, 3]
+        assert all(sorted(entry) == ["exp_avg", "exp_avg_sq", "step"]
+                   and float(entry["step"]) in (3.0, 4.0) for entry in state.values())
+    assert os.listdir(tmp_path) == []
+
+
 class ListState(torch.optim.SGD):
     """An optimizer that keeps a list in a parameter's state."""
 

@@ -8,6 +8,7 @@ buffers allocated once) is ``swap_pool``'s, imported here for its callers.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import tempfile
@@ -16,6 +17,7 @@ from typing import Any
 
 from ..aio import aio_handle
 from ..io import process_state
+from ..io.interrupts import deferred_interrupts
 from .swap_files import PackFile, as_bytes, file_name
 from .swap_pool import SwapBufferPool
 
@@ -122,6 +124,7 @@ class TensorSwapper:
         self._entries = {}
         self._reading = []
         self._writing = []
+        self._writes_started = 0    # writes started since the last synchronize_writes
         self._uncertain_reads = 0   # submissions that raised: wait() may or may not count them
         self._uncertain_writes = 0
         self._locked = []           # tensors made by new_locked_tensor, freed at close
@@ -178,24 +181,29 @@ class TensorSwapper:
             entry.state = SwapState.ON_DISK         # nothing to write
             return
         if packed:
-            entry.state, entry.tensor = SwapState.WRITING, flat
-            self._writing.append(key)
-            self._pack.batched.append(key)
+            with deferred_interrupts():     # in both books or in neither
+                entry.state, entry.tensor = SwapState.WRITING, flat
+                self._writing.append(key)
+                self._pack.batched.append(key)
             if not async_op:
                 self.synchronize_writes()
             return
         try:
             if async_op:
+                # In the books first: a Ctrl-C once the write started must find it there.
                 entry.state, entry.tensor = SwapState.WRITING, flat
-                self._in_directory(self.write_handle.async_pwrite, flat, entry.path)
                 self._writing.append(key)
+                self._in_directory(self.write_handle.async_pwrite, flat, entry.path)
+                self._writes_started += 1
             else:
                 self._in_directory(self.write_handle.sync_pwrite, flat, entry.path)
                 entry.state = SwapState.ON_DISK
         except BaseException as error:
-            if async_op:
-                self._uncertain_writes += 1
-            _fail(entry, f"writing {entry.path} failed: {error}")
+            with deferred_interrupts():
+                if async_op:
+                    self._writing.remove(key)
+                    self._uncertain_writes += 1
+                _fail(entry, f"writing {entry.path} failed: {error}")
             raise
 
     def _leave_place(self, key, entry, packed):
@@ -258,15 +266,17 @@ class TensorSwapper:
         try:
             if async_op:
                 entry.state, entry.tensor = SwapState.READING, flat
-                self.read_handle.async_pread(flat, entry.path, entry.offset)
                 self._reading.append(key)
+                self.read_handle.async_pread(flat, entry.path, entry.offset)
             else:
                 self.read_handle.sync_pread(flat, entry.path, entry.offset)
                 entry.state = SwapState.IN_MEMORY
         except BaseException:
-            if async_op:
-                self._uncertain_reads += 1
-            entry.state, entry.tensor = before, None     # the file is as it was
+            with deferred_interrupts():
+                if async_op:
+                    self._reading.remove(key)
+                    self._uncertain_reads += 1
+                entry.state, entry.tensor = before, None     # the file is as it was
             raise
         return out
 
@@ -279,81 +289,114 @@ class TensorSwapper:
         left ``FAILED`` and named; so are the keys of a pack file write that could not be
         started. Either way a ``SwapError`` (or the handle's error, or the one that kept
         the pack file's write from starting) is raised once no write is in flight; the
-        caller still holds the tensors and can swap them out again.
+        caller still holds the tensors and can swap them out again. A Ctrl-C while it
+        waits leaves the writes in flight, for the next call to wait for.
         """
         self._check_open()
-        keys, self._writing = self._writing, []
-        uncertain, self._uncertain_writes = self._uncertain_writes, 0
         batched, start_error = set(self._pack.batched), None
-        started = len(keys) - len(batched)
         try:
-            started += self._in_directory(self._pack.write_batches, self.write_handle,
-                                          self._entries)
+            self._writes_started += self._in_directory(self._pack.write_batches,
+                                                       self.write_handle, self._entries)
         except BaseException as error:
-            # Some of the runs may have started: wait() counts those.
-            start_error, uncertain = error, uncertain + len(batched)
-            self._pack.batched = []
+            with deferred_interrupts():
+                # Some of the runs may have started: wait() counts those.
+                start_error, self._pack.batched = error, []
+                self._uncertain_writes += len(batched)
+                self._writing = [key for key in self._writing if key not in batched]
+                for key in batched:
+                    _fail(self._entries[key], f"writing {self._pack.path} failed: {error}")
+            if isinstance(error, KeyboardInterrupt):
+                raise
         try:
             done = self.write_handle.wait()
+        except KeyboardInterrupt:
+            raise       # nothing counted: the writes stay in flight for the next call
         except BaseException as error:
-            for key in keys:
-                _fail(self._entries[key], f"a write failed: {error}")
+            with deferred_interrupts():
+                keys = self._take_writes()[0]
+                for key in keys:
+                    _fail(self._entries[key], f"a write failed: {error}")
             raise
-        finally:
-            self._pack.buffers = []
-        problems = [] if started <= done <= started + uncertain else \
-            [f"{done} writes completed, {started} were started"]
-        for key in keys:
-            entry = self._entries[key]
-            entry.tensor = None
-            if start_error is not None and key in batched:
-                _fail(entry, f"writing {entry.path} failed: {start_error}")
-                continue
-            if problems:
-                _fail(entry, problems[0])
-                continue
-            size = (self._stripes.size(entry.path) if self._stripes is not None
-                    else os.stat(entry.path).st_size) - entry.offset
-            if size < entry.nbytes:
-                message = f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
-                problems.append(message)
-                _fail(entry, message)
-            else:
-                entry.state = SwapState.ON_DISK
+        with deferred_interrupts():
+            keys, started, uncertain = self._take_writes()
+            problems = self._check_writes(keys, started, done, uncertain)
         if start_error is not None:
             raise start_error
         if problems:
             raise SwapError("; ".join(problems))
         return done
 
+    def _take_writes(self):
+        """The keys written since the last synchronize, and how many writes surely and
+        maybe started; the books emptied."""
+        taken = self._writing, self._writes_started, self._uncertain_writes
+        self._writing, self._writes_started, self._uncertain_writes = [], 0, 0
+        self._pack.buffers = []
+        return taken
+
+    def _check_writes(self, keys, started, done, uncertain):
+        """Each key on disk, or failed and named in the problems returned."""
+        problems = [] if started <= done <= started + uncertain else \
+            [f"{done} writes completed, {started} were started"]
+        for index, key in enumerate(keys):
+            entry = self._entries[key]
+            entry.tensor = None
+            if problems:
+                _fail(entry, problems[0])
+                continue
+            try:
+                size = (self._stripes.size(entry.path) if self._stripes is not None
+                        else os.stat(entry.path).st_size) - entry.offset
+            except OSError as error:
+                size, why = -1, f"swap file {entry.path} cannot be checked: {error}"
+            except BaseException as error:
+                for rest in keys[index:]:
+                    _fail(self._entries[rest], f"its check was cut short: {error!r}")
+                raise
+            if size < entry.nbytes:
+                message = why if size < 0 else \
+                    f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
+                problems.append(message)
+                _fail(entry, message)
+            else:
+                entry.state = SwapState.ON_DISK
+        return problems
+
     def synchronize_reads(self) -> int:
         """Wait for every swap_in; check the count and that every byte arrived.
 
         If a read failed, every key read since the last synchronize is left as it was
-        before (on disk, readable again) and the error raised.
+        before (on disk, readable again) and the error raised. A Ctrl-C while it waits
+        leaves the reads in flight, for the next call to wait for.
         """
         self._check_open()
-        keys, self._reading = self._reading, []
-        uncertain, self._uncertain_reads = self._uncertain_reads, 0
         try:
             done = self.read_handle.wait()
+        except KeyboardInterrupt:
+            raise
         except BaseException:
+            with deferred_interrupts():
+                keys, self._reading, self._uncertain_reads = self._reading, [], 0
+                for key in keys:
+                    entry = self._entries[key]
+                    entry.state, entry.tensor = SwapState.ON_DISK, None
+            raise
+        with deferred_interrupts():
+            keys, self._reading = self._reading, []
+            uncertain, self._uncertain_reads = self._uncertain_reads, 0
+            problems = [] if len(keys) <= done <= len(keys) + uncertain else \
+                [f"{done} reads completed, {len(keys)} were started"]
             for key in keys:
                 entry = self._entries[key]
-                entry.state, entry.tensor = SwapState.ON_DISK, None
-            raise
-        problems = [] if len(keys) <= done <= len(keys) + uncertain else \
-            [f"{done} reads completed, {len(keys)} were started"]
-        for key in keys:
-            entry = self._entries[key]
-            if entry.tensor.numel() != entry.nbytes:
-                problems.append(f"swap key {key!r} read {entry.tensor.numel()} bytes, "
-                                f"expected {entry.nbytes}")
-            entry.tensor = None
-            entry.state = SwapState.ON_DISK if problems else SwapState.IN_MEMORY
+                if entry.tensor.numel() != entry.nbytes:
+                    problems.append(f"swap key {key!r} read {entry.tensor.numel()} bytes, "
+                                    f"expected {entry.nbytes}")
+                entry.tensor = None
+                entry.state = SwapState.ON_DISK if problems else SwapState.IN_MEMORY
+            if problems:
+                for key in keys:
+                    self._entries[key].state = SwapState.ON_DISK
         if problems:
-            for key in keys:
-                self._entries[key].state = SwapState.ON_DISK
             raise SwapError("; ".join(problems))
         return done
 
@@ -381,7 +424,7 @@ class TensorSwapper:
             # A forked child's copy: the files, folder and handles are the parent's.
             self._closed = True
             return
-        errors = []
+        errors, emptied = [], False
         try:
             for pending, synchronize in ((self._writing, self.synchronize_writes),
                                          (self._reading, self.synchronize_reads)):
@@ -397,11 +440,23 @@ class TensorSwapper:
                 self.read_handle.free_cpu_locked_tensor(tensor)
             self._locked = []
             self._rmdir()
+            emptied = True
         finally:
             self._closed = True
             self._close_handles()
+            if not emptied:     # interrupted: what is in flight has ended with the handles
+                self._discard_files()
         if errors:
             raise errors[0]
+
+    def _discard_files(self):
+        """Every file and the sub-folder, as far as they go (after an interrupted close)."""
+        for path in {entry.path for entry in self._entries.values()} | {self._pack.path}:
+            with contextlib.suppress(OSError):
+                self._remove(path)
+        self._entries = {}
+        with contextlib.suppress(OSError):
+            self._rmdir()
 
     def _remove(self, path):
         if self._stripes is not None:
