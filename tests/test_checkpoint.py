@@ -457,6 +457,53 @@ def test_load_into_refuses_targets_it_could_not_fill(checkpointer, tmp_path):
             checkpointer.load_into(path, {"m": torch.zeros(3), "c": target})
 
 
+def test_a_ctrl_c_in_close_leaves_the_save_in_flight_its_buffers(tmp_path, monkeypatch):
+    """close() interrupted while an async save writes from the snapshot: the buffers stay
+    until that save has ended (its thread frees them), and the file is whole."""
+    state = {"w": random_tensor((1 << 20,), torch.float32, 2)}
+    path = tmp_path / "async.pt"
+    checkpointer = nvmeswap.Checkpointer()
+    checkpointer.save(state, tmp_path / "first.pt")     # the buffers are made
+    may_write = threading.Event()
+    real_write = checkpointer._write_from_snapshot
+
+    def held_write(image, target):
+        may_write.wait()
+        real_write(image, target)
+    monkeypatch.setattr(checkpointer, "_write_from_snapshot", held_write)
+    future = checkpointer.async_save(state, path)
+    future.snapshot_taken.result()
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpointer, "wait_in_flight", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.close()
+    assert checkpointer.closed and not checkpointer._freed      # the save still needs them
+    may_write.set()
+    assert future.result() is None
+    assert checkpointer._freed
+    assert_same(state, torch.load(path))
+
+
+def test_a_ctrl_c_as_the_saving_thread_starts_leaves_the_save_in_flight(tmp_path,
+                                                                        monkeypatch):
+    state = {"w": random_tensor((1 << 16,), torch.float32, 3)}
+    real_start = threading.Thread.start
+
+    def start(thread):
+        real_start(thread)
+        raise KeyboardInterrupt             # as a Ctrl-C in start()'s wait for the thread
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with nvmeswap.Checkpointer() as checkpointer:
+        with pytest.raises(KeyboardInterrupt):
+            checkpointer.async_save(state, tmp_path / "a.pt")
+        monkeypatch.undo()
+        checkpointer.wait_in_flight()
+        assert checkpointer._in_flight.exception() is None
+    assert_same(state, torch.load(tmp_path / "a.pt"))
+
+
 def test_async_save_snapshots_and_writes_in_the_background(tmp_path):
     state = mixed_state()
     expected = {"big": state["big"].clone(), "model": collections.OrderedDict(

@@ -12,6 +12,7 @@ from typing import Any
 from ..aio import aio_handle
 from ..gpu.copies import mark_queued_work
 from ..io import process_state
+from ..io.interrupts import deferred_interrupts
 from ..units import ALIGNMENT, round_up
 from . import loading
 from . import safetensors as safetensors_format
@@ -415,11 +416,13 @@ class Checkpointer:
             # Not a daemon: a save still in flight when the program ends is finished (the
             # interpreter waits for it) rather than lost, or cut off in torch's code.
             try:
-                thread.start()
-            except BaseException as failure:    # no thread (RuntimeError): no save in flight
-                for pending in (future.snapshot_taken, future):
-                    if not pending.done():
-                        pending.set_exception(failure)
+                with deferred_interrupts():     # a Ctrl-C in start() leaves it started
+                    thread.start()
+            except BaseException as failure:
+                if thread.ident is None:        # no thread (RuntimeError): no save in flight
+                    for pending in (future.snapshot_taken, future):
+                        if not pending.done():
+                            pending.set_exception(failure)
                 raise
         return future
 
@@ -452,8 +455,10 @@ class Checkpointer:
             write(image, path)
         except BaseException as failure:
             error = failure
-        if one_off:
-            self._in_flight = None
+        if one_off or self.closed:
+            # Closed meanwhile: a close() interrupted while it waited left the freeing here.
+            if one_off:
+                self._in_flight = None
             try:
                 self._close_after_one_off()
             except BaseException as failure:
@@ -507,11 +512,18 @@ class Checkpointer:
             self.closed = True
         # Not under the lock: a one-off save's thread closes it too (and an async_save
         # of another thread may hold the lock, waiting for the save in flight).
+        future = self._in_flight
         try:
             self.wait_in_flight()
-        finally:
-            with self._lock:        # nor does a synchronous save write meanwhile
-                self._free_buffers()
+        except BaseException:
+            # Interrupted (Ctrl-C) with the save still writing from the buffers: its thread
+            # frees them once it ends, having seen this checkpointer closed.
+            if future is None or future.done():
+                with self._lock:
+                    self._free_buffers()
+            raise
+        with self._lock:        # nor does a synchronous save write meanwhile
+            self._free_buffers()
 
     def _close_after_one_off(self):
         """The one-off save's thread, its save written: closed, the buffers freed."""
