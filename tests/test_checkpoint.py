@@ -486,6 +486,39 @@ def test_a_ctrl_c_in_close_leaves_the_save_in_flight_its_buffers(tmp_path, monke
     assert_same(state, torch.load(path))
 
 
+def test_a_ctrl_c_in_a_load_through_a_handle_is_raised_and_frees_its_buffers(tmp_path,
+                                                                           monkeypatch):
+    state = {"w": random_tensor((4 << 20,), torch.uint8, 4)}
+    path = tmp_path / "c.pt"
+    with nvmeswap.aio_handle() as handle:
+        checkpointer = nvmeswap.Checkpointer(handle)
+        checkpointer.save(state, path)
+        in_use = handle.memory_in_use
+        real_submit = handle.submit_pread
+
+        class InterruptedOnce:
+            """A future whose first result() is a Ctrl-C: the read goes on."""
+
+            def __init__(self, future):
+                self.future, self.interrupted = future, False
+
+            def result(self):
+                if not self.interrupted:
+                    self.interrupted = True
+                    raise KeyboardInterrupt
+                return self.future.result()
+        monkeypatch.setattr(handle, "submit_pread",
+                            lambda *args: InterruptedOnce(real_submit(*args)))
+        with pytest.raises(KeyboardInterrupt):
+            checkpointer.load(path)
+        monkeypatch.undo()
+        assert handle.memory_in_use == in_use
+        loaded = checkpointer.load(path)
+        assert_same(state, loaded)
+        checkpointer.free(loaded)
+        checkpointer.close()
+
+
 def test_a_ctrl_c_as_the_saving_thread_starts_leaves_the_save_in_flight(tmp_path,
                                                                         monkeypatch):
     state = {"w": random_tensor((1 << 16,), torch.float32, 3)}

@@ -45,6 +45,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from ..io.interrupts import deferred_interrupts
 from ..units import ALIGNMENT
 from .fresh_reads import FreshReads
 from .own_queue import Registration
@@ -236,9 +237,15 @@ class Pieces:
         locked set; fresh memory needs nothing: it goes with the last view of it."""
         if self.handle is None:
             return
+        failures = []
         for index, buffer in enumerate(self.buffers):
             if index not in keep:
-                self.handle.free_cpu_locked_tensor(buffer)
+                try:
+                    self.handle.free_cpu_locked_tensor(buffer)
+                except Exception as failure:    # the others are freed all the same
+                    failures.append(failure)
+        if failures:
+            raise failures[0]
 
 
 def _groups(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -289,18 +296,21 @@ def read_ranges(handle: Any, path: int | str, ranges: list[tuple[int, int]]) -> 
     futures = []
     try:
         for start, end in _groups(ranges):
-            buffer = handle.new_cpu_locked_tensor(end - start, torch.empty(0, dtype=torch.uint8))
-            pieces.add(start, buffer)
-            futures.append(handle.submit_pread(buffer, path, start))
+            # Held back from a Ctrl-C: each buffer and read in the books once made.
+            with deferred_interrupts():
+                buffer = handle.new_cpu_locked_tensor(end - start,
+                                                      torch.empty(0, dtype=torch.uint8))
+                pieces.add(start, buffer)
+                futures.append(handle.submit_pread(buffer, path, start))
         while futures:
-            futures.pop(0).result()
+            futures[0].result()
+            futures.pop(0)
     except BaseException:
         for future in futures:
-            try:
+            with contextlib.suppress(BaseException):
                 future.result()
-            except BaseException:
-                pass
-        pieces.free()
+        with contextlib.suppress(Exception):    # the first failure is the one to raise
+            pieces.free()
         raise
     return pieces
 
