@@ -201,6 +201,28 @@ def test_freeing_a_locked_tensor_an_operation_uses_is_refused(handle_factory, tm
     assert second.free_cpu_locked_tensor(t) is True and not first.is_pinned(t)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_in_the_finalizer_giving_memory_back_still_gives_it_back(handle,
+                                                                          monkeypatch):
+    """A finalizer cannot raise (the Ctrl-C is lost, as Python has it), but the range
+    goes back to its arena all the same: an arena it emptied is closed."""
+    example = torch.empty(0, dtype=torch.uint8)
+    arenas = regions.arenas().count
+    t = handle.new_cpu_locked_tensor(4 * MiB, example)
+    assert regions.arenas().count == arenas + 1
+    real_punch = regions.punch_hole
+
+    def interrupted(*args):
+        monkeypatch.setattr(regions, "punch_hole", real_punch)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(regions, "punch_hole", interrupted)
+    assert handle.free_cpu_locked_tensor(t)
+    del t
+    gc.collect()
+    assert regions.punch_hole is real_punch       # the finalizer ran
+    assert regions.arenas().count == arenas
+
+
 def test_regions_of_several_arenas_and_handles(handle_factory, tmp_path):
     arenas = regions.arenas()
     before = arenas.count

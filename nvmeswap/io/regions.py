@@ -183,8 +183,9 @@ class Arenas:
             punch_hole(arena.fd, offset, size)
         except OSError:
             pass
-        self._returned.append((arena, offset, size))
-        self._settle()
+        finally:    # even past a Ctrl-C: else the range would stay taken for good
+            self._returned.append((arena, offset, size))
+            self._settle()
 
     def _settle(self):
         while self._returned and self._lock.acquire(blocking=False):
