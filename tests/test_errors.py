@@ -132,6 +132,29 @@ def test_fd_open_read_only_cannot_be_written(handle, tmp_path):
         os.close(fd)
 
 
+def test_running_out_of_descriptors_names_the_file_given_by_descriptor(handle, tmp_path,
+                                                                       monkeypatch):
+    """An unaligned read of a caller's fd opens the file a second time (buffered); out of
+    descriptors there, the error names the file, not the /proc path it was opened by."""
+    from nvmeswap.io import files
+    path = tmp_path / "f"
+    path.write_bytes(random_bytes(8192))
+    real_open = files.os.open
+
+    def second_open_refused(name, flags, *args):
+        if not flags & os.O_DIRECT:
+            raise OSError(errno.EMFILE, "Too many open files", name)
+        return real_open(name, flags, *args)
+    monkeypatch.setattr(files.os, "open", second_open_refused)
+    fd = real_open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            handle.sync_pread(bytearray(100), fd, 10)
+        assert info.value.errno == errno.EMFILE and info.value.filename == str(path)
+    finally:
+        os.close(fd)
+
+
 def test_buffered_fallback_when_o_direct_is_refused(handle_factory, tmp_path, monkeypatch):
     """Simulates a filesystem that refuses O_DIRECT (tmpfs did before Linux 6.6)."""
     from nvmeswap import errors

@@ -147,7 +147,10 @@ def open_target(target, *, for_write, offset, nbytes, o_direct, written_end=None
                 name, f"cannot read {nbytes} bytes at offset {offset}: "
                       f"the file is {size} bytes long")
         if alignment > 1 and (offset % alignment or (offset + nbytes) % alignment):
-            buffered_fd = os.open(path, flags & ~os.O_CREAT & ~os.O_NONBLOCK)
+            try:
+                buffered_fd = os.open(path, flags & ~os.O_CREAT & ~os.O_NONBLOCK)
+            except OSError as error:     # named as the caller named it, not by /proc
+                raise os_error(error.errno, name) from None
         os.set_blocking(direct_fd, True)    # a regular file or block device from here on
     except BaseException:
         os.close(direct_fd)
