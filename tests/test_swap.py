@@ -371,3 +371,22 @@ def test_a_ctrl_c_while_closing_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         swapper.close()
     assert swapper.closed and os.listdir(tmp_path) == []
+
+
+def test_a_new_swapper_removes_what_swappers_of_killed_processes_left(tmp_path):
+    import subprocess
+
+    from nvmeswap.checkpoint.commit import writer_name
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    tag = writer_name().split("-")[0]
+    left = {f"swap-{tag}-{gone}-abc": "dead", f"swap-{tag}-{os.getpid()}-def": "alive",
+            f"swap-00000000-{gone}-ghi": "another machine's", "swap-plain": "not ours"}
+    for name in left:
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "k.swp").write_bytes(b"x")
+    with TensorSwapper(tmp_path) as swapper:
+        assert os.path.basename(swapper.directory).startswith(f"swap-{writer_name()}-")
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [os.path.basename(swapper.directory)]
+            + [name for name, whose in left.items() if whose != "dead"])

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Hashable
 from typing import Any
 
 from ..aio import aio_handle
+from ..checkpoint.commit import WRITER, writer_gone, writer_name
 from ..io import process_state
 from ..io.interrupts import deferred_interrupts
 from .swap_files import PackFile, as_bytes, file_name
@@ -58,7 +61,8 @@ class TensorSwapper:
     folder : str or os.PathLike, or a list of them
         Where the swap files go; created if missing. The swapper makes a sub-folder of
         its own there (``directory``), so several swappers (or optimizers, or ranks) may
-        share one folder. ``close()`` deletes that sub-folder and everything in it. If a
+        share one folder; one left by a killed process is removed by the next swapper
+        made there. ``close()`` deletes that sub-folder and everything in it. If a
         clean-up job removes them, the next write makes them again (what was removed is
         gone: reading it raises ``FileNotFoundError`` naming the file). A list of folders
         (one per device) stripes every swap file over all of them, with ``stripe_bytes`` a
@@ -97,7 +101,8 @@ class TensorSwapper:
         for each in folders:
             os.makedirs(each, exist_ok=True)
         self.folder = folders[0]
-        self.directory = tempfile.mkdtemp(prefix="swap-", dir=self.folder)
+        _remove_stale(folders)
+        self.directory = tempfile.mkdtemp(prefix=f"swap-{writer_name()}-", dir=self.folder)
         self._closed = False
         self._creator = process_state.pid       # a forked child's copy deletes nothing
         self._own = [h is None for h in (read_handle, write_handle)]
@@ -491,6 +496,22 @@ class TensorSwapper:
     def __repr__(self) -> str:
         return (f"<TensorSwapper {'closed' if self._closed else 'open'} {self.directory} "
                 f"keys={len(self._entries)}>")
+
+
+def _remove_stale(folders):
+    """The sub-folders that swappers of killed processes left in ``folders``, removed: a
+    sub-folder is named by its process (Note [files named by their process] in
+    checkpoint/commit.py), and only those of processes surely gone go."""
+    named = re.compile("swap-" + WRITER + "-[^/]+")
+    try:
+        names = os.listdir(folders[0])
+    except OSError:
+        return
+    for name in names:
+        found = named.fullmatch(name)
+        if found is not None and writer_gone(*found.groups()):
+            for folder in folders:
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def _fail(entry, why):
