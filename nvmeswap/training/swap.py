@@ -206,7 +206,8 @@ class TensorSwapper:
         except BaseException as error:
             with deferred_interrupts():
                 if async_op:
-                    self._writing.remove(key)
+                    if key in self._writing:
+                        self._writing.remove(key)
                     self._uncertain_writes += 1
                 _fail(entry, f"writing {entry.path} failed: {error}")
             raise
@@ -279,7 +280,8 @@ class TensorSwapper:
         except BaseException:
             with deferred_interrupts():
                 if async_op:
-                    self._reading.remove(key)
+                    if key in self._reading:
+                        self._reading.remove(key)
                     self._uncertain_reads += 1
                 entry.state, entry.tensor = before, None     # the file is as it was
             raise
