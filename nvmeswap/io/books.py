@@ -48,6 +48,11 @@ class Books:
         self.pumping_thread = None  # the thread reading responses, if any
         self._driving = False
 
+    def written_end(self, identity):
+        """``Ordering.written_end``, under the lock."""
+        with self.cond:
+            return self.ordering.written_end(identity)
+
     def operation_on(self, region):
         """An operation in flight (started or held) on ``region``, or None."""
         with self.cond:

@@ -139,14 +139,6 @@ class ConcurrentWrites:
             # another write's bytes).
             op.file.size_before = os.fstat(op.file.direct_fd).st_size
 
-    def written_end(self, identity):
-        """Where the writes in flight of the file ``identity`` names end (0: none): a read
-        that follows them may read up to there."""
-        with self._lock:
-            return max((write.file_offset + write.buffer.nbytes
-                        for write in self._by_file.get(identity, ())
-                        if isinstance(write, Operation)), default=0)
-
     def end(self, op):
         """Forget ``op``; True if it is a write that no other write of its file overlapped."""
         if op.is_read:
@@ -204,7 +196,7 @@ def writes():
 
 
 def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_direct,
-                   preallocate_min):
+                   preallocate_min, written_end=None):
     """Check the arguments and open the file: everything that can fail before any I/O.
     A write that grows the file by ``preallocate_min`` or more preallocates
     (Note [preallocation])."""
@@ -213,7 +205,7 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
     if buf.nbytes == 0:
         raise ValueError(f"nothing to transfer: the buffer for {target!r} is empty")
     file = open_target(target, for_write=not is_read, offset=file_offset, nbytes=buf.nbytes,
-                       o_direct=o_direct, written_end=writes().written_end)
+                       o_direct=o_direct, written_end=written_end)
     op = Operation(op_id, is_read, buf, file, file_offset, validate)
     writes().start(op)    # before the file grows (Note [shared growth])
     if not is_read and buf.nbytes >= preallocate_min:

@@ -72,6 +72,15 @@ class Ordering:
         unknown = self._by_file.get(UNKNOWN_FILE)
         return unknown is not None and bool(unknown[1])
 
+    def written_end(self, identity):
+        """Where the writes in flight of the file ``identity`` names end (0: none): a read
+        started now follows them, so it may read up to there."""
+        in_flight = self._by_file.get(identity)
+        if in_flight is None:
+            return 0
+        return max((write.file_offset + write.buffer.nbytes for write in in_flight[1]),
+                   default=0)
+
     def add(self, op):
         """Count ``op`` in flight; return the earlier operations it must wait for."""
         waits_for = self.conflicts(op)

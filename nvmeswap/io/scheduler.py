@@ -94,7 +94,7 @@ class Scheduler:
         with deferred_interrupts():
             file = open_target(target, for_write=not is_read, offset=start,
                                nbytes=end - start, o_direct=self._o_direct,
-                               written_end=writes().written_end)
+                               written_end=self.books.written_end)
         try:
             size = max(1, min(SLICE, self._max_chunks // 2))
             for first in range(0, len(requests), size):
@@ -336,7 +336,8 @@ class Scheduler:
             with deferred_interrupts():
                 op = open_operation(next(self._op_ids), buffer, target, file_offset,
                                     is_read=is_read, validate=validate, o_direct=self._o_direct,
-                                    preallocate_min=self.limits.preallocate_min)
+                                    preallocate_min=self.limits.preallocate_min,
+                                    written_end=self.books.written_end)
             if op.error is not None:    # no room for the write: it ends here, its error
                 self.books.book_failure(op, is_async, for_wait)     # where I/O's would be
                 return op
