@@ -198,6 +198,18 @@ def test_freeing_a_locked_tensor_an_operation_uses_is_refused(handle_factory, tm
     assert first.wait() == 1
     with open(path, "rb") as f:
         assert f.read() == data
+    # Reads into parts of it (their operations are reaped by wait()): a run of small
+    # reads, the second of which the run holds; a batch.
+    first.async_pread(first.new_cpu_locked_tensor(4096, t[:0]), path, 0)
+    first.async_pread(t[MiB:MiB + 4096], path, 4096)
+    with pytest.raises(RuntimeError, match="in use by an operation in flight .*2 reads"):
+        first.free_cpu_locked_tensor(t)
+    assert first.wait() == 2
+    first.async_pread_many(t[2 * MiB:], path, [0, 65536], lengths=[65536, 65536])
+    with pytest.raises(RuntimeError, match="in use by an operation in flight .*batch"):
+        first.free_cpu_locked_tensor(t)
+    assert first.wait() == 2
+    assert bytes(t[2 * MiB:2 * MiB + 131072].numpy()) == data[:131072]
     assert second.free_cpu_locked_tensor(t) is True and not first.is_pinned(t)
 
 

@@ -123,3 +123,6 @@ class BatchOperation(Operation):
     def lengths(self):
         return [request.nbytes for request in self.requests]
 
+    def memory_spans(self):
+        return [(request.address, request.nbytes) for request in self.requests]
+

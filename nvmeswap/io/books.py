@@ -54,9 +54,12 @@ class Books:
             return self.ordering.written_end(identity)
 
     def operation_on(self, region):
-        """An operation in flight (started or held) on ``region``, or None."""
+        """An operation in flight (started or held) on ``region``'s memory, or None."""
+        start, end = region.address, region.address + region.size
         with self.cond:
-            return next((op for op in self.ops.values() if op.region is region), None)
+            return next((op for op in self.ops.values() if op.region is region or any(
+                address < end and start < address + nbytes
+                for address, nbytes in op.memory_spans())), None)
 
     def unshare(self, region):
         """Have the workers unmap ``region`` and drop our descriptor of it."""

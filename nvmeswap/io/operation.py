@@ -77,6 +77,11 @@ class Operation:
             return self.staged.region_offset(index)
         return self.region_offset + self.chunks[index][0]
 
+    def memory_spans(self):
+        """``(address, nbytes)`` of the caller's host memory the operation moves."""
+        return [(self.buffer.address, self.buffer.nbytes)] if self.buffer.device is None \
+            else []
+
     def describe(self):
         verb = "read of" if self.is_read else "write of"
         return f"{verb} {self.buffer.nbytes} bytes at offset {self.file_offset} of {self.file.name}"

@@ -116,6 +116,10 @@ class QuickReadRun(Operation):
         self.chunks = [(0, buf.nbytes)]
         self.key = key
 
+    def memory_spans(self):
+        first = self.region.address + self.region_offset
+        return [(first + start, nbytes) for start, nbytes in self.chunks]
+
     def describe(self):
         if self.count == 1:
             return super().describe()
