@@ -108,6 +108,29 @@ def test_the_swapper_stripes_over_folders(folders):
     assert all(os.listdir(f) == [] for f in folders)
 
 
+def test_a_ctrl_c_in_a_striped_wait_counts_none(folders, monkeypatch):
+    """As aio_handle.wait: interrupted, the next wait counts every transfer again, so a
+    swapper synchronizing through striped handles keeps its counts."""
+    from nvmeswap.checkpoint import stripes
+    tensors = {f"k{k}": random_tensor((1 << 19,), torch.float32, k) for k in range(2)}
+    real_result = stripes.StripedFuture.result
+
+    def interrupted_once(future, *args):
+        monkeypatch.setattr(stripes.StripedFuture, "result", real_result)
+        real_result(future, *args)
+        raise KeyboardInterrupt
+    with TensorSwapper(folders, stripe_bytes=STRIPE) as swapper:
+        for key, tensor in tensors.items():
+            swapper.swap_out(key, tensor)
+        monkeypatch.setattr(stripes.StripedFuture, "result", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            swapper.synchronize_writes()
+        assert swapper.synchronize_writes() == 2
+        back = {key: swapper.swap_in(key) for key in tensors}
+        swapper.synchronize_reads()
+        assert_same(tensors, back)
+
+
 def test_a_striped_checkpointer_reads_a_plain_checkpoint(folders, tmp_path):
     state = mixed_state()
     path = tmp_path / "plain.pt"

@@ -390,3 +390,17 @@ def test_a_new_swapper_removes_what_swappers_of_killed_processes_left(tmp_path):
         assert sorted(os.listdir(tmp_path)) == sorted(
             [os.path.basename(swapper.directory)]
             + [name for name, whose in left.items() if whose != "dead"])
+
+
+def test_a_locked_tensor_a_swap_in_fills_is_not_freed_under_it(tmp_path):
+    data = torch.randn(1 << 18)
+    with TensorSwapper(tmp_path) as swapper:
+        swapper.swap_out("k", data, async_op=False)
+        locked = swapper.new_locked_tensor(data.numel() * 4)
+        out = swapper.swap_in("k", out=locked.view(torch.float32))
+        with pytest.raises(RuntimeError, match="in use by an operation in flight"):
+            swapper.free_locked_tensor(locked)
+        assert any(t is locked for t in swapper._locked)    # close() still frees it
+        swapper.synchronize_reads()
+        assert torch.equal(out, data)
+    assert os.listdir(tmp_path) == []

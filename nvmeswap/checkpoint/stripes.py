@@ -224,12 +224,16 @@ class StripedHandle(StripeSet):
 
     def wait(self) -> int:
         """Wait for every ``async_`` transfer; how many completed. The first failure is
-        raised once all have ended."""
+        raised once all have ended. Interrupted (Ctrl-C), it counts none: the next call
+        waits for them all again, as ``aio_handle.wait`` does."""
         pending, self._pending = self._pending, []
         first = None
         for future in pending:
             try:
                 future.result()
+            except KeyboardInterrupt:
+                self._pending = pending + self._pending
+                raise
             except BaseException as error:
                 first = first or error
         if first is not None:

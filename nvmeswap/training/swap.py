@@ -151,8 +151,8 @@ class TensorSwapper:
     def free_locked_tensor(self, tensor: Any) -> None:
         """Stop sharing ``tensor`` (from ``new_locked_tensor``) with the workers."""
         self._check_open()
+        self.read_handle.free_cpu_locked_tensor(tensor)     # refused while I/O uses it
         self._locked = [t for t in self._locked if t is not tensor]
-        self.read_handle.free_cpu_locked_tensor(tensor)
 
     def state(self, key: Hashable) -> SwapState:
         return self._entries[key].state
@@ -433,8 +433,12 @@ class TensorSwapper:
             return
         errors, emptied = [], False
         try:
-            for pending, synchronize in ((self._writing, self.synchronize_writes),
-                                         (self._reading, self.synchronize_reads)):
+            # Started, or maybe started (a start that raised): waited for before anything
+            # they use goes.
+            in_flight = ((self._writing or self._writes_started or self._uncertain_writes,
+                          self.synchronize_writes),
+                         (self._reading or self._uncertain_reads, self.synchronize_reads))
+            for pending, synchronize in in_flight:
                 if pending:
                     try:
                         synchronize()
