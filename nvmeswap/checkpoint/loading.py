@@ -78,7 +78,7 @@ def _check_byteorder(entries: ZipEntries) -> None:
 #: What an unpickler raises on bytes that are not a pickle of a state (a damaged file),
 #: then named with the file. Not MemoryError or OSError: those are the machine's.
 UNPICKLING_FAILURES = (pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError,
-                  ValueError, AttributeError, RuntimeError, OverflowError, struct.error)
+                       ValueError, AttributeError, RuntimeError, OverflowError, struct.error)
 
 
 def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,

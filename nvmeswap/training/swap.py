@@ -300,18 +300,13 @@ class TensorSwapper:
         waits leaves the writes in flight, for the next call to wait for.
         """
         self._check_open()
-        batched, start_error = set(self._pack.batched), None
+        start_error = None
         try:
             self._writes_started += self._in_directory(self._pack.write_batches,
                                                        self.write_handle, self._entries)
         except BaseException as error:
-            with deferred_interrupts():
-                # Some of the runs may have started: wait() counts those.
-                start_error, self._pack.batched = error, []
-                self._uncertain_writes += len(batched)
-                self._writing = [key for key in self._writing if key not in batched]
-                for key in batched:
-                    _fail(self._entries[key], f"writing {self._pack.path} failed: {error}")
+            start_error = error
+            self._fail_batched(error)
             if isinstance(error, KeyboardInterrupt):
                 raise
         try:
@@ -333,9 +328,19 @@ class TensorSwapper:
             raise SwapError("; ".join(problems))
         return done
 
+    def _fail_batched(self, error):
+        """The pack file's batched keys failed: ``error`` kept its writes from starting
+        (some runs may have started: wait() counts those)."""
+        with deferred_interrupts():
+            batched, self._pack.batched = set(self._pack.batched), []
+            self._uncertain_writes += len(batched)
+            self._writing = [key for key in self._writing if key not in batched]
+            for key in batched:
+                _fail(self._entries[key], f"writing {self._pack.path} failed: {error}")
+
     def _take_writes(self):
         """The keys written since the last synchronize, and how many writes surely and
-        maybe started; the books emptied."""
+        maybe started; the books and the pack file's staging emptied."""
         taken = self._writing, self._writes_started, self._uncertain_writes
         self._writing, self._writes_started, self._uncertain_writes = [], 0, 0
         self._pack.buffers = []
@@ -354,19 +359,19 @@ class TensorSwapper:
             try:
                 size = (self._stripes.size(entry.path) if self._stripes is not None
                         else os.stat(entry.path).st_size) - entry.offset
+                message = None if size >= entry.nbytes else \
+                    f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
             except OSError as error:
-                size, why = -1, f"swap file {entry.path} cannot be checked: {error}"
+                message = f"swap file {entry.path} cannot be checked: {error}"
             except BaseException as error:
                 for rest in keys[index:]:
                     _fail(self._entries[rest], f"its check was cut short: {error!r}")
                 raise
-            if size < entry.nbytes:
-                message = why if size < 0 else \
-                    f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
+            if message is None:
+                entry.state = SwapState.ON_DISK
+            else:
                 problems.append(message)
                 _fail(entry, message)
-            else:
-                entry.state = SwapState.ON_DISK
         return problems
 
     def synchronize_reads(self) -> int:
@@ -399,10 +404,10 @@ class TensorSwapper:
                     problems.append(f"swap key {key!r} read {entry.tensor.numel()} bytes, "
                                     f"expected {entry.nbytes}")
                 entry.tensor = None
-                entry.state = SwapState.ON_DISK if problems else SwapState.IN_MEMORY
-            if problems:
-                for key in keys:
-                    self._entries[key].state = SwapState.ON_DISK
+            # Any problem: none of them is known to be read; all readable again.
+            for key in keys:
+                self._entries[key].state = SwapState.ON_DISK if problems else \
+                    SwapState.IN_MEMORY
         if problems:
             raise SwapError("; ".join(problems))
         return done
