@@ -327,7 +327,7 @@ def test_a_forked_child_closing_its_copy_leaves_the_parents_files(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _interrupted_once(monkeypatch, handle):
+def wait_interrupted_once(monkeypatch, handle):
     """``handle.wait`` raises KeyboardInterrupt once, counting nothing, as a Ctrl-C in it
     does: what is in flight stays there, for the next wait to count."""
     real_wait = handle.wait
@@ -344,14 +344,14 @@ def test_a_ctrl_c_while_synchronizing_leaves_the_swaps_in_flight(tmp_path, monke
     with TensorSwapper(tmp_path, pack_below=4096) as swapper:
         for key, tensor in data.items():
             swapper.swap_out(key, tensor)
-        _interrupted_once(monkeypatch, swapper.write_handle)
+        wait_interrupted_once(monkeypatch, swapper.write_handle)
         with pytest.raises(KeyboardInterrupt):
             swapper.synchronize_writes()
         assert {swapper.state(key) for key in data} == {SwapState.WRITING}
         assert swapper.synchronize_writes() == 4        # three files and one pack run
         assert {swapper.state(key) for key in data} == {SwapState.ON_DISK}
         back = {key: swapper.swap_in(key) for key in data}
-        _interrupted_once(monkeypatch, swapper.read_handle)
+        wait_interrupted_once(monkeypatch, swapper.read_handle)
         with pytest.raises(KeyboardInterrupt):
             swapper.synchronize_reads()
         assert {swapper.state(key) for key in data} == {SwapState.READING}
@@ -367,7 +367,7 @@ def test_a_ctrl_c_while_closing_leaves_no_file(tmp_path, monkeypatch):
     swapper = TensorSwapper(tmp_path, pack_below=4096)
     swapper.swap_out("big", torch.randn(100_000))
     swapper.swap_out("small", torch.randn(10))
-    _interrupted_once(monkeypatch, swapper.write_handle)
+    wait_interrupted_once(monkeypatch, swapper.write_handle)
     with pytest.raises(KeyboardInterrupt):
         swapper.close()
     assert swapper.closed and os.listdir(tmp_path) == []

@@ -12,6 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
 
+from test_swap import wait_interrupted_once
+
 from nvmeswap.training import OffloadedOptimizer, SwapError, SwapState, TensorSwapper
 
 OPTIMIZERS = {
@@ -363,13 +365,7 @@ def test_goes_on_after_a_ctrl_c_inside_step(tmp_path, monkeypatch):
                             tmp_path) as optimizer:
         loop = Run(layers, optimizer)
         loop.step(1)
-        handle = optimizer.swapper.write_handle
-        real_wait = handle.wait
-
-        def interrupted():
-            monkeypatch.setattr(handle, "wait", real_wait)
-            raise KeyboardInterrupt
-        monkeypatch.setattr(handle, "wait", interrupted)
+        wait_interrupted_once(monkeypatch, optimizer.swapper.write_handle)
         with pytest.raises(KeyboardInterrupt):
             loop.step(1)
         loop.step(2)
