@@ -70,13 +70,15 @@ def test_tensors_with_a_bit_are_read_as_their_values(tmp_path, writer):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_an_item_cut_short_fails_naming_its_file(tmp_path):
+@pytest.mark.parametrize("last_length", [1000, 3000], ids=["like-the-first", "its-own"])
+def test_an_item_cut_short_fails_naming_its_file(tmp_path, last_length):
     """A .distcp file cut short inside its last item: a ShortFileError naming the file
-    and the item, not a complaint about the archive's format."""
+    and the item, not a complaint about the archive's format; also when an item of the
+    same length came before it, whose reading the reader reuses."""
     from nvmeswap.checkpoint.dcp import NvmeFileSystemReader, NvmeFileSystemWriter
     from nvmeswap.errors import ShortFileError
 
-    saved = {"a": torch.arange(1000.0), "b": torch.arange(3000.0)}
+    saved = {"a": torch.arange(1000.0), "b": torch.arange(float(last_length))}
     dcp.save(saved, storage_writer=NvmeFileSystemWriter(tmp_path / "c"), no_dist=True)
     (data,) = (tmp_path / "c").glob("*.distcp")
     os.truncate(data, data.stat().st_size - 8)

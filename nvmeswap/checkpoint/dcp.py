@@ -181,6 +181,7 @@ class NvmeFileSystemReader(FileSystemReader):
     def _read_items(self, handle, path, fd, requests, planner):
         direct = []         # (request, target) read straight into the target
         kinds: dict[int, list[_ItemKind]] = {}
+        size = os.fstat(fd).st_size
         for request in requests:
             info = self.storage_data[request.storage_index]
             if request.type == LoadItemType.BYTE_IO:
@@ -190,6 +191,10 @@ class NvmeFileSystemReader(FileSystemReader):
                                      f"expected, the file has {len(data)}")
                 planner.load_bytes(request, io.BytesIO(data))
                 continue
+            if info.offset + info.length > size:
+                raise short_file_error(path, f"the item at {info.offset} of {info.length} "
+                                             f"bytes runs past the file's end ({size} bytes; "
+                                             "cut short?)")
             saved, start = _saved_tensor(path, fd, info, kinds)
             wanted = narrow_tensor_by_index(saved, request.storage_offsets, request.lengths)
             target = planner.resolve_tensor(request).detach()
@@ -260,10 +265,6 @@ def _saved_tensor(path, fd, info, kinds):
 
 
 def _parsed_tensor(path, fd, info):
-    size = os.fstat(fd).st_size
-    if info.offset + info.length > size:
-        raise short_file_error(path, f"the item at {info.offset} of {info.length} bytes "
-                                     f"runs past the file's end ({size} bytes; cut short?)")
     with os.fdopen(os.dup(fd), "rb") as file:
         entries = ZipEntries(path, info.offset, info.length, file=file)
     found = {}
