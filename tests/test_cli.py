@@ -193,6 +193,31 @@ def test_report_missing_folder_fails_with_a_fix(tmp_path):
     assert failed and failed[0]["fix"].startswith("mkdir")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize(("command", "printed"), [
+    (("report",), "nvmeswap can work here"),
+    (("bench", "--io-size", "1M", "--loops", 1, "--buffer", "numpy"), "Task Read Speed"),
+    pytest.param(("bench", "--stripe", "{folder}/a,{folder}/b", "--io-size", "1M",
+                  "--loops", 1), "striped / sum", marks=needs_torch),
+    pytest.param(("tune", "--io-size", "1M", "--loops", 1, "--budget-seconds", 1),
+                 "best combined", marks=needs_torch),
+    (("tune", "--pattern", "rand", "--file-size", "1M", "--ops", 16, "--loops", 1), "best:"),
+], ids=["report", "bench", "bench-stripe", "tune", "tune-rand"])
+def test_a_json_file_that_cannot_be_written_fails_in_one_line(tmp_path, command, printed):
+    """A full disk under --json: the results are still printed, one line names the file
+    and the cause, and the exit status is 1; no traceback."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    name, *options = (str(part).format(folder=tmp_path) for part in command)
+    folder = [] if "--stripe" in options else ["--folder", tmp_path]
+    result = nvmeswap_command(name, *folder, *options, "--json", "/dev/full")
+    assert result.returncode == 1, result.stderr
+    assert printed in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"nvmeswap {name}: --json /dev/full: No space left on device" in \
+        result.stderr.splitlines()
+
+
 @needs_torch
 def test_tune_plot(tmp_path):
     png = tmp_path / "landscape.png"

@@ -151,8 +151,7 @@ def run(args):
     summary = summarise(plan, results)
     summary["interrupted"] = stop.interrupted
     # The JSON first: a closed pipe on the table must not lose the run.
-    if args.json:
-        write_json(args.json, summary)
+    saved = not args.json or write_json(args.json, summary, "bench")
     table = sys.stderr if args.json == "-" else sys.stdout
     print_report(summary, table)
     if stop.interrupted:
@@ -160,7 +159,7 @@ def run(args):
         print(f"nvmeswap bench: interrupted; timed loops kept: {loops or 'none'}",
               file=sys.stderr)
         return 130
-    return 0
+    return 0 if saved else 1
 
 
 def _plan(args):

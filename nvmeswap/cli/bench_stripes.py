@@ -105,10 +105,10 @@ def run_stripes(args, plan, stripe_bytes):
         "sum_of_devices": total, "striped": striped_rates,
         "striped_over_sum": {job: striped_rates[job] / total[job] for job in jobs},
     }
-    if args.json:           # first: a closed pipe on the table must not lose the run
-        write_json(args.json, summary)
+    # The JSON first: a closed pipe on the table must not lose the run.
+    saved = not args.json or write_json(args.json, summary, "bench")
     _print_table(summary, folders, jobs, sys.stderr if args.json == "-" else sys.stdout)
-    return 0
+    return 0 if saved else 1
 
 
 def _print_table(summary, folders, jobs, out):

@@ -78,16 +78,26 @@ def check_folder(folder, option="--folder"):
                          f"chmod u+w {folder} or pick another folder")
 
 
-def write_json(path, data):
-    """``data`` as indented JSON to ``path`` ('-' or None: standard output)."""
+def write_json(path, data, command) -> bool:
+    """``data`` as indented JSON to ``path`` ('-' or None: standard output). False, said
+    in one line, where it cannot be written (a full disk): the caller still prints its
+    results, then exits 1. A closed standard output is main's to handle."""
     import json
     text = json.dumps(data, indent=2) + "\n"
-    if path is None or path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    with open(path, "w") as f:
-        f.write(text)
+    try:
+        if path is None or path == "-":
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            with open(path, "w") as f:
+                f.write(text)
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        print(f"nvmeswap {command}: --json {path}: {error.strerror or error}",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def torch_available():

@@ -5,7 +5,6 @@ built the extensions); then every check with a status, what it found and, for a 
 the fix in one line.
 """
 import errno
-import json
 import os
 import platform
 import resource
@@ -15,7 +14,7 @@ from .. import mounts
 from ..deepspeed import deepspeed_status
 from ..io.engines import URING_MEMLOCK, has_cap_ipc_lock
 from ..units import human_size
-from .options import check_output_path
+from .options import check_output_path, write_json
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 DEFAULT_EVENTS_PER_HANDLE = 128     # aio-nr counts each context's queue depth
@@ -43,11 +42,10 @@ def run(args):
             print(f"       fix: {check['fix']}")
     usable = all(c["status"] != FAIL for c in checks)
     print("nvmeswap can work here" if usable else "nvmeswap cannot work here: see [FAIL] above")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"usable": usable, "versions": found, "checks": checks,
-                       "deepspeed": deepspeed_status()}, f, indent=2)
-    return 0 if usable else 1
+    saved = not args.json or write_json(args.json, {
+        "usable": usable, "versions": found, "checks": checks,
+        "deepspeed": deepspeed_status()}, "report")
+    return 0 if usable and saved else 1
 
 
 def versions():

@@ -137,7 +137,7 @@ def run(args):
         "configurations_measured": len(tuner.results),
         "measurements": [{**config_of(key), **rates} for key, rates in tuner.results.items()],
     }
-    write_json(args.json, result)
+    saved = write_json(args.json, result, "tune")      # first: a closed pipe loses no run
     _print_result(result)
     if args.plot:
         plot_heat_map(tuner.results, args.plot, winner=key_of(result["aio"]))
@@ -146,7 +146,7 @@ def run(args):
         print("nvmeswap tune: interrupted; the best of the configurations measured so far "
               "is kept", file=sys.stderr)
         return 130
-    return 0
+    return 0 if saved else 1
 
 
 def _run_random(args, folder, engines):
@@ -169,7 +169,7 @@ def _run_random(args, folder, engines):
         print("nvmeswap tune: interrupted before any configuration was measured",
               file=sys.stderr)
         return 130
-    write_json(args.json, result)
+    saved = write_json(args.json, result, "tune")
     best = result["best"]
     for m in result["measurements"]:
         print(f"{m['engine']:<6} batch {m['batch']:>4}: {m['reads_per_s']:10.0f} reads/s",
@@ -177,7 +177,7 @@ def _run_random(args, folder, engines):
     print(f"best: engine={best['engine']}, batch {best['batch']} "
           f"({best['reads_per_s']:.0f} reads of {format_size(io_size)} per second)",
           file=sys.stderr)
-    return 130 if result["interrupted"] else 0
+    return 130 if result["interrupted"] else 0 if saved else 1
 
 
 def _progress_bar(total):
