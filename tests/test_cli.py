@@ -193,6 +193,20 @@ def test_report_missing_folder_fails_with_a_fix(tmp_path):
     assert failed and failed[0]["fix"].startswith("mkdir")
 
 
+@pytest.mark.parametrize("command", ["report", "bench", "tune"])
+def test_a_file_given_as_folder_is_named_as_such(tmp_path, command):
+    """--folder naming a regular file: "is not a folder", never "does not exist" with a
+    mkdir that would fail."""
+    path = tmp_path / "a-file"
+    path.write_bytes(b"x")
+    result = nvmeswap_command(command, "--folder", path)
+    assert result.returncode == (1 if command == "report" else 2), result.stderr
+    assert "is not a folder" in result.stdout + result.stderr
+    assert "does not exist" not in result.stdout + result.stderr and "mkdir" not in \
+        result.stdout + result.stderr
+    assert path.read_bytes() == b"x"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize(("command", "printed"), [
     (("report",), "nvmeswap can work here"),

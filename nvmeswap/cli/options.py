@@ -70,6 +70,8 @@ def check_output_path(path, option):
 
 def check_folder(folder, option="--folder"):
     """The folder the files go to: it exists and this user may create files in it."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError(f"{option} {folder}: is not a folder; give a folder on the SSD")
     if not os.path.isdir(folder):
         raise UsageError(f"{option} {folder}: does not exist; create it (mkdir -p {folder}) "
                          "or pick another folder")

@@ -240,6 +240,8 @@ def _cuda():
 
 def folder_checks(folder):
     name = f"folder {folder}"
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return [_check(name, FAIL, "is not a folder", "give a folder on the SSD")]
     if not os.path.isdir(folder):
         return [_check(name, FAIL, "does not exist", f"mkdir -p {folder}")]
     if not os.access(folder, os.W_OK | os.X_OK):
