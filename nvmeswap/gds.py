@@ -73,10 +73,15 @@ o_direct, share_locked_memory_with
         ``example_tensor`` is accepted too."""
         import torch
 
+        self._scheduler.check_usable()
         example_tensor = example_tenosr if example_tenosr is not None else example_tensor
         if not isinstance(example_tensor, torch.Tensor):
             raise TypeError("new_pinned_device_tensor() needs an example tensor, got "
                             f"{type(example_tensor).__name__}")
+        if not example_tensor.is_cuda and not torch.cuda.is_available():
+            raise RuntimeError("new_pinned_device_tensor() makes a CUDA tensor, and torch "
+                               "sees no CUDA device here; use new_cpu_locked_tensor for "
+                               "host memory")
 
         device = example_tensor.device if example_tensor.is_cuda else \
             torch.device("cuda", torch.cuda.current_device())
@@ -105,6 +110,8 @@ o_direct, share_locked_memory_with
     def unpin_device_tensor(self, tensor: Any) -> bool:
         """Undo ``pin_device_tensor``; False if the tensor was not pinned by this handle."""
         self._scheduler.check_usable()
+        if not hasattr(tensor, "data_ptr"):
+            raise TypeError(f"unpin_device_tensor takes a tensor, got {type(tensor).__name__}")
         region = self._placement.pinned.pop_starting_at(tensor.data_ptr())
         if region is None:
             return False
@@ -123,9 +130,12 @@ def _config_json(config):
         with open(config, "rb") as source:
             data = source.read()
         try:
-            json.loads(data)
+            parsed = json.loads(data)
         except ValueError as error:
             raise ValueError(f"{os.fspath(config)}: not a cuFile JSON configuration: "
                              f"{error}") from None
-        return data
+        if isinstance(parsed, dict):
+            return data
+        raise ValueError(f"{os.fspath(config)}: not a cuFile JSON configuration: it holds "
+                         f"a {type(parsed).__name__}, not an object")
     raise TypeError(f"cufile_config must be a dict or a path, got {type(config).__name__}")

@@ -271,6 +271,29 @@ def test_pin_takes_device_tensors_only(gds):
     assert h.unpin_device_tensor(torch.zeros(4)) is False
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here it makes a CUDA tensor")
+def test_device_tensor_calls_without_cuda_say_what_is_wrong(tmp_path, monkeypatch):
+    """Without a GPU, new_pinned_device_tensor says CUDA is missing (not torch's
+    AssertionError); a closed handle says it is closed; a non-tensor and a cuFile
+    configuration that is not a JSON object are refused by name."""
+    monkeypatch.setattr(errors, "_warned", set())
+    with pytest.warns(nvmeswap.GdsFallbackWarning):
+        h = nvmeswap.gds_handle()
+    try:
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            h.new_pinned_device_tensor(10, torch.zeros(1))
+        with pytest.raises(TypeError, match="takes a tensor, got NoneType"):
+            h.free_pinned_device_tensor(None)
+    finally:
+        h.close()
+    with pytest.raises(ValueError, match="closed"):
+        h.new_pinned_device_tensor(10, torch.zeros(1))
+    config = tmp_path / "cufile.json"
+    config.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a list, not an object"):
+        nvmeswap.gds_handle(cufile_config=str(config))
+
+
 def test_without_cufile_gds_handle_warns_once_and_works(tmp_path, monkeypatch):
     monkeypatch.setattr(gpudirect, "gds_available", lambda: False)
     monkeypatch.setattr(gpudirect, "gds_unavailable_reason", lambda: "cuFile could not be loaded")
