@@ -41,7 +41,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..errors import os_error
 from ..io.files import NO_ROOM
@@ -107,6 +107,20 @@ def writer_gone(tag: str, pid: str) -> bool:
     return False
 
 
+def names_by_writer(folder: str, before: str, after: str) -> Iterator[tuple[str, str, str]]:
+    """``(name, tag, pid)`` for each name in ``folder`` made of the patterns ``before``, a
+    writer's name (WRITER) and ``after``; none where the folder cannot be listed."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    named = re.compile(before + WRITER + after)
+    for name in names:
+        found = named.fullmatch(name)
+        if found is not None:
+            yield name, *found.groups()
+
+
 def temporary_name(path: str) -> str:
     """Where a save of ``path`` writes before the rename:
     ``<path>.nvmeswap-tmp-<tag>-<pid>-<n>``, a name of its own (two threads saving one
@@ -118,14 +132,8 @@ def temporary_name(path: str) -> str:
 def remove_stale(path: str) -> None:
     """Remove the temporary files of earlier saves of ``path`` whose process is gone."""
     folder, prefix = _temporary_prefix(path)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    named = re.compile(re.escape(prefix) + WRITER + "-[0-9]+")
-    for other in names:
-        found = named.fullmatch(other)
-        if found is not None and writer_gone(*found.groups()):
+    for other, *writer in names_by_writer(folder, re.escape(prefix), "-[0-9]+"):
+        if writer_gone(*writer):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(folder, other))
 

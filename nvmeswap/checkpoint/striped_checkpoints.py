@@ -163,18 +163,14 @@ def _remove_orphans(stripes, base, current, writing):
     keep = current.get("name") if current else None
     # Exactly the names write_striped gives: "ckpt.2024-06-01.<tag>-<pid>-<hex>.stripe" is
     # another checkpoint's stripe, not one of "ckpt"'s.
-    named = re.compile(re.escape(base) + r"\." + commit.WRITER + r"-[0-9a-f]{8}\.stripe")
     ours = commit.writer_name()
     for folder in stripes.folders:
-        with contextlib.suppress(OSError):
-            for other in os.listdir(folder):
-                found = named.fullmatch(other)
-                if found is None or other == keep:
-                    continue
-                if ("-".join(found.groups()) == ours and other not in writing) or \
-                        commit.writer_gone(*found.groups()):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(folder, other))
+        for other, *writer in commit.names_by_writer(folder, re.escape(base) + r"\.",
+                                                     r"-[0-9a-f]{8}\.stripe"):
+            if other != keep and (("-".join(writer) == ours and other not in writing) or
+                                  commit.writer_gone(*writer)):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, other))
 
 
 @contextlib.contextmanager

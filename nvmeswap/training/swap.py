@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Hashable
 from typing import Any
 
 from ..aio import aio_handle
-from ..checkpoint.commit import WRITER, writer_gone, writer_name
+from ..checkpoint.commit import names_by_writer, writer_gone, writer_name
 from ..io import process_state
 from ..io.interrupts import deferred_interrupts
 from .swap_files import PackFile, as_bytes, file_name
@@ -513,14 +512,8 @@ def _remove_stale(folders):
     """The sub-folders that swappers of killed processes left in ``folders``, removed: a
     sub-folder is named by its process (Note [files named by their process] in
     checkpoint/commit.py), and only those of processes surely gone go."""
-    named = re.compile("swap-" + WRITER + "-[^/]+")
-    try:
-        names = os.listdir(folders[0])
-    except OSError:
-        return
-    for name in names:
-        found = named.fullmatch(name)
-        if found is not None and writer_gone(*found.groups()):
+    for name, *writer in names_by_writer(folders[0], "swap-", "-[^/]+"):
+        if writer_gone(*writer):
             for folder in folders:
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
