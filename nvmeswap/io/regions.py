@@ -298,12 +298,6 @@ class RegionTable:
         with self._lock:
             return self._remove_locked(self._by_start.get(address))
 
-    def pop_containing(self, address):
-        """Remove and return the region that holds ``address`` (None if there is none)."""
-        region = self.containing(address, 0)
-        with self._lock:
-            return self._remove_locked(region)
-
     def __contains__(self, region_id):
         return region_id in self._ids
 
@@ -399,16 +393,20 @@ class LockedUser:
 
     def operation_on(self, region):
         """An operation of this user in flight on ``region``, or None."""
+        scheduler = self._live_scheduler()
+        return scheduler.books.operation_on(region) if scheduler is not None else None
+
+    def unshare(self, region):
+        scheduler = self._live_scheduler()
+        if scheduler is not None:
+            scheduler.unshare(region)
+
+    def _live_scheduler(self):
+        """This user's scheduler while it is open in the process that made it, else None."""
         scheduler = self._scheduler() if self._scheduler is not None else None
         if scheduler is None or scheduler.closed or os.getpid() != scheduler.creator_pid:
             return None
-        return scheduler.books.operation_on(region)
-
-    def unshare(self, region):
-        scheduler = self._scheduler() if self._scheduler is not None else None
-        if scheduler is not None and not scheduler.closed \
-                and os.getpid() == scheduler.creator_pid:
-            scheduler.unshare(region)
+        return scheduler
 
     # -- RegionTable's interface, on the shared table ------------------------------------
     def add(self, region):
@@ -419,9 +417,6 @@ class LockedUser:
 
     def pop_starting_at(self, address):
         return self.memory.table.pop_starting_at(address)
-
-    def pop_containing(self, address):
-        return self.memory.table.pop_containing(address)
 
     def __contains__(self, region_id):
         return region_id in self.memory.table
