@@ -267,16 +267,21 @@ def test_a_damaged_archive_is_an_error_naming_it(tmp_path, damage):
 
 @pytest.mark.parametrize("saver", ["torch.save", "nvmeswap.save"])
 @pytest.mark.parametrize("damage", ["a memo index", "an opcode"])
-def test_a_damaged_pickle_is_an_error_naming_the_file(tmp_path, saver, damage):
+@pytest.mark.parametrize("name", ["damaged.pt", "238"])
+def test_a_damaged_pickle_is_an_error_naming_the_file(tmp_path, monkeypatch, saver, damage,
+                                                      name):
     """Bytes of data.pkl changed in place (its record's length kept): whatever the
-    unpickler raises comes out naming the file, from load and from load_into."""
+    unpickler raises comes out naming the file, from load and from load_into; also a
+    file whose name is in the unpickler's message (the memo index 238 = 0xEE)."""
     import pickletools
     state = {"w": random_tensor((30, 100), torch.float32, 1), "b": torch.arange(7),
              "n": 3, "s": torch.arange(10.0)[2:6]}
-    path = tmp_path / "damaged.pt"
+    monkeypatch.chdir(tmp_path)
+    path = name
     (torch.save if saver == "torch.save" else nvmeswap.save)(state, path)
-    data = bytearray(path.read_bytes())
-    pickled = zip_entries.ZipEntries(str(path)).pickle
+    with open(path, "rb") as file:
+        data = bytearray(file.read())
+    pickled = zip_entries.ZipEntries(path).pickle
     start = data.find(pickled)
     ops = list(pickletools.genops(pickled))
     if damage == "a memo index":        # a BINGET of an index never put
@@ -285,12 +290,14 @@ def test_a_damaged_pickle_is_an_error_naming_the_file(tmp_path, saver, damage):
     else:                               # a dict's SETITEMS turned into an APPENDS
         at = next(position for op, _, position in ops if op.name == "SETITEMS")
         data[start + at] = ord("e")
-    path.write_bytes(data)
+    with open(path, "wb") as file:
+        file.write(data)
     for call in (nvmeswap.load, lambda path: nvmeswap.load_into(
-            path, {name: value.clone() if isinstance(value, torch.Tensor) else value
-                   for name, value in state.items()})):
-        with pytest.raises((ValueError, pickle.UnpicklingError), match="damaged.pt: "):
+            path, {key: value.clone() if isinstance(value, torch.Tensor) else value
+                   for key, value in state.items()})):
+        with pytest.raises((ValueError, pickle.UnpicklingError)) as raised:
             call(path)
+        assert str(raised.value).startswith(f"{name}: ")
 
 
 @pytest.mark.parametrize("call", ["load", "load_into"])

@@ -81,6 +81,10 @@ UNPICKLING_FAILURES = (pickle.UnpicklingError, EOFError, KeyError, IndexError, T
                        ValueError, AttributeError, RuntimeError, OverflowError, struct.error)
 
 
+class NamedUnpicklingError(pickle.UnpicklingError):
+    """An unpickling error that names its file already."""
+
+
 def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
              map_location: Any = None) -> Any:
     """The archive's object, ``make_storage(key, dtype, nbytes, location)`` giving each
@@ -102,7 +106,7 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
     def load_storage(saved_id):
         typename = saved_id[0].decode() if isinstance(saved_id[0], bytes) else saved_id[0]
         if typename != "storage":
-            raise pickle.UnpicklingError(f"{entries.path}: unknown persistent id {typename!r}")
+            raise NamedUnpicklingError(f"{entries.path}: unknown persistent id {typename!r}")
         storage_type, key, location, numel = saved_id[1:]
         key = key.decode() if isinstance(key, bytes) else key
         location = location.decode() if isinstance(location, bytes) else location
@@ -122,8 +126,8 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
         if result is NOT_PLAIN:
             result = _torch_s_unpickling(entries, persistent_load, weights_only)
     except UNPICKLING_FAILURES as error:
-        if str(entries.path) in str(error) or _among(error, storage_errors) or isinstance(
-                error, (torch.OutOfMemoryError, NotImplementedError)):
+        if _among(error, storage_errors) or isinstance(
+                error, (NamedUnpicklingError, torch.OutOfMemoryError, NotImplementedError)):
             raise       # named already, the storages' own, or the machine's or torch's
         raise ValueError(f"{entries.path}: its pickle (data.pkl) could not be read "
                          f"({type(error).__name__}: {error})") from error
@@ -170,7 +174,7 @@ def _torch_s_unpickling(entries: ZipEntries, persistent_load: Any, weights_only:
         return unpickler.load()
     except pickle.UnpicklingError as error:
         if weights_only:
-            raise pickle.UnpicklingError(
+            raise NamedUnpicklingError(
                 f"{entries.path}: {error}; pass weights_only=False only for a file "
                 "from a source you trust") from None
         raise
