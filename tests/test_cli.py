@@ -193,6 +193,26 @@ def test_report_missing_folder_fails_with_a_fix(tmp_path):
     assert failed and failed[0]["fix"].startswith("mkdir")
 
 
+@needs_torch
+def test_a_heat_map_on_a_full_disk_fails_in_one_line(tmp_path, small_filesystem):
+    """--plot on a full disk: the results are printed and the JSON written, one line names
+    the file and the cause, exit 1; no traceback and no half-written picture."""
+    with open(small_filesystem / "filler", "wb") as filler, \
+            pytest.raises(OSError, match="No space left"):
+        while True:
+            filler.write(b"\0" * (64 << 10))
+            filler.flush()
+    out, png = tmp_path / "tune.json", small_filesystem / "landscape.png"
+    result = nvmeswap_command("tune", "--folder", tmp_path, "--io-size", "1M", "--loops", 1,
+                              "--budget-seconds", 1, "--json", out, "--plot", png)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "best combined" in result.stderr
+    assert f"nvmeswap tune: --plot {png}: No space left on device" in \
+        result.stderr.splitlines()
+    assert json.loads(out.read_text())["configurations_measured"] >= 1
+    assert not png.exists() or png.stat().st_size == 0
+
+
 @pytest.mark.parametrize("command", ["report", "bench", "tune"])
 def test_a_file_given_as_folder_is_named_as_such(tmp_path, command):
     """--folder naming a regular file: "is not a folder", never "does not exist" with a

@@ -140,8 +140,13 @@ def run(args):
     saved = write_json(args.json, result, "tune")      # first: a closed pipe loses no run
     _print_result(result)
     if args.plot:
-        plot_heat_map(tuner.results, args.plot, winner=key_of(result["aio"]))
-        print(f"heat map written to {args.plot}", file=sys.stderr)
+        try:
+            plot_heat_map(tuner.results, args.plot, winner=key_of(result["aio"]))
+            print(f"heat map written to {args.plot}", file=sys.stderr)
+        except OSError as error:
+            print(f"nvmeswap tune: --plot {args.plot}: {error.strerror or error}",
+                  file=sys.stderr)
+            saved = False
     if interrupted:
         print("nvmeswap tune: interrupted; the best of the configurations measured so far "
               "is kept", file=sys.stderr)
@@ -428,5 +433,7 @@ def plot_heat_map(results, filename, winner=None):
                                      edgecolor="red", linewidth=3, label="pick"))
             axis.set_title(f"intra_op_parallelism={parallelism} (pick outlined)")
     figure.colorbar(image, ax=list(axes[0]), label="GB/s, read+write (GB = 10^9 bytes)")
-    figure.savefig(filename, dpi=100)
-    plt.close(figure)
+    try:
+        figure.savefig(filename, dpi=100)
+    finally:
+        plt.close(figure)
