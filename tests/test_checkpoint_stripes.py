@@ -234,7 +234,7 @@ def test_a_failure_after_the_layout_is_renamed_keeps_the_stripes_it_names(folder
     real_sync = commit.sync_folder
 
     def failing_sync(folder):
-        if folder == folders[0] and os.path.isfile(path):
+        if folder == folders[0] and json.loads(Path(path).read_text())["name"] != first:
             if failure == "EIO":
                 raise OSError(errno.EIO, "Input/output error", folder)
             raise KeyboardInterrupt
@@ -242,6 +242,7 @@ def test_a_failure_after_the_layout_is_renamed_keeps_the_stripes_it_names(folder
 
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
         checkpointer.save(old, path)
+        first = json.loads(Path(path).read_text())["name"]
         monkeypatch.setattr(commit, "sync_folder", failing_sync)
         with pytest.raises(OSError if failure == "EIO" else KeyboardInterrupt):
             checkpointer.save(new, path)
@@ -275,8 +276,8 @@ def test_a_striped_save_without_a_handle_opens_each_stripe_file_once(folders, mo
 
 def test_striped_saves_of_one_path_from_two_threads_leave_one_set_of_stripes(folders):
     """Two threads saving one striped path at once, while a third loads it: every load
-    sees one state whole (no save takes the stripes of a layout committed meanwhile for
-    orphans), and the loser's stripes, which no layout names, go at the next save."""
+    sees one state whole, and each commit deletes the stripes of the layout it replaced,
+    read at its rename: one set of stripes is left."""
     path = os.path.join(folders[0], "s.pt")
     states = [{"w": torch.full((1 << 20,), k, dtype=torch.uint8)} for k in range(2)]
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
@@ -293,6 +294,9 @@ def test_striped_saves_of_one_path_from_two_threads_leave_one_set_of_stripes(fol
                 each.close()
         assert all(isinstance(e, FileNotFoundError) for e in errors), errors
         assert seen and set(seen) <= {0, 1} and int(nvmeswap.load(path)["w"].min()) in (0, 1)
+        name = json.loads(Path(path).read_text())["name"]
+        assert sorted(os.listdir(folders[0])) == sorted(["s.pt", name])
+        assert all(os.listdir(folder) == [name] for folder in folders[1:])
         checkpointer.save(states[1], path)
     name = json.loads(Path(path).read_text())["name"]
     assert sorted(os.listdir(folders[0])) == sorted(["s.pt", name])
@@ -324,11 +328,10 @@ def test_a_striped_save_outside_the_first_folder_fails_at_the_call(folders, tmp_
     assert not (tmp_path / "elsewhere.pt").exists()
 
 
-def test_a_save_over_a_damaged_layout_fails_naming_it_and_holds_no_stripe_name(folders):
-    """A layout at the path that is not one fails the save before any I/O; the stripe
-    name the save had taken is let go, and a stripe of a pid no process has is left."""
-    from nvmeswap.checkpoint import commit, striped_checkpoints
-    from nvmeswap.io import process_state
+def test_a_save_over_a_damaged_layout_fails_naming_it(folders):
+    """A layout at the path that is not one fails the save before any I/O, and a stripe
+    of a pid no process has is left."""
+    from nvmeswap.checkpoint import commit
 
     path = os.path.join(folders[0], "s.pt")
     Path(path).write_text('{"nvmeswap_stripes": 1, "name": "s.pt.')       # cut short
@@ -337,12 +340,41 @@ def test_a_save_over_a_damaged_layout_fails_naming_it_and_holds_no_stripe_name(f
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
         with pytest.raises(ValueError, match="s.pt: a damaged stripe layout"):
             checkpointer.save({"w": torch.ones(10)}, path)
-        assert process_state.shared(striped_checkpoints._Commits).writing == set()
         os.unlink(path)
         state = {"w": random_tensor((100_000,), torch.float32, 4)}
         checkpointer.save(state, path)
     assert_same(state, nvmeswap.load(path))
     assert stray in os.listdir(folders[1])
+
+
+@pytest.mark.parametrize("damage", [
+    {"name": None}, {"name": "../x.stripe"}, {"name": ""}, {"folders": []},
+    {"folders": "/mnt"}, {"folders": ["relative"]}, {"stripe_bytes": 0},
+    {"stripe_bytes": "65536"}, {"size": -1}, {"size": True}, {"replaces": [1]},
+    {"replaces": {"name": "x"}}, "name", "folders", "size"],
+    ids=lambda damage: str(damage))
+def test_a_layout_with_a_missing_or_wrong_field_is_damaged(folders, damage):
+    """Every load of a layout whose fields are missing or of the wrong kind fails with a
+    ValueError naming it; a save over it fails before any file is made."""
+    path = os.path.join(folders[0], "s.pt")
+    with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
+        checkpointer.save({"w": torch.ones(10)}, path)
+        layout = json.loads(Path(path).read_text())
+        if isinstance(damage, dict):
+            layout.update(damage)
+        else:
+            del layout[damage]
+        Path(path).write_text(json.dumps(layout))
+        before = [sorted(os.listdir(folder)) for folder in folders]
+        message = re.escape(path) + ": a damaged stripe layout"
+        for call in (nvmeswap.load, checkpointer.load,
+                     lambda p: nvmeswap.load_into(p, {"w": torch.zeros(10)})):
+            with pytest.raises(ValueError, match=message):
+                call(path)
+        with pytest.raises(ValueError, match=message):
+            checkpointer.save({"w": torch.zeros(10)}, path)
+    assert [sorted(os.listdir(folder)) for folder in folders] == before
+    assert json.loads(Path(path).read_text()) == layout
 
 
 _FORK_DURING_A_STRIPED_COMMIT = r"""
@@ -409,27 +441,91 @@ def test_a_short_stripe_fails_every_load_naming_that_stripe(folders):
     assert all(not tensor.any() for tensor in into["model"].values())   # nothing read
 
 
-def test_a_striped_save_removes_stripes_only_of_gone_writers_it_can_see(folders):
-    """Note [files named by their process]: a stripe of another machine or pid namespace
-    (another tag) is left alone, though its pid be gone here, or this process's own."""
+_SAVE_AND_EXIT = r"""
+import sys, torch, nvmeswap
+folders, path = sys.argv[1:-1], sys.argv[-1]
+with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=65536) as saver:
+    saver.save({"w": torch.arange(50000)}, path)
+"""
+
+
+@pytest.mark.parametrize("how", ["renamed", "sharing a folder", "by an exited process"])
+def test_a_striped_save_keeps_the_stripes_other_layouts_name(tmp_path, folders, how):
+    """A save deletes only the stripes of the layout it replaces, and of its path's
+    killed saves: never the stripes of a layout elsewhere, be it a checkpoint renamed
+    (kept as the older one), or one of the same name whose stripes share a folder,
+    written by this process or by one that has exited."""
+    import subprocess
+    import sys
+
+    from conftest import package_env
+
+    first = {"w": torch.arange(50000)}
+    kept = os.path.join(folders[0], "ck.pt")
+    if how == "renamed":
+        saved, others = kept, folders
+    else:                           # rank 0 over dev0, dev1; rank 1 over dev2, dev1
+        saved, others = os.path.join(folders[2], "ck.pt"), [folders[2], folders[1]]
+    if how == "by an exited process":
+        done = subprocess.run([sys.executable, "-c", _SAVE_AND_EXIT, *folders[:2], kept],
+                              capture_output=True, text=True, timeout=120, check=False,
+                              env=package_env())
+        assert done.returncode == 0, done.stderr
+    else:
+        with nvmeswap.Checkpointer(stripe_folders=folders[:2], stripe_bytes=STRIPE) as saver:
+            saver.save(first, kept)
+    if how == "renamed":
+        os.replace(kept, kept + ".prev")
+        kept += ".prev"
+    second = {"w": torch.arange(50000) * 2}
+    with nvmeswap.Checkpointer(stripe_folders=others, stripe_bytes=STRIPE) as saver:
+        saver.save(second, saved)
+        saver.save(second, saved)       # replacing its own: the first one's stripes go
+    assert_same(first, nvmeswap.load(kept))
+    assert_same(second, nvmeswap.load(saved))
+    names = {json.loads(Path(path).read_text())["name"] for path in (kept, saved)}
+    assert {name for folder in folders for name in os.listdir(folder)
+            if name.endswith(".stripe")} == names
+
+
+def test_a_striped_save_removes_what_killed_saves_of_its_path_left(folders):
+    """Note [striped checkpoints]: a killed save leaves its temporary layout, naming its
+    stripes; the next save removes both where the writer is gone and of this tag (Note
+    [files named by their process]). A stripe no temporary layout names is left, though
+    its writer be gone: another layout may name it; and a temporary layout removes only
+    stripes of its own writer."""
     from test_checkpoint import dead_pid, other_tag
 
     from nvmeswap.checkpoint import commit
 
     path = os.path.join(folders[0], "state.pt")
     gone, ours = dead_pid(), commit.writer_name().split("-")[0]
-    left = {f"state.pt.{other_tag()}-{gone}-0123abcd.stripe",
-            f"state.pt.{other_tag()}-{os.getpid()}-0123abcd.stripe"}
-    removed = {f"state.pt.{ours}-{gone}-0123abcd.stripe"}
+
+    def killed_save(writer, stripe_writer=None, save=0):
+        stripe = f"state.pt.{stripe_writer or writer}-0123abcd.stripe"
+        temporary = f"state.pt{commit.TEMPORARY}{writer}-{save}"
+        Path(folders[0], temporary).write_text(json.dumps({
+            "nvmeswap_stripes": 1, "name": stripe, "size": 5, "stripe_bytes": STRIPE,
+            "folders": [str(folder) for folder in folders]}))
+        for folder in folders:
+            Path(folder, stripe).write_bytes(b"a stripe")
+        return temporary, stripe
+
+    removed = set(killed_save(f"{ours}-{gone}"))
+    left = set(killed_save(f"{other_tag()}-{gone}"))
+    mismatched, foreign = killed_save(f"{ours}-{gone}", stripe_writer=f"{ours}-1", save=1)
+    removed.add(mismatched)
+    left.add(foreign)
+    left.add(f"state.pt.{ours}-{gone}-4567abcd.stripe")         # no layout names it
     for folder in folders:
-        for name in left | removed:
-            Path(folder, name).write_bytes(b"a stripe")
+        Path(folder, f"state.pt.{ours}-{gone}-4567abcd.stripe").write_bytes(b"a stripe")
     state = mixed_state()
     with nvmeswap.Checkpointer(stripe_folders=folders, stripe_bytes=STRIPE) as checkpointer:
         checkpointer.save(state, path)
     name = json.loads(Path(path).read_text())["name"]
     assert name.startswith(f"state.pt.{commit.writer_name()}-")
     for folder in folders:
-        assert set(os.listdir(folder)) == left | {name} | ({"state.pt"} if folder == folders[0]
-                                                          else set())
+        assert not set(os.listdir(folder)) & removed
+        assert set(os.listdir(folder)) - left == {name} | (
+            {"state.pt"} if folder == folders[0] else set())
     assert_same(state, nvmeswap.load(path))

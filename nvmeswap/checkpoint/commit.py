@@ -129,13 +129,20 @@ def temporary_name(path: str) -> str:
     return os.path.join(folder, f"{prefix}{writer_name()}-{next(_saves)}")
 
 
+def stale_temporaries(path: str) -> list[tuple[str, str]]:
+    """``(file, writer)`` of each temporary file of an earlier save of ``path`` whose
+    process is gone; ``writer`` is its ``<tag>-<pid>``."""
+    folder, prefix = _temporary_prefix(path)
+    return [(os.path.join(folder, other), "-".join(writer))
+            for other, *writer in names_by_writer(folder, re.escape(prefix), "-[0-9]+")
+            if writer_gone(*writer)]
+
+
 def remove_stale(path: str) -> None:
     """Remove the temporary files of earlier saves of ``path`` whose process is gone."""
-    folder, prefix = _temporary_prefix(path)
-    for other, *writer in names_by_writer(folder, re.escape(prefix), "-[0-9]+"):
-        if writer_gone(*writer):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, other))
+    for temporary, _ in stale_temporaries(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
 
 
 def start(path: str, size: int = 0) -> str:

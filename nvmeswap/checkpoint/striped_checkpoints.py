@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -14,39 +13,43 @@ from typing import Any
 from ..errors import short_file_error
 from ..io import process_state
 from ..io.interrupts import deferred_interrupts
+from ..units import ALIGNMENT
 from . import commit
 from .stripes import StripedHandle, StripeSet, stripe_file_sizes, unlink_quietly
 
 # Note [striped checkpoints]: a striped checkpoint at ``path`` (in the first stripe folder)
 # is a small JSON file there, the layout: the folders, the stripe size, the logical size
 # and the name of the striped data, ``<name>.<tag>-<pid>-<random>.stripe`` in every
-# folder (Note [files named by their process] in commit.py). A
-# save writes fresh stripe files under a new name, fsyncs each and each folder, then
-# replaces the layout file as any checkpoint is replaced (Note [crash-consistent
+# folder (Note [files named by their process] in commit.py). A save first writes the
+# layout it will commit to its temporary file beside ``path`` and makes it durable, then
+# writes fresh stripe files under the new name, fsyncs each and each folder, then renames
+# the layout over ``path`` as any checkpoint is replaced (Note [crash-consistent
 # checkpoints]): that rename is the one commit point, so a save killed at any instant
-# leaves the old layout naming the old stripes, which are deleted only after the commit.
-# Stripes no layout names, left by killed saves, go at the next save of the same name.
-# ``nvmeswap.load`` knows the layout file by its first bytes and reads the data from it.
-# Two threads saving one path at once: the loser's stripes, which no layout names once
-# the other commits, are this process's orphans and go at the next save too; what a
-# save of this process is writing is never one (``_Commits.writing``), and reading the
-# layout to keep and committing one are one step each (under ``_Commits.lock``): a save
-# never takes the stripes of a layout committed meanwhile for orphans.
+# leaves the old layout naming the old stripes. The layout replaced, read at the rename,
+# has its stripes deleted after it; the new layout records it (``replaces``), so that
+# stripes a kill kept from being deleted go with the next save. A killed save leaves its
+# temporary layout, naming its stripes: the next save of ``path`` removes both, where the
+# writer is gone. A stripe is never taken for an orphan by its name: another layout may
+# name it (one renamed, to keep an older checkpoint; one of the same name in another
+# folder whose stripes share a folder). ``nvmeswap.load`` knows the layout file by its
+# first bytes and reads the data from it. Reading the layout a save replaces and
+# renaming over it are one step for this process's saves (``_Commits.lock``): two
+# threads saving one path each delete what they replace, and nothing is left.
 LAYOUT_KEY = "nvmeswap_stripes"
 
 
 class _Commits:
-    """The striped saves of this process in progress (a forked child starts with none,
-    and a fresh lock: Note [process state])."""
+    """The lock of this process's striped commits (a forked child starts with a fresh
+    one: Note [process state])."""
 
     def __init__(self) -> None:
-        self.writing: set[str] = set()      # the names of the stripes being written
         self.lock = threading.Lock()
 
 
 def read_layout(path: str, fd: int | None = None) -> dict | None:
     """The layout at ``path`` (read from ``fd`` if given, a descriptor open on it), or
-    None if ``path`` is not a striped checkpoint."""
+    None if ``path`` is not a striped checkpoint; ValueError naming ``path`` for one that
+    is damaged."""
     import json
 
     if fd is None:
@@ -60,7 +63,35 @@ def read_layout(path: str, fd: int | None = None) -> dict | None:
         layout = json.loads(head)
     except ValueError as error:
         raise ValueError(f"{path}: a damaged stripe layout ({error})") from None
+    problem = _layout_problem(layout)
+    if problem is not None:
+        raise ValueError(f"{path}: a damaged stripe layout ({problem})")
     return layout
+
+
+def _layout_problem(layout: Any) -> str | None:
+    """What is wrong with a parsed layout, or None."""
+    if not isinstance(layout, dict):
+        return "not a JSON object"
+    size, stripe_bytes = layout.get("size"), layout.get("stripe_bytes")
+    if type(size) is not int or size < 0:
+        return f"size {size!r}"
+    if type(stripe_bytes) is not int or stripe_bytes <= 0 or stripe_bytes % ALIGNMENT:
+        return f"stripe_bytes {stripe_bytes!r}"
+    replaced = layout.get("replaces")
+    if replaced is not None and not isinstance(replaced, dict):
+        return f"replaces {replaced!r}"
+    return _stripes_problem(layout) or (replaced and _stripes_problem(replaced))
+
+
+def _stripes_problem(named: dict) -> str | None:
+    name, folders = named.get("name"), named.get("folders")
+    if not isinstance(name, str) or name in ("", os.curdir, os.pardir) or os.sep in name:
+        return f"name {name!r}"
+    if not isinstance(folders, list) or not folders or \
+            not all(isinstance(folder, str) and os.path.isabs(folder) for folder in folders):
+        return f"folders {folders!r}"
+    return None
 
 
 def write_committed(stripes: StripeSet | None, size: int, path: str, write: Any) -> None:
@@ -91,86 +122,103 @@ def write_striped(stripes: StripeSet, size: int, path: str, write: Any) -> None:
     check_striped_path(stripes, path)
     folder, base = os.path.split(os.path.abspath(path))
     base = commit.named_after(base)
+    old = read_layout(path) if os.path.isfile(path) else None   # a damaged one refused
+    _remove_killed_saves(path, base)
     name = f"{base}.{commit.writer_name()}-{secrets.token_hex(4)}.stripe"
-    commits = process_state.shared(_Commits)
-    with commits.lock:
-        commits.writing.add(name)
-        try:
-            old = read_layout(path) if os.path.isfile(path) else None
-            _remove_orphans(stripes, base, old, commits.writing)
-        except BaseException:
-            commits.writing.discard(name)
-            raise
-    try:
-        _write_and_commit(stripes, size, path, write, os.path.join(folder, name), commits)
-    finally:
-        with commits.lock:
-            commits.writing.discard(name)
-    if old is not None and old.get("name") != name:
-        _remove_stripes(old)
-
-
-def _write_and_commit(stripes, size, path, write, logical, commits):
-    """Write the stripe files of ``logical`` (in ``path``'s folder), make them durable,
-    then commit the layout at ``path`` naming them."""
-    import json
-
-    name = os.path.basename(logical)
-    parts = stripes.paths(logical)
-    expected = stripe_file_sizes(len(parts), stripes.stripe_bytes, size)
+    layout = {LAYOUT_KEY: 1, "name": name, "size": size, "stripe_bytes": stripes.stripe_bytes,
+              "folders": stripes.folders, **_replacing(old)}
+    parts = stripes.paths(os.path.join(folder, name))
+    temporary = commit.start(path)
     renamed = False     # from the rename on, the layout at ``path`` names these stripes
     try:
-        for part, part_size in zip(parts, expected):
-            commit.create(part, part_size)
-        write(logical)
-        for part, part_size in zip(parts, expected):
-            commit.make_durable(part, part_size)
-        for other in stripes.folders[1:]:
-            commit.sync_folder(other)
-        text = json.dumps({LAYOUT_KEY: 1, "name": name, "size": size,
-                           "stripe_bytes": stripes.stripe_bytes,
-                           "folders": stripes.folders}).encode()
-        temporary = commit.start(path)
-        try:
-            with open(temporary, "wb") as file:
-                file.write(text)
-            with commits.lock:
-                commit.make_durable(temporary, len(text))
-                with deferred_interrupts():
-                    os.replace(temporary, path)
-                    renamed = True
-                commits.writing.discard(name)
-        except BaseException:
-            if not renamed:
-                commit.abandon(temporary)
-            raise
-        commit.sync_folder(os.path.dirname(os.path.abspath(path)))
+        _write_layout(temporary, layout)
+        commit.sync_folder(folder)      # the killed save's layout is found: its stripes too
+        _write_stripes(stripes, size, parts, write)
+        with process_state.shared(_Commits).lock:
+            replaced = _layout_at(path)
+            if _replacing(replaced) != _replacing(old):     # another thread's save came
+                layout = {**{k: v for k, v in layout.items() if k != "replaces"},
+                          **_replacing(replaced)}
+                _rewrite_layout(path, temporary, layout)
+            with deferred_interrupts():
+                os.replace(temporary, path)
+                renamed = True
     except BaseException:
-        # A failure once the layout is renamed (its folder's fsync, a Ctrl-C) leaves the
-        # stripes it names: the checkpoint at ``path`` is the new one.
         if not renamed:
             unlink_quietly(parts)
+            commit.abandon(temporary)
+        raise
+    # A failure from here on (the folder's fsync, a Ctrl-C) leaves the new checkpoint.
+    commit.sync_folder(folder)
+    if replaced is not None:
+        _remove_stripes(replaced)
+        _remove_stripes(replaced.get("replaces"))
+
+
+def _replacing(layout: dict | None) -> dict:
+    """The ``replaces`` entry of a layout that replaces ``layout``."""
+    if layout is None:
+        return {}
+    return {"replaces": {"name": layout["name"], "folders": layout["folders"]}}
+
+
+def _layout_at(path: str) -> dict | None:
+    """The layout at ``path`` now, or None: no file, not striped, or damaged (then its
+    stripes cannot be known, and what replaces it deletes none)."""
+    try:
+        return read_layout(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_layout(path: str, layout: dict) -> None:
+    import json
+
+    text = json.dumps(layout).encode()
+    with open(path, "wb") as file:
+        file.write(text)
+    commit.make_durable(path, len(text))
+
+
+def _rewrite_layout(path: str, temporary: str, layout: dict) -> None:
+    """Replace the temporary layout of a save of ``path`` whole, through another
+    temporary file of ``path``: a kill leaves one or both, each naming this save's
+    stripes."""
+    other = commit.temporary_name(path)
+    try:
+        _write_layout(other, layout)
+        os.replace(other, temporary)
+    except BaseException:
+        commit.abandon(other)
         raise
 
 
-def _remove_stripes(layout):
-    unlink_quietly(os.path.join(folder, layout["name"]) for folder in layout.get("folders", []))
+def _remove_killed_saves(path: str, base: str) -> None:
+    """What saves of ``path`` killed before their commit left: each its temporary
+    layout, which names its own stripes (Note [striped checkpoints])."""
+    for temporary, writer in commit.stale_temporaries(path):
+        with contextlib.suppress(OSError, ValueError):
+            layout = read_layout(temporary)
+            if layout is not None and layout["name"].startswith(f"{base}.{writer}-"):
+                _remove_stripes(layout)
+        commit.abandon(temporary)
 
 
-def _remove_orphans(stripes, base, current, writing):
-    """Delete stripe files of ``base`` that no layout names, left by saves whose process
-    is gone, or by this process's saves that are not ``writing`` them now."""
-    keep = current.get("name") if current else None
-    # Exactly the names write_striped gives: "ckpt.2024-06-01.<tag>-<pid>-<hex>.stripe" is
-    # another checkpoint's stripe, not one of "ckpt"'s.
-    ours = commit.writer_name()
-    for folder in stripes.folders:
-        for other, *writer in commit.names_by_writer(folder, re.escape(base) + r"\.",
-                                                     r"-[0-9a-f]{8}\.stripe"):
-            if other != keep and (("-".join(writer) == ours and other not in writing) or
-                                  commit.writer_gone(*writer)):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(folder, other))
+def _write_stripes(stripes, size, parts, write):
+    """Write the stripe files ``parts`` of ``size`` logical bytes and make them durable."""
+    expected = stripe_file_sizes(len(parts), stripes.stripe_bytes, size)
+    for part, part_size in zip(parts, expected):
+        commit.create(part, part_size)
+    write(parts[0])
+    for part, part_size in zip(parts, expected):
+        commit.make_durable(part, part_size)
+    for other in stripes.folders[1:]:
+        commit.sync_folder(other)
+
+
+def _remove_stripes(named: dict | None) -> None:
+    if named is not None:
+        unlink_quietly(os.path.join(folder, named["name"]) for folder in named["folders"])
 
 
 @contextlib.contextmanager
