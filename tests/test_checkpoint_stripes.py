@@ -70,6 +70,31 @@ def test_striped_handle_refuses_bad_arguments(folders, tmp_path):
         handle.sync_pwrite(torch.zeros(10), str(tmp_path / "elsewhere"))
 
 
+def test_one_folder_under_two_names_is_refused(folders, tmp_path):
+    """A folder and a link to it are one device: striping over both would put two
+    devices' bytes in one file. Refused at the call, nothing made."""
+    import subprocess
+    import sys
+
+    from conftest import package_env
+
+    link = tmp_path / "link"
+    link.symlink_to(folders[1])
+    twice = [folders[0], folders[1], str(link)]
+    message = f"named twice .*: {re.escape(folders[1])} and {re.escape(str(link))} are one"
+    for make in (lambda: StripedHandle(twice),
+                 lambda: nvmeswap.Checkpointer(stripe_folders=twice),
+                 lambda: TensorSwapper(twice)):
+        with pytest.raises(ValueError, match=message):
+            make()
+    assert all(os.listdir(folder) == [] for folder in folders)
+    bench = subprocess.run([sys.executable, "-m", "nvmeswap", "bench", "--stripe",
+                            ",".join(twice), "--io-size", "1M"], capture_output=True,
+                           text=True, timeout=120, check=False, env=package_env())
+    assert bench.returncode == 2 and "are one folder" in bench.stderr, bench.stderr
+    assert all(os.listdir(folder) == [] for folder in folders)
+
+
 def test_a_striped_checkpoint_round_trips_and_replaces_its_stripes(folders):
     state = mixed_state()
     path = os.path.join(folders[0], "state.pt")

@@ -75,6 +75,19 @@ class StripedFuture:
         return self._nbytes
 
 
+def folder_named_twice(folders: list[str]) -> tuple[str, str] | None:
+    """Two names in ``folders`` of one folder (the same path, a link to it, a bind mount
+    of it), or None: striping over it twice would put two devices' bytes in one file."""
+    seen: dict[tuple[int, int], str] = {}
+    for folder in folders:
+        found = os.stat(folder)
+        identity = (found.st_dev, found.st_ino)
+        if identity in seen:
+            return seen[identity], folder
+        seen[identity] = folder
+    return None
+
+
 class StripeSet:
     """Where the bytes of files striped over ``folders`` lie (Note [stripes]): each
     folder's file and each stripe piece of a range, for whatever moves them (a
@@ -95,8 +108,10 @@ class StripeSet:
         for folder in self.folders:
             if not os.path.isdir(folder):
                 raise FileNotFoundError(2, "No such stripe folder", folder)
-        if len(set(self.folders)) != len(self.folders):
-            raise ValueError(f"a folder is named twice in {self.folders}")
+        twice = folder_named_twice(self.folders)
+        if twice is not None:
+            raise ValueError(f"a folder is named twice in {self.folders}: {twice[0]} and "
+                             f"{twice[1]} are one folder")
         if not isinstance(stripe_bytes, int) or stripe_bytes <= 0 or stripe_bytes % ALIGNMENT:
             raise ValueError(f"stripe_bytes must be a positive multiple of {ALIGNMENT}, "
                              f"got {stripe_bytes!r}")

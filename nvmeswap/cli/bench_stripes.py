@@ -19,13 +19,17 @@ JOBS = ("write", "read")
 
 
 def stripe_folders(text):
+    from ..checkpoint.stripes import folder_named_twice
+
     folders = [part for part in text.split(",") if part]
     if len(folders) < 1:
         raise UsageError("--stripe needs at least one folder: --stripe DIR1,DIR2,...")
-    if len(set(folders)) != len(folders):
-        raise UsageError(f"--stripe names a folder twice: {text}")
     for folder in folders:
         check_folder(folder, "--stripe")
+    twice = folder_named_twice(folders)
+    if twice is not None:
+        raise UsageError(f"--stripe names a folder twice: {twice[0]} and {twice[1]} are one "
+                         "folder")
     return folders
 
 
