@@ -133,6 +133,53 @@ def test_the_swapper_stripes_over_folders(folders):
     assert all(os.listdir(f) == [] for f in folders)
 
 
+def test_the_swapper_refuses_handles_and_stripes_unlike_its_own(folders):
+    """Over several folders, a given handle must stripe as the swapper does (a plain
+    handle, or other stripes, would read other keys' bytes), and stripe_bytes is checked
+    (0 is not the default; with one folder it means nothing): refused, nothing made."""
+    plain = nvmeswap.aio_handle()
+    wide = StripedHandle(folders, stripe_bytes=2 * STRIPE)
+    try:
+        for kwargs, message in [
+                ({"read_handle": plain}, ("read_handle must be a StripedHandle .* got an "
+                                         "unstriped aio_handle")),
+                ({"write_handle": plain}, "write_handle must be a StripedHandle"),
+                ({"read_handle": wide}, (f"stripe_bytes={STRIPE}, as the swapper stripes; "
+                                        f"got one over .* stripe_bytes={2 * STRIPE}")),
+                ({"stripe_bytes": 0}, "multiple of 4096")]:
+            with pytest.raises(ValueError, match=message):
+                TensorSwapper(folders, stripe_bytes=kwargs.pop("stripe_bytes", STRIPE),
+                              **kwargs)
+        with pytest.raises(ValueError, match="stripe_bytes goes with a list of folders"):
+            TensorSwapper(folders[0], stripe_bytes=STRIPE)
+    finally:
+        plain.close()
+        wide.close()
+    assert all(os.listdir(folder) == [] for folder in folders)
+
+
+def test_a_swapper_of_relative_folders_keeps_its_files_after_a_chdir(folders, monkeypatch):
+    """Folders given relative to the working folder are where they were when the swapper
+    was made, whatever folder the process moves to."""
+    parent = os.path.dirname(folders[0])
+    for given in ([os.path.basename(folders[0])], [os.path.basename(f) for f in folders]):
+        monkeypatch.chdir(parent)
+        swapper = TensorSwapper(given if len(given) > 1 else given[0])
+        try:
+            data = random_tensor((100_000,), torch.int32, 5)
+            swapper.swap_out("k", data)
+            swapper.synchronize_writes()
+            monkeypatch.chdir(folders[1])
+            back = swapper.swap_in("k")
+            swapper.synchronize_reads()
+            assert torch.equal(back, data)
+            swapper.swap_out("k2", data)
+            swapper.synchronize_writes()
+        finally:
+            swapper.close()
+        assert all(os.listdir(folder) == [] for folder in folders), given
+
+
 def test_a_ctrl_c_in_a_striped_wait_counts_none(folders, monkeypatch):
     """As aio_handle.wait: interrupted, the next wait counts every transfer again, so a
     swapper synchronizing through striped handles keeps its counts."""

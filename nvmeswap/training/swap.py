@@ -71,11 +71,15 @@ class TensorSwapper:
         The handles to use, two different ones; by default two of its own
         (``**handle_args``) that share their locked memory, so reads are never queued
         behind writes and tensors from ``new_locked_tensor`` are zero-copy both ways.
+        Over a list of folders, ``StripedHandle``s over those folders with the same
+        ``stripe_bytes``.
     pack_below : int
         Tensors smaller than this many bytes share one pack file, each in an aligned
         slot that it keeps when swapped out again; their writes wait until
         ``synchronize_writes()`` and go out as one write per run of adjacent slots
         (write-behind batching). 0 (default): one file per tensor.
+    stripe_bytes : int, optional
+        Bytes per stripe over a list of folders, a multiple of 4096 (default 4 MiB).
 
     Notes
     -----
@@ -95,10 +99,12 @@ class TensorSwapper:
             # Each side's wait() counts its own operations: one handle would count both.
             raise ValueError("TensorSwapper needs two handles, one for reads and one for "
                              "writes; pass two, or neither (it makes its own)")
-        folders = [os.fspath(f) for f in folder] if isinstance(folder, (list, tuple)) \
-            else [os.fspath(folder)]
+        # Absolute: the files must stay where they are if the process changes folder.
+        folders = [os.path.abspath(os.fspath(f)) for f in folder] \
+            if isinstance(folder, (list, tuple)) else [os.path.abspath(os.fspath(folder))]
         for each in folders:
             os.makedirs(each, exist_ok=True)
+        stripes = _stripe_set(folders, stripe_bytes, read_handle, write_handle)
         self.folder = folders[0]
         _remove_stale(folders)
         self.directory = tempfile.mkdtemp(prefix=f"swap-{writer_name()}-", dir=self.folder)
@@ -107,16 +113,15 @@ class TensorSwapper:
         self._own = [h is None for h in (read_handle, write_handle)]
         self.read_handle = read_handle
         self.write_handle = write_handle
-        self._stripes = None
+        self._stripes = stripes
         try:
-            if len(folders) > 1:
-                from ..checkpoint.stripes import STRIPE_BYTES, StripedHandle
+            if stripes is not None:
+                from ..checkpoint.stripes import StripedHandle
                 self.read_handle = read_handle or StripedHandle(
-                    folders, stripe_bytes=stripe_bytes or STRIPE_BYTES, **handle_args)
+                    folders, stripe_bytes=stripes.stripe_bytes, **handle_args)
                 self.write_handle = write_handle or StripedHandle(
-                    folders, stripe_bytes=stripe_bytes or STRIPE_BYTES, **handle_args)
-                self._stripes = self.write_handle
-                self._stripes.makedirs(self.directory)
+                    folders, stripe_bytes=stripes.stripe_bytes, **handle_args)
+                stripes.makedirs(self.directory)
             self.read_handle = self.read_handle or aio_handle(**handle_args)
             self.write_handle = self.write_handle or aio_handle(
                 **handle_args,
@@ -506,6 +511,33 @@ class TensorSwapper:
     def __repr__(self) -> str:
         return (f"<TensorSwapper {'closed' if self._closed else 'open'} {self.directory} "
                 f"keys={len(self._entries)}>")
+
+
+def _stripe_set(folders, stripe_bytes, read_handle, write_handle):
+    """The stripes over ``folders`` (None for one folder), every given handle checked to
+    stripe as they do: a handle of other folders or stripes would read other bytes."""
+    if len(folders) == 1:
+        if stripe_bytes is not None:
+            raise ValueError("stripe_bytes goes with a list of folders to stripe over")
+        return None
+    from ..checkpoint.stripes import STRIPE_BYTES, StripedHandle, StripeSet
+    stripes = StripeSet(folders, stripe_bytes=STRIPE_BYTES if stripe_bytes is None
+                        else stripe_bytes)
+    for side, handle in (("read_handle", read_handle), ("write_handle", write_handle)):
+        if handle is not None and not (isinstance(handle, StripedHandle)
+                                       and handle.folders == stripes.folders
+                                       and handle.stripe_bytes == stripes.stripe_bytes):
+            raise ValueError(f"{side} must be a StripedHandle over {stripes.folders} with "
+                             f"stripe_bytes={stripes.stripe_bytes}, as the swapper stripes; "
+                             f"got {_striping(handle)}")
+    return stripes
+
+
+def _striping(handle):
+    folders = getattr(handle, "folders", None)
+    if folders is None:
+        return f"an unstriped {type(handle).__name__}"
+    return f"one over {folders} with stripe_bytes={handle.stripe_bytes}"
 
 
 def _remove_stale(folders):
