@@ -58,6 +58,23 @@ def test_striped_bytes_land_round_robin_and_come_back(folders, nbytes, offset):
         assert not any(os.path.exists(p) for p in handle.paths(logical))
 
 
+def test_the_size_of_a_file_whose_first_part_was_never_made(folders):
+    """A write whose stripes all lie on other devices makes no first part: the file is
+    there, its size that write's end; missing only when every part is."""
+    with StripedHandle(folders, stripe_bytes=4096) as handle:
+        logical = os.path.join(folders[0], "f.bin")
+        data = torch.arange(1024, dtype=torch.int32)        # one stripe: device 1's
+        handle.sync_pwrite(data, logical, 4096)
+        assert not os.path.exists(logical)
+        assert handle.size(logical) == 8192
+        back = torch.zeros_like(data)
+        handle.sync_pread(back, logical, 4096)
+        assert torch.equal(back, data)
+        with pytest.raises(FileNotFoundError) as raised:
+            handle.size(os.path.join(folders[0], "none.bin"))
+        assert raised.value.filename == os.path.join(folders[0], "none.bin")
+
+
 def test_striped_handle_refuses_bad_arguments(folders, tmp_path):
     with pytest.raises(FileNotFoundError) as raised:
         StripedHandle([folders[0], str(tmp_path / "missing")])

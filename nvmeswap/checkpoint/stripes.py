@@ -136,17 +136,20 @@ class StripeSet:
     def size(self, filename: Any) -> int:
         """The logical size of ``filename``: the end of the last byte its parts hold."""
         count, stripe = len(self.folders), self.stripe_bytes
-        end = 0
+        end, missing = 0, []
         for device, path in enumerate(self.paths(filename)):
             try:
                 held = os.stat(path).st_size
-            except FileNotFoundError:
-                if device == 0:         # the file itself is missing
-                    raise
-                held = 0                # a file shorter than its first stripes
+            except FileNotFoundError as error:
+                # A part not made: its stripes were never written (a write at an offset
+                # past them); the file is missing only if every part is.
+                missing.append(error)
+                held = 0
             if held:
                 row, within = divmod(held - 1, stripe)
                 end = max(end, (row * count + device) * stripe + within + 1)
+        if len(missing) == count:
+            raise missing[0]
         return end
 
     def makedirs(self, folder: Any) -> None:
