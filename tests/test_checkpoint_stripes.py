@@ -83,8 +83,14 @@ def test_striped_handle_refuses_bad_arguments(folders, tmp_path):
         StripedHandle(folders, stripe_bytes=1000)
     with pytest.raises(ValueError, match="named twice"):
         StripedHandle([folders[0], folders[0]])
-    with StripedHandle(folders) as handle, pytest.raises(ValueError, match="not inside"):
-        handle.sync_pwrite(torch.zeros(10), str(tmp_path / "elsewhere"))
+    with StripedHandle(folders) as handle:
+        with pytest.raises(ValueError, match="not inside"):
+            handle.sync_pwrite(torch.zeros(10), str(tmp_path / "elsewhere"))
+        with pytest.raises(TypeError, match="file_offset must be an int, got True"):
+            handle.sync_pwrite(torch.zeros(10), os.path.join(folders[0], "f"), True)
+        with pytest.raises(FileNotFoundError):
+            handle.sync_pread(torch.zeros(0), os.path.join(folders[0], "missing"))
+    assert all(os.listdir(folder) == [] for folder in folders)
 
 
 def test_one_folder_under_two_names_is_refused(folders, tmp_path):

@@ -197,7 +197,9 @@ class StripedHandle(StripeSet):
     # -- transfers -----------------------------------------------------------------------
     def _start(self, buffer, filename, file_offset, is_read):
         self._check_open()
-        if not isinstance(file_offset, int) or file_offset < 0:
+        if not isinstance(file_offset, int) or isinstance(file_offset, bool):
+            raise TypeError(f"file_offset must be an int, got {file_offset!r}")
+        if file_offset < 0:
             raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
         paths = self.paths(filename)
         flat = _byte_view(buffer)
@@ -211,6 +213,8 @@ class StripedHandle(StripeSet):
                 parts.append(submit(piece, paths[device], device_offset))
             if not parts and not is_read:
                 create_files(paths)     # a write of 0 bytes still makes the files
+            elif not parts:
+                self.size(filename)     # a read of 0 bytes still needs the file
         except BaseException:
             for part in parts:
                 with contextlib.suppress(BaseException):
