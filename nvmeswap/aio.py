@@ -19,6 +19,7 @@ from .io.limits import DEFAULT as DEFAULT_LIMITS
 from .io.limits import Limits
 from .io.operation import checked_bool, checked_int
 from .io.placement import HostPlacement
+from .io.reaper import reaper
 from .io.regions import locked_memory
 from .io.scheduler import Scheduler
 from .locked_tensors import free_locked_tensor, is_locked, new_locked_tensor
@@ -137,7 +138,9 @@ class aio_handle:
                 region.close()
             raise
         locked.attach(self._scheduler)
-        self._finalizer = weakref.finalize(self, self._scheduler.release)
+        # Dropped unclosed, it is released on the reaper's thread (Note [releasing
+        # dropped handles]); close() releases it in place.
+        self._finalizer = weakref.finalize(self, reaper().call, self._scheduler.release)
 
     def _make_placement(self, host: HostPlacement) -> HostPlacement:
         """The placement hook: where operations' bytes live (gds_handle puts cuFile first)."""
@@ -374,7 +377,8 @@ class aio_handle:
             if os.getpid() == self._scheduler.creator_pid:
                 self._scheduler.collect()
         finally:
-            self._finalizer()
+            if self._finalizer.detach() is not None:
+                self._scheduler.release()
 
     def __enter__(self) -> aio_handle:
         return self

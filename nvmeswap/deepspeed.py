@@ -34,6 +34,7 @@ from typing import Any
 from .aio import aio_handle
 from .gds import gds_handle
 from .gpu.discovery import gds_available
+from .io.reaper import reaper
 from .io.regions import locked_memory
 from .locked_tensors import free_locked_tensor, is_locked, new_locked_tensor
 
@@ -80,6 +81,7 @@ class pin_handle:
     """
 
     def __init__(self) -> None:
+        self._reaper = reaper()
         self._locked = locked_memory().join()
 
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
@@ -102,8 +104,13 @@ class pin_handle:
     def __del__(self) -> None:
         locked = getattr(self, "_locked", None)
         if locked is not None and locked.memory.creator_pid == os.getpid():
-            for region in locked.drain():
-                region.close()
+            # Leaving takes the set's lock: not here (Note [releasing dropped handles]).
+            self._reaper.call(_leave, locked)
+
+
+def _leave(locked: Any) -> None:
+    for region in locked.drain():
+        region.close()
 
 
 class _OpBuilder:

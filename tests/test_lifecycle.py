@@ -176,6 +176,52 @@ def test_pending_writes_finish_when_the_handle_is_dropped_or_the_program_exits(t
         assert np.array_equal(written[4096 * i:], expected)
 
 
+COLLECTED_UNDER_A_LOCK = """
+    import faulthandler, gc, os, sys, time, warnings
+    sys.path.insert(0, sys.argv[1])
+    faulthandler.dump_traceback_later(60, exit=True)       # a deadlock: the stacks
+    import numpy as np, psutil
+    import nvmeswap
+    from nvmeswap.deepspeed import pin_handle
+    from nvmeswap.io.operation import writes
+    from nvmeswap.io.regions import locked_memory
+    warnings.simplefilter("ignore", ResourceWarning)
+    folder = sys.argv[2]
+    me = psutil.Process()
+
+    class Cycle:
+        pass
+
+    for name in ("locked set", "table", "writes"):
+        lock = {"locked set": locked_memory()._lock, "table": locked_memory().table._lock,
+                "writes": writes()._lock}[name]
+        data = np.random.default_rng(len(name)).integers(0, 256, 8 << 20, dtype=np.uint8)
+        path = os.path.join(folder, name)
+        cycle = Cycle()
+        cycle.me, cycle.handle, cycle.pins = cycle, nvmeswap.aio_handle(), pin_handle()
+        cycle.handle.async_pwrite(data, path)
+        del cycle
+        with lock:
+            gc.collect()        # the finalizers run here, on a thread holding the lock
+        deadline = time.monotonic() + 30
+        while me.children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not me.children(), (name, me.children())
+        assert np.array_equal(np.fromfile(path, np.uint8), data), name
+        assert locked_memory().users == 0, name
+        print(name, "released")
+"""
+
+
+def test_a_handle_collected_while_its_thread_holds_a_lock_is_released(tmp_path):
+    """Note [releasing dropped handles]: a handle and a pin-memory handle dropped in a
+    reference cycle, collected while the collecting thread holds a lock that releasing
+    them takes: no deadlock; they are released (workers gone, the write whole, the
+    locked set left) once the lock is free."""
+    lines = run_child(COLLECTED_UNDER_A_LOCK, tmp_path)
+    assert lines[:3] == ["locked set released", "table released", "writes released"]
+
+
 def test_close_waits_and_raises_the_first_failure(handle, tmp_path):
     (tmp_path / "shrinks").write_bytes(random_bytes(16 * MiB))
     good = bytearray(random_bytes(MiB))
