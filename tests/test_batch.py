@@ -289,3 +289,34 @@ def test_batch_errors_name_the_cause_on_a_file_refusing_aio(handle, tmp_path):
     assert info.value.filename == "/proc/self/mem"
     assert info.value.errno in (errno.EINVAL, errno.EIO)
     assert handle.free_cpu_locked_tensor(locked)
+
+
+@pytest.mark.parametrize("where", ["open_target", "BatchOperation"])
+@pytest.mark.parametrize("is_read", [True, False], ids=["read", "write"])
+def test_a_ctrl_c_as_a_batch_opens_its_file_leaves_nothing_open(handle, source, monkeypatch,
+                                                                where, is_read):
+    """A Ctrl-C held back while a batch opens its file (or books a slice) comes at the
+    end of that step: the file's descriptors are closed, no write is left registered as
+    in flight, and nothing is counted."""
+    import signal
+
+    from nvmeswap.io.operation import writes
+
+    path, _ = source
+    real = getattr(scheduler_module, where)
+
+    def then_ctrl_c(*args, **kwargs):
+        made = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)     # held back to the step's end
+        return made
+
+    monkeypatch.setattr(scheduler_module, where, then_ctrl_c)
+    locked = handle.new_cpu_locked_tensor(8 * 4 * KiB, EXAMPLE)
+    move = handle.async_pread_many if is_read else handle.async_pwrite_many
+    with pytest.raises(KeyboardInterrupt):
+        move(locked, path, [k * 4 * KiB for k in range(8)], lengths=[4 * KiB] * 8)
+    monkeypatch.undo()
+    assert handle.wait() == 0
+    assert not [fd for fd in os.listdir("/proc/self/fd")
+                if os.path.realpath(f"/proc/self/fd/{fd}") == path]
+    assert not any(writes()._by_file.values())

@@ -91,27 +91,32 @@ class Scheduler:
         requests = checked_requests(buffers, offsets, lengths, is_read=is_read)
         start = min(request.offset for request in requests)
         end = max(request.offset + request.nbytes for request in requests)
-        with deferred_interrupts():
-            file = open_target(target, for_write=not is_read, offset=start,
-                               nbytes=end - start, o_direct=self._o_direct,
-                               written_end=self.books.written_end)
+        file = None
         try:
+            # Inside the try: a Ctrl-C held back to the block's end leaves nothing open.
+            with deferred_interrupts():
+                file = open_target(target, for_write=not is_read, offset=start,
+                                   nbytes=end - start, o_direct=self._o_direct,
+                                   written_end=self.books.written_end)
             size = max(1, min(SLICE, self._max_chunks // 2))
             for first in range(0, len(requests), size):
                 part = requests[first:first + size]
                 if not self._has_room(len(part)):
                     self.books.wait_until(functools.partial(self._has_room, len(part)))
-                with deferred_interrupts():
-                    op = BatchOperation(next(self._op_ids), is_read, part, file.duplicate())
-                    writes().start(op)
+                op = None
                 try:
+                    with deferred_interrupts():
+                        op = BatchOperation(next(self._op_ids), is_read, part,
+                                            file.duplicate())
+                        writes().start(op)
                     self._start_batch(op, target)
                 except BaseException:
-                    if not op.started and not op.done:
+                    if op is not None and not op.started and not op.done:
                         self.books.abandon(op)
                     raise
         finally:
-            file.close()
+            if file is not None:
+                file.close()
 
     def _start_batch(self, op, target):
         """Route a slice of a batch: booked whole, or each request on its own road."""
