@@ -117,6 +117,29 @@ def test_worker_that_died_while_idle_is_replaced(handle, tmp_path, signal_number
     assert outcome == {"value": 1} and back == data
 
 
+@needs_torch
+def test_a_worker_dead_while_idle_is_replaced_with_caller_queue_reads_out(handle_factory,
+                                                                          tmp_path):
+    """Small reads in the caller queue are not the workers': a worker that died while
+    idle is replaced for the next operation though such reads are out (Note [caller
+    queue]), and every read comes back whole."""
+    import torch
+
+    h = handle_factory(intra_op_parallelism=2)
+    data = random_bytes(8 << 20)
+    (tmp_path / "x").write_bytes(data)
+    big = bytearray(len(data) - 4096)
+    h.sync_pread(big, tmp_path / "x", 4096)          # the workers are up, then idle
+    for worker in _workers():
+        worker.kill()
+        worker.wait(5)
+    small = h.new_cpu_locked_tensor(4096, torch.empty(0, dtype=torch.uint8))
+    h.async_pread(small, tmp_path / "x", 0)          # the caller queue's
+    h.async_pread(big, tmp_path / "x", 4096)         # the workers'
+    assert _call_with_deadline(h.wait) == {"value": 2}
+    assert bytes(small.numpy()) + big == data
+
+
 def test_worker_killed_with_operations_queued_behind(handle_factory, tmp_path):
     """Every operation out at the death fails with WorkerDied; later ones succeed."""
     h = handle_factory(block_size=4096, queue_depth=1, intra_op_parallelism=2)

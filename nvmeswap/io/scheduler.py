@@ -418,8 +418,9 @@ class Scheduler:
                                   op.buffer.nbytes, op.file_offset, op.file.alignment)
 
     def _running_pool(self):
-        """The current workers; a set with a member that died while idle is replaced."""
-        if not self.books.ops and self.books.pumping_thread is None:
+        """The current workers; a set with a member that died while idle is replaced,
+        though the caller queue have requests out (no thread may be reading the pool)."""
+        if not self.workers.with_workers and self.books.pumping_thread is None:
             self.workers.replace_if_dead()
         return self.workers.running()
 

@@ -56,6 +56,11 @@ class Workforce:
         self._registered = {}
 
     @property
+    def with_workers(self):
+        """Chunks out with the workers (those of the caller queue are not)."""
+        return self._with_workers
+
+    @property
     def chunks_in_flight(self):
         return self._with_workers + (self.queue.in_flight if self.queue is not None else 0)
 
@@ -119,8 +124,9 @@ class Workforce:
             queue.close()
 
     def replace_if_dead(self):
-        """With nothing in flight, a pool with a member that died is dropped (the next
-        ``running()`` starts a fresh one). With operations out, the pump sees a death."""
+        """With nothing out with the workers, a pool with a member that died is dropped
+        (the next ``running()`` starts a fresh one): the caller queue's requests are not
+        theirs. With chunks out, the pump sees a death."""
         if self.pool is not None and self.pool.first_death() is not None:
             self.kill()
 
