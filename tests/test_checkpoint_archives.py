@@ -429,3 +429,60 @@ def test_a_damaged_storage_header_fails_the_load_naming_it(tmp_path, request, da
         else:
             nvmeswap.load_into(path, {name: torch.zeros_like(tensor)
                                       for name, tensor in state.items()}, handle=handle)
+
+
+def _with_pickle_of(path, archive, persistent_id):
+    """``archive`` rebuilt at ``path`` with a data.pkl whose one tensor's storage is
+    referred to by ``persistent_id`` (a damaged one)."""
+    import collections
+    import io
+    import zipfile
+
+    class Reference:
+        def __reduce__(self):
+            return (torch._utils._rebuild_tensor_v2,
+                    (("reference",), 0, (8,), (1,), False, collections.OrderedDict()))
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, value):
+            return persistent_id if value == ("reference",) else None
+
+    pickled = io.BytesIO()
+    Pickler(pickled, protocol=2).dump({"a": Reference()})
+    with zipfile.ZipFile(archive) as source, zipfile.ZipFile(path, "w") as target:
+        for entry in source.infolist():
+            target.writestr(entry.filename, pickled.getvalue()
+                            if entry.filename.endswith("data.pkl") else source.read(entry))
+
+
+@pytest.mark.parametrize("damage", [
+    "byteorder record", "zip64 locator offset", "persistent id of 4 fields",
+    "persistent id an int", "storage type an int", "numel a str", "location unknown"])
+def test_damage_anywhere_in_an_archive_fails_naming_it(tmp_path, damage):
+    """One damaged byte or field, wherever it is (the zip's records, the pickle's
+    storage references): every load fails naming the file, never with a bare error."""
+    good = tmp_path / "good.pt"
+    nvmeswap.save({"a": torch.arange(8.0)}, good)
+    data = bytearray(good.read_bytes())
+    path = tmp_path / "damaged.pt"
+    if damage == "byteorder record":
+        data[data.index(b"little")] ^= 0xFF
+        path.write_bytes(data)
+    elif damage == "zip64 locator offset":
+        data[data.rindex(b"PK\x06\x07") + 15] ^= 0xFF      # its offset's top byte
+        path.write_bytes(data)
+    else:
+        references = {
+            "persistent id of 4 fields": ("storage", torch.FloatStorage, "0", "cpu"),
+            "persistent id an int": 7,
+            "storage type an int": ("storage", 3, "0", "cpu", 8),
+            "numel a str": ("storage", torch.FloatStorage, "0", "cpu", "8"),
+            "location unknown": ("storage", torch.FloatStorage, "0", "bpu", 8)}
+        _with_pickle_of(path, good, references[damage])
+    calls = [nvmeswap.load]
+    if damage != "location unknown":        # load_into places by its targets
+        calls.append(lambda p: nvmeswap.load_into(p, {"a": torch.zeros(8)}))
+    for call in calls:
+        with pytest.raises((ValueError, RuntimeError, pickle.UnpicklingError)) as raised:
+            call(path)
+        assert str(raised.value).startswith(f"{path}: "), repr(raised.value)

@@ -62,6 +62,18 @@ from .striped_checkpoints import (
 from .zip_entries import ZipEntries, reads_at
 
 
+def _restored(path: str, restore: Any, storage: Any, location: str) -> Any:
+    """``restore(storage, location)``, torch's refusal of a location naming the file."""
+    import torch
+
+    try:
+        return restore(storage, location)
+    except RuntimeError as error:
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        raise RuntimeError(f"{path}: {error}") from error
+
+
 def _storage_dtype(storage_type):
     import torch
 
@@ -104,12 +116,19 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
             raise
 
     def load_storage(saved_id):
-        typename = saved_id[0].decode() if isinstance(saved_id[0], bytes) else saved_id[0]
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+            raise NamedUnpicklingError(f"{entries.path}: a persistent id of its pickle is "
+                                       f"not a storage's ({_shown(saved_id)})")
+        typename, storage_type, key, location, numel = (
+            part.decode() if isinstance(part, bytes) else part for part in saved_id)
         if typename != "storage":
             raise NamedUnpicklingError(f"{entries.path}: unknown persistent id {typename!r}")
-        storage_type, key, location, numel = saved_id[1:]
-        key = key.decode() if isinstance(key, bytes) else key
-        location = location.decode() if isinstance(location, bytes) else location
+        if not (storage_type is torch.UntypedStorage
+                or isinstance(getattr(storage_type, "dtype", None), torch.dtype)) \
+                or not isinstance(key, str) or not isinstance(location, str) \
+                or type(numel) is not int or numel < 0:
+            raise NamedUnpicklingError(f"{entries.path}: a storage's persistent id of its "
+                                       f"pickle is damaged ({_shown(saved_id)})")
         if key not in loaded:
             dtype = _storage_dtype(storage_type)
             nbytes = numel * torch._utils._element_size(dtype)
@@ -135,6 +154,11 @@ def unpickle(entries: ZipEntries, make_storage: Any, weights_only: bool,
         tls.map_location = previous
     torch._utils._validate_loaded_sparse_tensors()
     return result
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _among(error: BaseException, errors: list[BaseException]) -> bool:
@@ -358,7 +382,7 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
                                  f"{path}: storage {key} holds {record[1]} bytes, the pickle "
                                  f"says {nbytes}")
             if nbytes == 0:
-                return restore(torch.UntypedStorage(0), location)
+                return _restored(path, restore, torch.UntypedStorage(0), location)
             start = entries.storage_start(f"data/{key}", pieces.read_at)
             index = pieces.ready(start, nbytes)
             if handle is None and index not in registered and \
@@ -369,7 +393,7 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
                 registered[index] = Registration(pieces.buffers[index])
             storage = torch.frombuffer(pieces.view(start, nbytes),
                                        dtype=torch.uint8).untyped_storage()
-            restored = restore(storage, location)
+            restored = _restored(path, restore, storage, location)
             if _same_memory(restored, storage):
                 returned.add(index)
             elif getattr(restored, "is_cuda", False):

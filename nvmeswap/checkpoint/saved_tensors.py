@@ -205,8 +205,11 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _saved_storage(saved_id: Any) -> _SavedStorage:
-    typename, storage_type, key, _location, _numel = saved_id
-    if typename not in ("storage", b"storage") or not isinstance(storage_type, _StorageType):
+    typename, storage_type, key, location, numel = saved_id
+    # Anything odd is torch's unpickler's to judge, and the load's to name.
+    if typename not in ("storage", b"storage") or not isinstance(storage_type, _StorageType) \
+            or not isinstance(key, (str, bytes)) or not isinstance(location, (str, bytes)) \
+            or type(numel) is not int or numel < 0:
         raise pickle.UnpicklingError(f"unknown persistent id {saved_id!r}")
     return _SavedStorage(key.decode() if isinstance(key, bytes) else key, storage_type.dtype)
 

@@ -131,7 +131,7 @@ class ZipEntries:
                 length = raw.seek(0, os.SEEK_END) - base
             try:
                 directory = _central_directory(read_at, base, length)
-            except ValueError as error:
+            except (ValueError, OverflowError) as error:    # an offset past any file's
                 raise ValueError(f"{path}: not a torch.save zip archive ({error}): damaged, "
                                  "or of torch's legacy (pre-1.6) format, which is not "
                                  "supported") from None
@@ -152,8 +152,14 @@ class ZipEntries:
             if "data.pkl" not in self.records:
                 raise ValueError(f"{path}: not a torch.save archive (no data.pkl)")
             self.pickle = self.read(read_at, "data.pkl")
-            self.byteorder = (self.read(read_at, "byteorder").decode()
-                              if "byteorder" in self.records else "little")
+            self.byteorder = "little"
+            if "byteorder" in self.records:
+                recorded = self.read(read_at, "byteorder")
+                try:
+                    self.byteorder = recorded.decode()
+                except UnicodeDecodeError:
+                    raise ValueError(f"{path}: its byteorder record is damaged "
+                                     f"({recorded[:16]!r})") from None
 
     def storage_start(self, record: str, read_at: Any) -> int:
         """The file offset of ``record``'s bytes, from its local header (read by
