@@ -1088,6 +1088,10 @@ def test_bad_arguments_fail_before_any_io(tmp_path):
     assert raised.value.filename == str(tmp_path / "absent.pt")
     with pytest.raises(IsADirectoryError):
         nvmeswap.save({"a": torch.ones(1)}, tmp_path)
+    for save in (nvmeswap.save, nvmeswap.async_save, nvmeswap.save_safetensors):
+        with pytest.raises(NotADirectoryError) as raised:   # at the call, nothing written
+            save({"a": torch.ones(1)}, f"{tmp_path}/s.pt/")
+        assert raised.value.filename == f"{tmp_path}/s.pt/"
     with pytest.raises(TypeError, match="str or os.PathLike"):
         nvmeswap.save({"a": torch.ones(1)}, 3)
     with pytest.raises(TypeError, match="aio_handle"):
@@ -1315,3 +1319,19 @@ def test_a_save_removes_temporary_files_only_of_gone_writers_it_can_see(tmp_path
     nvmeswap.save(state, path)
     assert set(os.listdir(tmp_path)) == left | {"ckpt.pt"}
     assert torch.equal(raw(nvmeswap.load(path)["w"]), raw(state["w"]))
+
+
+def test_a_save_after_an_async_save_lands_after_it(tmp_path):
+    """Saves of one checkpointer land in the order they were called: a synchronous save
+    (or save_safetensors) after an async_save waits for it, so the file holds the later
+    state."""
+    path = tmp_path / "s.pt"
+    older, newer = ({"w": random_tensor((8 << 20,), torch.uint8, seed)} for seed in (1, 2))
+    with nvmeswap.Checkpointer() as checkpointer:
+        for save, load in ((checkpointer.save, nvmeswap.load),
+                           (checkpointer.save_safetensors, nvmeswap.load_safetensors)):
+            pending = checkpointer.async_save(older, path)
+            save(newer, path)
+            assert pending.done()
+            pending.result()
+            assert_same(newer, load(path))

@@ -51,6 +51,9 @@ def checked_path(path: Any, *, writing: bool) -> str:
     if not path:
         raise FileNotFoundError(2, "No such file or directory", path)
     if writing:
+        if path.endswith((os.sep, os.altsep or os.sep)):
+            raise NotADirectoryError(20, "A checkpoint is a file: its path cannot end in "
+                                         f"{os.sep}", path)
         if os.path.islink(path):
             # As torch.save, whose open() follows the link: the file it names is replaced
             # (renamed over in its own folder), the link kept.
@@ -234,6 +237,7 @@ class Checkpointer:
         at all (Note [crash-consistent checkpoints])."""
         self._check_open()
         path = self._save_path(path)
+        self.wait_in_flight()   # in program order: an older async save never renames last
         with paused_gc():   # Note [laying out many tensors]: the write makes as many
             self.write_image(layout(obj), path)
 
@@ -316,6 +320,7 @@ class Checkpointer:
         layout, which nvmeswap's loads follow)."""
         self._check_open()
         path = self._save_path(path)
+        self.wait_in_flight()
         with paused_gc():   # Note [laying out many tensors]
             self.write_image(safetensors_format.layout(tensors, metadata), path)
 
