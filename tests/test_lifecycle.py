@@ -459,6 +459,39 @@ def test_a_write_that_ends_while_a_failing_one_opens_is_never_cut_away(
     assert shared.read_bytes()[:4096] == small
 
 
+def test_a_reservation_that_fails_half_way_beside_another_write_is_cut_back(
+        handle_factory, tmp_path, monkeypatch):
+    """A write's space reservation fails half way (ext4's fallocate on a full disk moves
+    the file's size over the blocks it got, then fails) while another write of the file
+    is in flight: the failed write cuts the file back to where the other one ends, not
+    leaving zeros past it (Note [shared growth]); the other write's bytes stay."""
+    from nvmeswap.io import files
+
+    path = tmp_path / "f"
+    path.write_bytes(random_bytes(300_000, seed=3))
+    real = files.preallocate
+
+    def half_way_then_full(fd, offset, length):
+        if length < 4 * MiB:
+            return real(fd, offset, length)
+        os.ftruncate(fd, offset + length // 3)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "preallocate", half_way_then_full)
+    h = handle_factory(intra_op_parallelism=2)
+    h.sync_pread(bytearray(4096), path)             # the workers are up
+    first = bytearray(random_bytes(700_000, seed=4))
+    with stopped_workers(h):
+        h.async_pwrite(first, path, 300_000)        # in flight: ends at 1,000,000
+        wait_until(lambda: in_flight(h), "the first write reaches the workers")
+        h.async_pwrite(bytearray(6 * MiB), path, 1_100_000)
+    with pytest.raises(OSError) as info:
+        h.wait()
+    assert info.value.errno == 28 and info.value.filename == str(path)
+    data = path.read_bytes()
+    assert len(data) == 1_000_000 and data[300_000:] == first
+
+
 def test_a_failed_write_never_cuts_away_another_handles_finished_write(tmp_path):
     """Two handles write one file (DeepSpeed's swappers read and write with two); one
     write fails while the other's has completed: the completed bytes stay."""

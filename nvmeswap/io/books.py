@@ -410,7 +410,7 @@ class Books:
             except (ValidationError, OSError) as error:
                 op.error = error
         if writes().end(op) and op.error is not None:
-            op.file.undo_growth(op.file_offset + op.buffer.nbytes)
+            op.file.undo_growth(op.file_offset + op.buffer.nbytes, op.overlapped_end)
         self._release_memory(op)
         op.buffer = op.region = op.copier = None
         op.done = True
@@ -450,8 +450,8 @@ class Books:
     def abandon(self, op):
         """Give back what an operation that never started holds."""
         with deferred_interrupts(), self.cond:
-            if writes().end(op):
-                op.file.undo_growth(op.file_offset + op.buffer.nbytes)  # preallocated
+            if writes().end(op):    # preallocated
+                op.file.undo_growth(op.file_offset + op.buffer.nbytes, op.overlapped_end)
             op.done = True
             self._release_memory(op)
             self.feed_staged()     # the room it held may be what another one waits for

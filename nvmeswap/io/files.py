@@ -84,15 +84,18 @@ class TargetFile:
                                                        f"offset {self.size_before}"
                                                        f"{NO_ROOM[error.errno]}") from None
 
-    def undo_growth(self, end):
+    def undo_growth(self, end, others_end=0):
         """After a failed write that would have ended at ``end``: cut the file back to
         where it was, so that it cannot look complete and its blocks go back to the
-        filesystem, unless something else has grown it beyond this write since."""
+        filesystem; no lower than ``others_end``, where the writes that overlapped it end
+        (Note [shared growth]), and not at all if something else has grown it beyond this
+        write since."""
         if self.direct_fd < 0:
             return
+        floor = max(self.size_before, others_end)
         try:
-            if self.size_before <= os.fstat(self.direct_fd).st_size <= end:
-                os.ftruncate(self.direct_fd, self.size_before)
+            if floor < os.fstat(self.direct_fd).st_size <= end:
+                os.ftruncate(self.direct_fd, floor)
         except OSError:
             pass
 

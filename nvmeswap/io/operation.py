@@ -30,12 +30,12 @@ class Operation:
         "is_async",
         "is_read",
         "op_id",
+        "overlapped_end",
         "owns_region",
         "region",
         "region_offset",
         "remaining",
         "road",
-        "shares_file",
         "staged",
         "started",
         "starter",
@@ -60,7 +60,7 @@ class Operation:
         self.error = None
         self.done = False
         self.started = False    # the scheduler's books hold it: it completes from there
-        self.shares_file = False    # Note [shared growth]
+        self.overlapped_end = 0     # Note [shared growth]
         self.road = None            # Note [roads]: set when it is routed
         self.is_async = False
         self.starter = None         # the thread whose wait() counts it, if any
@@ -126,9 +126,12 @@ class ConcurrentWrites:
 
     Note [shared growth]: a failed write cuts its file back to the size it had before
     (``TargetFile.undo_growth``), which must not cut away what another write put there.
-    So a write that overlapped another write of the same file in time (from its opening,
-    before its file was grown, to its end), through any handle, leaves the file as it is:
-    its error says what failed.
+    So each write keeps the end of every write of the same file that overlapped it in
+    time (from its opening, before its file was grown, to its end), through any handle:
+    ``overlapped_end``. A failed write cuts the file back no lower than that, nor than
+    the size the file had once it was registered (which holds every write that ended
+    before); what lies above, only it can have grown (a preallocation that failed half
+    way moves the file's size too).
     """
 
     def __init__(self):
@@ -137,7 +140,7 @@ class ConcurrentWrites:
 
     def start(self, op):
         if not op.is_read:
-            self._add(op.file.identity, op)
+            self._add(op.file.identity, op, op.file_offset + op.buffer.nbytes)
             # Measured again once registered: a write of this file that ended between
             # our opening and now has grown it, and a failure of ours must not cut that
             # away; any that ends later overlapped us (a test that lost the race lost
@@ -145,32 +148,32 @@ class ConcurrentWrites:
             op.file.size_before = os.fstat(op.file.direct_fd).st_size
 
     def end(self, op):
-        """Forget ``op``; True if it is a write that no other write of its file overlapped."""
+        """Forget ``op``; True if it is a write (whose failure then undoes its growth)."""
         if op.is_read:
             return False
         self._discard(op.file.identity, op)
-        return not op.shares_file
+        return True
 
-    def in_place(self, identity):
-        """A write inside the file ``identity`` names, while the ``with`` block runs: it
-        never grows the file, so it has nothing to undo, but a failed write that overlaps
-        it must not cut it away (Note [quick synchronous operations] in io/quick.py)."""
-        return _InPlaceWrite(self, identity)
+    def in_place(self, identity, end):
+        """A write inside the file ``identity`` names, ending at ``end``, while the
+        ``with`` block runs: it never grows the file, so it has nothing to undo, but a
+        failed write that overlaps it must not cut it away (Note [quick synchronous
+        operations] in io/quick.py)."""
+        return _InPlaceWrite(self, identity, end)
 
-    def _add(self, identity, write):
+    def _add(self, identity, write, end):
         with self._lock:
-            writes = self._by_file.setdefault(identity, set())
-            if writes:
-                write.shares_file = True
-                for other in writes:
-                    other.shares_file = True
-            writes.add(write)
+            writes = self._by_file.setdefault(identity, {})
+            for other, other_end in writes.items():
+                other.overlapped_end = max(other.overlapped_end, end)
+                write.overlapped_end = max(write.overlapped_end, other_end)
+            writes[write] = end
 
     def _discard(self, identity, write):
         with self._lock:
             writes = self._by_file.get(identity)
             if writes is not None and write in writes:
-                writes.discard(write)
+                del writes[write]
                 if not writes:
                     del self._by_file[identity]
 
@@ -178,15 +181,16 @@ class ConcurrentWrites:
 class _InPlaceWrite:
     """``ConcurrentWrites.in_place``: a class, not a generator: it runs on every quick write."""
 
-    __slots__ = ("_identity", "_writes", "shares_file")
+    __slots__ = ("_end", "_identity", "_writes", "overlapped_end")
 
-    def __init__(self, writes, identity):
-        self.shares_file = False
+    def __init__(self, writes, identity, end):
+        self.overlapped_end = 0
         self._writes = writes
         self._identity = identity
+        self._end = end
 
     def __enter__(self):
-        self._writes._add(self._identity, self)
+        self._writes._add(self._identity, self, self._end)
         return self
 
     def __exit__(self, *exc_info):
