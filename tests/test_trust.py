@@ -478,6 +478,70 @@ def test_a_file_size_limit_leaves_transfers_below_it_working(tmp_path):
         "huge locked EFBIG True"]
 
 
+_ODD_FILE_SIZE_LIMITS = r"""
+import errno, os, resource, signal, sys
+import numpy as np, torch, nvmeswap
+folder = sys.argv[1]
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)       # a program that wants to die of it
+data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+data.tofile(folder + "/source")
+with open(folder + "/cross", "wb") as f:
+    f.write(b"A" * 3000)
+
+def attempt(label, call):
+    try:
+        print(label, call())
+    except OSError as error:
+        print(label, errno.errorcode[error.errno], error.filename == folder + "/cross",
+              "100000 bytes" in str(error))
+
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+h = nvmeswap.aio_handle(intra_op_parallelism=2)
+try:
+    h.new_cpu_locked_tensor(200_000, torch.empty(0, dtype=torch.uint8))
+except OSError as error:
+    print("locked", errno.errorcode[error.errno], "100000 bytes" in str(error))
+locked = h.new_cpu_locked_tensor(24 * 4096, torch.empty(0, dtype=torch.uint8))
+attempt("sync", lambda: h.sync_pwrite(np.ones(300_000, np.uint8), folder + "/cross"))
+h.async_pwrite(np.ones(300_000, np.uint8), folder + "/cross")
+attempt("async", h.wait)
+attempt("quick", lambda: h.sync_pwrite(locked[:4096], folder + "/cross", 98304))
+attempt("batch", lambda: h.async_pwrite_many(locked, folder + "/cross",
+                                             [(k + 1) * 4096 for k in range(24)],
+                                             lengths=[4096] * 24))
+print("size", os.path.getsize(folder + "/cross"))
+h.close()
+for limit in (12288, 4096):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    h = nvmeswap.aio_handle(intra_op_parallelism=2)
+    back = np.zeros(9000, np.uint8)
+    try:
+        h.sync_pread(back, folder + "/source", 4095)
+        print(limit, "read", bool((back == data[4095:13095]).all()))
+    except OSError as error:
+        print(limit, "read", errno.errorcode[error.errno], f"is {limit} bytes" in str(error))
+    h.close()
+"""
+
+
+@needs_torch
+def test_odd_file_size_limits_fail_writes_past_them_naming_the_limit(tmp_path):
+    """A file-size limit that is not a multiple of 4096: a write past it fails with EFBIG
+    naming the file and the limit (the kernel would cut an O_DIRECT request there to an
+    unaligned length, EINVAL), before any I/O: the file keeps its length and a program
+    with SIGXFSZ at its default action lives, as it does when a locked tensor would be
+    larger than the limit. A limit of three 4 KiB units still stages
+    reads; below two, the staging space is refused naming the limit, never a hang."""
+    result = subprocess.run([sys.executable, "-c", _ODD_FILE_SIZE_LIMITS, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, check=False,
+                            env=package_env())
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stdout.splitlines() == [
+        "locked EFBIG True",
+        "sync EFBIG True True", "async EFBIG True True", "quick EFBIG True True",
+        "batch EFBIG True True", "size 3000", "12288 read True", "4096 read EFBIG True"]
+
+
 def _unprivileged_python():
     """A command that runs this Python as an unprivileged user, or None. (The process
     limit does not bind root: the kernel exempts it.)"""

@@ -16,6 +16,7 @@ import stat
 from .._transfers import preallocate
 from ..errors import BufferedIOWarning, os_error, short_file_error, warn_once
 from ..units import ALIGNMENT
+from .regions import file_size_limit
 
 
 class TargetFile:
@@ -84,6 +85,19 @@ class TargetFile:
                                                        f"offset {self.size_before}"
                                                        f"{NO_ROOM[error.errno]}") from None
 
+    def past_size_limit(self, offset, nbytes):
+        """The error of a write of ``nbytes`` at ``offset`` that would pass the file-size
+        limit (`ulimit -f`), or None. Known before any I/O, and raised then: the kernel
+        would cut an O_DIRECT request at the limit (to an unaligned length: EINVAL) and
+        send SIGXFSZ, fatal to a program that restored that signal's default action."""
+        limit = file_size_limit()
+        if limit is None or offset + nbytes <= limit \
+                or not stat.S_ISREG(os.fstat(self.direct_fd).st_mode):
+            return None
+        return os_error(errno.EFBIG, self.name, f"write of {nbytes} bytes at offset {offset}; "
+                                                f"beyond the file-size limit (`ulimit -f`, "
+                                                f"RLIMIT_FSIZE) of {limit} bytes")
+
     def undo_growth(self, end, others_end=0):
         """After a failed write that would have ended at ``end``: cut the file back to
         where it was, so that it cannot look complete and its blocks go back to the
@@ -144,6 +158,9 @@ def open_target(target, *, for_write, offset, nbytes, o_direct, written_end=None
     buffered_fd = -1
     try:
         size, identity = _checked_size(direct_fd, name)
+        if for_write and offset + nbytes > size and stat.S_ISBLK(os.fstat(direct_fd).st_mode):
+            raise os_error(errno.ENOSPC, name, f"write of {nbytes} bytes at offset {offset} "
+                                               f"past the device's end ({size} bytes)")
         if not for_write and offset + nbytes > size and (
                 written_end is None or offset + nbytes > written_end(identity)):
             raise short_file_error(

@@ -109,8 +109,10 @@ def transfer_error(name, is_read, err, at_offset, requested, got):
         where += (f"; descriptors in flight to the workers ran out under RLIMIT_NOFILE "
                   f"{soft}: raise it with `ulimit -n`")
     limit = file_size_limit()
-    if not err and not is_read and limit is not None and at_offset + requested > limit:
-        err = errno.EFBIG   # the kernel writes up to the limit, then refuses
+    if err in (0, errno.EINVAL) and not is_read and limit is not None \
+            and at_offset + requested > limit:
+        err = errno.EFBIG   # the kernel writes up to the limit, then refuses (or cuts an
+        # O_DIRECT request to an unaligned length: EINVAL); the limit was lowered since
     if err in NO_ROOM:
         where += NO_ROOM[err]
     if err:
@@ -217,7 +219,10 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
                        o_direct=o_direct, written_end=written_end)
     op = Operation(op_id, is_read, buf, file, file_offset, validate)
     writes().start(op)    # before the file grows (Note [shared growth])
-    if not is_read and buf.nbytes >= preallocate_min:
+    past_limit = None if is_read else file.past_size_limit(file_offset, buf.nbytes)
+    if past_limit is not None:      # reported where its I/O's error would be, none done
+        op.error = past_limit
+    elif not is_read and buf.nbytes >= preallocate_min:
         try:
             file.preallocate(file_offset + buf.nbytes)
         except OSError as error:

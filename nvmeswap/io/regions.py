@@ -80,16 +80,16 @@ class Arena:
     __slots__ = ("extents", "fd")
 
     def __init__(self, nbytes):
+        limit = file_size_limit()
+        if limit is not None and nbytes > limit:    # refused before SIGXFSZ could come
+            raise _past_file_size_limit(nbytes, limit)
         self.fd = _memfd_create()
         try:
             os.ftruncate(self.fd, nbytes)
         except BaseException as error:
             os.close(self.fd)
             if isinstance(error, OSError) and error.errno == errno.EFBIG:
-                raise OSError(errno.EFBIG, f"cannot make {nbytes} bytes of shared memory: "
-                              "it is a memfd file, and the file-size limit (`ulimit -f`, "
-                              f"RLIMIT_FSIZE) is {file_size_limit()} bytes; raise the limit "
-                              "or use smaller locked tensors") from None
+                raise _past_file_size_limit(nbytes, file_size_limit()) from None
             raise
         self.extents = Extents(nbytes, PAGE)
 
@@ -97,6 +97,13 @@ class Arena:
 #: Transparent huge pages of shared memory, where the system gives them (x86-64, arm64
 #: with 4 KiB base pages).
 HUGE_PAGE = 2 << 20
+
+
+def _past_file_size_limit(nbytes, limit):
+    return OSError(errno.EFBIG, f"cannot make {nbytes} bytes of shared memory: it is a "
+                   "memfd file (locked tensors and a handle's staging space are), and the "
+                   f"file-size limit (`ulimit -f`, RLIMIT_FSIZE) is {limit} bytes; raise "
+                   "the limit")
 
 
 def file_size_limit():

@@ -98,6 +98,9 @@ class Scheduler:
                 file = open_target(target, for_write=not is_read, offset=start,
                                    nbytes=end - start, o_direct=self._o_direct,
                                    written_end=self.books.written_end)
+            past_limit = None if is_read else file.past_size_limit(start, end - start)
+            if past_limit is not None:      # every request is checked before any I/O
+                raise past_limit
             size = max(1, min(SLICE, self._max_chunks // 2))
             for first in range(0, len(requests), size):
                 part = requests[first:first + size]

@@ -24,11 +24,13 @@ class StagingSpace:
 
     def __init__(self, limits, parallelism, alignment):
         self.limits = limits
-        nbytes = limits.staging_bytes
+        nbytes = round_up(max(limits.staging_bytes, 8 * alignment), alignment)
         file_limit = file_size_limit()
         if file_limit is not None:      # the space is a memfd file: it must fit the limit
-            nbytes = min(nbytes, file_limit // alignment * alignment)
-        self.nbytes = round_up(max(nbytes, 8 * alignment), alignment)
+            # Two units at least: a piece at a phase spans one more (below that, the
+            # space is refused when it is made, naming the limit).
+            nbytes = min(nbytes, max(2 * alignment, file_limit // alignment * alignment))
+        self.nbytes = nbytes
         # Enough pieces in flight for every worker and one being copied, at least four.
         self.piece = max(alignment, (self.nbytes // max(4, 2 * parallelism)) // alignment
                          * alignment - 2 * alignment)
