@@ -64,7 +64,8 @@ def free_locked_tensor(locked: Any, tensor: Any, *, address: int | None = None) 
     unmapped from the workers of every user; False if there is none. Refused while an
     operation of any handle uses the region: it would find its memory gone."""
     if address is None:
-        region = locked.containing(_data_ptr(tensor), 0)
+        # One byte at least: a region that ends where the tensor starts is a neighbour.
+        region = locked.containing(_data_ptr(tensor), 1)
     else:
         region = locked.containing(address, 0)
         region = region if region is not None and region.address == address else None

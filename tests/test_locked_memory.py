@@ -547,3 +547,21 @@ def test_locking_a_mapping_makes_every_page_by_parts(cpus):
         del view, mapping
     finally:
         os.close(fd)
+
+
+def test_freeing_a_tensor_twice_never_frees_its_neighbour(handle):
+    """Locked tensors lie side by side in an arena: a second free of one (or a free of an
+    empty view at a tensor's end) finds nothing, and leaves the tensor that ends where
+    it starts locked."""
+    example = torch.empty(0, dtype=torch.uint8)
+    tensors = [handle.new_cpu_locked_tensor(1 << 20, example) for _ in range(3)]
+    by_address = sorted(tensors, key=lambda t: t.data_ptr())
+    neighbours = [(a, b) for a, b in zip(by_address, by_address[1:])
+                  if a.data_ptr() + a.numel() == b.data_ptr()]
+    assert neighbours, [hex(t.data_ptr()) for t in by_address]
+    before, after = neighbours[0]
+    assert handle.free_cpu_locked_tensor(after) is True
+    assert handle.free_cpu_locked_tensor(after) is False
+    assert handle.free_cpu_locked_tensor(before[before.numel():]) is False
+    assert handle.is_pinned(before)
+    assert handle.free_cpu_locked_tensor(before) is True
