@@ -20,7 +20,8 @@ setup(
     ext_modules=cythonize(
         [extension("queues", libraries=["pthread"]), extension("uring"), extension("transfers"),
          extension("memory", libraries=["pthread"]),
-         extension("cufile", libraries=["dl"]), extension("cuda", libraries=["dl"])],
+         extension("cufile", libraries=["dl"]), extension("cuda", libraries=["dl"]),
+         extension("collection")],
         include_path=["pyx"],
         compiler_directives={"language_level": "3"},
     ),

@@ -8,10 +8,10 @@ returns, as DeepNVMe's destructor has them. Dropped in a reference cycle, it run
 wherever the garbage collector happens to run: at any allocation of any thread, perhaps
 while that thread holds a lock of the process that releasing takes too (the locked
 set's, the registry of writes in flight); releasing there would wait for the thread
-itself, for ever. So a finalizer inside a collection (``gc.callbacks`` mark it, per
-thread) only hands the work to the reaper, a daemon thread of the process that does it
-(``SimpleQueue.put`` takes no lock a collection could find held; the thread is started
-with the first handle, never from a finalizer). At interpreter exit the reaper finishes
+itself, for ever. So a finalizer inside a collection (a ``gc.callbacks`` entry in C marks
+it, per thread: pyx/_collection.pyx) only hands the work to the reaper, a daemon thread
+of the process that does it (``SimpleQueue.put`` takes no lock a collection could find
+held; the thread is started with the first handle, never from a finalizer). At interpreter exit the reaper finishes
 what it was handed, and what finalizers hand it from then on is done in place.
 """
 from __future__ import annotations
@@ -25,21 +25,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .._collection import in_collection, mark_collection
 from . import process_state
 
-_collecting = threading.local()
-
-
-def _mark_collection(phase: str, info: dict) -> None:
-    _collecting.now = phase == "start"
-
-
-gc.callbacks.append(_mark_collection)
-
-
-def in_collection() -> bool:
-    """Whether this thread is inside a garbage collection."""
-    return getattr(_collecting, "now", False)
+gc.callbacks.append(mark_collection)
 
 
 class Reaper:
