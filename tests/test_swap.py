@@ -1,6 +1,7 @@
 """The swapping layer: buffer pool, TensorSwapper, OffloadedOptimizer, per-rank offload."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -403,4 +404,22 @@ def test_a_locked_tensor_a_swap_in_fills_is_not_freed_under_it(tmp_path):
         assert any(t is locked for t in swapper._locked)    # close() still frees it
         swapper.synchronize_reads()
         assert torch.equal(out, data)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("keys", [(1, True, 1.0), ("p", "p")], ids=["equal", "same"])
+def test_equal_keys_share_one_file_and_close_leaves_nothing(tmp_path, keys):
+    """Keys that are equal but named differently (1, True, 1.0: one entry) keep the file
+    the first one named; close() removes the swapper's folder and all in it."""
+    swapper = TensorSwapper(tmp_path)
+    try:
+        for k, key in enumerate(keys):
+            data = torch.full((3000,), k, dtype=torch.int32)
+            swapper.swap_out(key, data, async_op=False)
+        assert len(os.listdir(swapper.directory)) == 1
+        back = swapper.swap_in(keys[0], async_op=False)
+        assert torch.equal(back, data)
+        (Path(swapper.directory) / "stray").write_bytes(b"x")
+    finally:
+        swapper.close()
     assert os.listdir(tmp_path) == []

@@ -163,11 +163,6 @@ class StripeSet:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def rmdir(self, folder: Any) -> None:
-        for path in self.paths(folder):
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(path)
-
 
 class StripedHandle(StripeSet):
     """Transfers striped over ``folders`` (Note [stripes]), each folder's through an

@@ -182,8 +182,13 @@ class TensorSwapper:
         packed = 0 < flat.numel() < self.pack_below
         if entry is not None:
             self._leave_place(key, entry, packed)
-        path, offset = (self._pack.path, self._pack.slot(key, flat.numel())) if packed else \
-            (os.path.join(self.directory, file_name(key)), 0)
+        if packed:
+            path, offset = self._pack.path, self._pack.slot(key, flat.numel())
+        elif entry is not None and entry.path != self._pack.path:
+            path, offset = entry.path, 0    # its own file, named once: equal keys (1, True,
+            # 1.0) have one entry, whatever each one's name would be
+        else:
+            path, offset = os.path.join(self.directory, file_name(key)), 0
         entry = _Entry(path, offset, tuple(tensor.shape), tensor.dtype, flat.numel())
         self._entries[key] = entry
         if entry.nbytes == 0:
@@ -485,13 +490,13 @@ class TensorSwapper:
             os.unlink(path)
 
     def _rmdir(self):
-        if self._stripes is not None:
-            self._stripes.rmdir(self.directory)
-        else:
-            try:
-                os.rmdir(self.directory)
-            except FileNotFoundError:
-                pass
+        """The sub-folder and whatever is left in it (it is the swapper's alone), in every
+        folder it stripes over."""
+        folders = self._stripes.paths(self.directory) if self._stripes is not None \
+            else [self.directory]
+        for folder in folders:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(folder)
 
     def _close_handles(self):
         for own, handle in zip(self._own, (self.read_handle, self.write_handle)):
