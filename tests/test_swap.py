@@ -423,3 +423,41 @@ def test_equal_keys_share_one_file_and_close_leaves_nothing(tmp_path, keys):
     finally:
         swapper.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_ctrl_c_as_packed_writes_are_gathered_leaves_them_for_the_next_call(
+        tmp_path, monkeypatch):
+    """A Ctrl-C in synchronize_writes while the packed keys' bytes are gathered: the
+    runs already started stay in flight, the others stay batched; the next call writes
+    them all, and nothing is FAILED."""
+    import signal
+
+    swapper = TensorSwapper(tmp_path, pack_below=1 << 20)
+    try:
+        keys = [f"k{k}" for k in range(6)]
+        for key in keys:
+            swapper.swap_out(key, torch.zeros(1000, dtype=torch.int32))
+        swapper.synchronize_writes()
+        newer = {key: torch.full((1000,), k + 1, dtype=torch.int32)
+                 for k, key in enumerate(keys) if k % 2 == 0}      # three runs, apart
+        for key, data in newer.items():
+            swapper.swap_out(key, data)
+        real_zeros, calls = torch.zeros, []
+
+        def zeros_then_ctrl_c(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return real_zeros(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "zeros", zeros_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            swapper.synchronize_writes()
+        monkeypatch.undo()
+        assert all(swapper.state(key) is SwapState.WRITING for key in newer)
+        assert swapper.synchronize_writes() == 3
+        for key in keys:
+            expected = newer.get(key, torch.zeros(1000, dtype=torch.int32))
+            assert torch.equal(swapper.swap_in(key, async_op=False), expected), key
+    finally:
+        swapper.close()

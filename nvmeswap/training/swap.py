@@ -310,14 +310,18 @@ class TensorSwapper:
         """
         self._check_open()
         start_error = None
+
+        def started():
+            self._writes_started += 1
+
         try:
-            self._writes_started += self._in_directory(self._pack.write_batches,
-                                                       self.write_handle, self._entries)
+            self._in_directory(self._pack.write_batches, self.write_handle, self._entries,
+                               started)
+        except KeyboardInterrupt:
+            raise       # the runs not started stay batched, for the next call
         except BaseException as error:
             start_error = error
             self._fail_batched(error)
-            if isinstance(error, KeyboardInterrupt):
-                raise
         try:
             done = self.write_handle.wait()
         except KeyboardInterrupt:
@@ -345,7 +349,8 @@ class TensorSwapper:
             self._uncertain_writes += len(batched)
             self._writing = [key for key in self._writing if key not in batched]
             for key in batched:
-                _fail(self._entries[key], f"writing {self._pack.path} failed: {error}")
+                _fail(self._entries[key], f"writing {self._pack.path} failed: "
+                                          f"{error or type(error).__name__}")
 
     def _take_writes(self):
         """The keys written since the last synchronize, and how many writes surely and

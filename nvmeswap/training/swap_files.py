@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 
+from ..io.interrupts import deferred_interrupts
 from ..units import ALIGNMENT, round_up
 
 # Long enough to recognise the key; short enough that a name never nears NAME_MAX (255).
@@ -72,9 +73,11 @@ class PackFile:
         self._free.append((place[1], place[0]))
         return True
 
-    def write_batches(self, handle, entries):
+    def write_batches(self, handle, entries, started):
         """Start the batched writes on ``handle`` (each key's bytes are
-        ``entries[key].tensor``), one per run of adjacent slots; return how many."""
+        ``entries[key].tensor``), one per run of adjacent slots, calling ``started()`` for
+        each. A run leaves ``batched`` as its write starts: interrupted (a Ctrl-C while
+        its bytes are gathered), the runs not started stay there for the next call."""
         import torch
         keys = sorted(self.batched, key=lambda k: self._slots[k][0])
         runs = []
@@ -84,13 +87,18 @@ class PackFile:
                 runs[-1].append((offset, capacity, key))
             else:
                 runs.append([(offset, capacity, key)])
-        for run in runs:
-            start = run[0][0]
-            staging = torch.zeros(run[-1][0] + run[-1][1] - start, dtype=torch.uint8)
-            for offset, _, key in run:
-                flat = entries[key].tensor
-                staging[offset - start:offset - start + flat.numel()] = flat
-            self.buffers.append(staging)
-            handle.async_pwrite(staging, self.path, start)
-        self.batched = []
-        return len(runs)
+        done = 0
+        try:
+            for run in runs:
+                start = run[0][0]
+                staging = torch.zeros(run[-1][0] + run[-1][1] - start, dtype=torch.uint8)
+                for offset, _, key in run:
+                    flat = entries[key].tensor
+                    staging[offset - start:offset - start + flat.numel()] = flat
+                with deferred_interrupts():     # started and counted, or neither
+                    handle.async_pwrite(staging, self.path, start)
+                    self.buffers.append(staging)
+                    started()
+                    done += 1
+        finally:
+            self.batched = [key for run in runs[done:] for _, _, key in run]
