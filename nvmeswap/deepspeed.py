@@ -32,6 +32,7 @@ import types
 from typing import Any
 
 from .aio import aio_handle
+from .environment import switch
 from .gds import gds_handle
 from .gpu.discovery import gds_available
 from .io.reaper import reaper
@@ -43,8 +44,8 @@ STARTUP_FILE = "nvmeswap-deepspeed.pth"
 # One line, run by `site` at every interpreter start (spawned workers included): cheap
 # when the switch is off, and never fatal to the interpreter when it is on.
 STARTUP_LINE = (
-    "import os; os.environ.get('NVMESWAP_DEEPSPEED', '').strip().lower() in "
-    "('1', 'true', 'yes', 'on') and __import__('nvmeswap.deepspeed')"
+    "import os; os.environ.get('NVMESWAP_DEEPSPEED', '').strip().lower() not in "
+    "('', '0', 'false', 'no', 'off') and __import__('nvmeswap.deepspeed')"
     ".deepspeed._install_at_startup()\n")
 
 
@@ -379,17 +380,20 @@ def installed() -> bool:
 
 
 def _install_at_startup() -> None:
-    """The startup file's call: never lets a routing problem stop the interpreter."""
+    """The startup file's call: never lets a routing problem (a value of the switch it
+    does not know, say) stop the interpreter."""
     try:
-        install()
+        if switched_on():
+            install()
     except Exception as error:
         print(f"nvmeswap: {ENVIRONMENT_SWITCH} is set but routing DeepSpeed failed: "
               f"{error!r}", file=sys.stderr)
 
 
 def switched_on() -> bool:
-    """Whether ``NVMESWAP_DEEPSPEED`` asks for the routing."""
-    return os.environ.get(ENVIRONMENT_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``NVMESWAP_DEEPSPEED`` asks for the routing (ValueError for a value it
+    does not take)."""
+    return switch(ENVIRONMENT_SWITCH) is True
 
 
 def startup_file(site_dir: str | None = None) -> str:
@@ -421,9 +425,13 @@ def deepspeed_status() -> str:
     except Exception:
         release = "unknown version"
     startup = os.path.exists(startup_file())
+    try:
+        asked = switched_on()
+    except ValueError as error:
+        return f"DeepSpeed {release}: not switched: {error}"
     if _installed:
         state = "routed to nvmeswap in this process"
-    elif switched_on():
+    elif asked:
         state = (f"{ENVIRONMENT_SWITCH} is set" + ("" if startup else
                  ", but the startup file is missing: run python -m nvmeswap.deepspeed "
                  "--write-startup-file"))

@@ -6,9 +6,9 @@ io/regions.py), so a tensor made by either is pinned, and zero-copy, for all.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from .environment import switch
 from .gpu.copies import register_for_device_copies
 from .io.limits import DEFAULT
 from .io.operation import checked_int
@@ -45,10 +45,8 @@ def register_with_cuda() -> bool:
     never initialised for it). ``NVMESWAP_REGISTER_LOCKED=0``, or DeepSpeed's
     ``DS_PIN_MEMORY_REGISTER_DEVICE=0``, turns it off: registration costs milliseconds
     per GiB at allocation, and a process that never copies to a GPU gains nothing."""
-    for name in ("NVMESWAP_REGISTER_LOCKED", "DS_PIN_MEMORY_REGISTER_DEVICE"):
-        if os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off"):
-            return False
-    return True
+    return all(switch(name) is not False
+               for name in ("NVMESWAP_REGISTER_LOCKED", "DS_PIN_MEMORY_REGISTER_DEVICE"))
 
 
 def registers_with_cuda_now() -> bool:

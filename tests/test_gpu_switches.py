@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import needs_torch, package_env
 from fake_gpu import FAKE_CUDA, FAKE_CUFILE, build
 
@@ -99,3 +100,46 @@ def test_report_says_whether_cufile_takes_files_in_the_folder(tmp_path):
     assert f"cuFile in {folder}: refuses files here (CU_FILE_HANDLE_NOT_REGISTERED)" in \
         report(FAKE_CUFILE_REFUSE_FILES="5027")
     assert os.listdir(folder) == []     # its probe file is gone
+
+
+@pytest.mark.parametrize("name", ["NVMESWAP_GDS", "NVMESWAP_DEEPSPEED",
+                                  "NVMESWAP_REGISTER_LOCKED", "DS_PIN_MEMORY_REGISTER_DEVICE"])
+def test_a_switch_set_to_what_it_does_not_take_is_named(name):
+    """An on/off variable set to anything but 1, true, yes, on, 0, false, no or off (a
+    typo: "disabled") is an error naming it where it is read, and report's [FAIL]; it
+    never passes for the default."""
+    from nvmeswap.environment import switch
+
+    expected = f"{name}='disabled': expected 1, true, yes or on, or 0, false, no or off"
+    for value, answer in (("On", True), (" 0 ", False), ("", None)):
+        os.environ[name] = value
+        try:
+            assert switch(name) is answer
+        finally:
+            del os.environ[name]
+    env = package_env(**{name: "disabled"})
+    ask = {"NVMESWAP_GDS": "import nvmeswap; nvmeswap.gds_available()",
+           "NVMESWAP_DEEPSPEED": "import nvmeswap.deepspeed as d; d.switched_on()",
+           "NVMESWAP_REGISTER_LOCKED": "import nvmeswap.locked_tensors as t; "
+                                       "t.register_with_cuda()",
+           "DS_PIN_MEMORY_REGISTER_DEVICE": "import nvmeswap.locked_tensors as t; "
+                                            "t.register_with_cuda()"}[name]
+    asked = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True,
+                           env=env, timeout=120, check=False)
+    assert asked.returncode == 1 and f"ValueError: {expected}" in asked.stderr, asked.stderr
+    report = subprocess.run([sys.executable, "-m", "nvmeswap", "report"], capture_output=True,
+                            text=True, env=env, timeout=120, check=False)
+    assert report.returncode == 1 and f"[FAIL] {name}: {expected}" in report.stdout
+    assert "Traceback" not in report.stderr
+
+
+def test_the_deepspeed_startup_line_names_a_switch_value_it_does_not_take():
+    """The startup file's line runs at every interpreter start: a value of the switch it
+    does not take is said on standard error, and the interpreter goes on."""
+    from nvmeswap.deepspeed import STARTUP_LINE
+
+    started = subprocess.run([sys.executable, "-c", STARTUP_LINE + "print('went on')"],
+                             capture_output=True, text=True, timeout=120, check=False,
+                             env=package_env(NVMESWAP_DEEPSPEED="enabled"))
+    assert started.returncode == 0 and started.stdout.strip() == "went on"
+    assert "NVMESWAP_DEEPSPEED='enabled': expected" in started.stderr

@@ -89,8 +89,27 @@ def _check(name, status, found, fix=None):
 
 
 def machine_checks():
+    switches = _switches()
     return [_kernel_aio(), _aio_limit(), _memlock(), _huge_pages(), _io_uring(), _engine(),
-            *_cuda()]
+            *switches, *([] if switches else _cuda())]
+
+
+#: The on/off environment variables (nvmeswap/environment.py).
+SWITCHES = ("NVMESWAP_GDS", "NVMESWAP_DEEPSPEED", "NVMESWAP_REGISTER_LOCKED",
+            "DS_PIN_MEMORY_REGISTER_DEVICE")
+
+
+def _switches():
+    """A failed check for each switch set to what it does not take (the CUDA checks,
+    which read them, are left out then)."""
+    from ..environment import switch
+    failed = []
+    for name in SWITCHES:
+        try:
+            switch(name)
+        except ValueError as error:
+            failed.append(_check(name, FAIL, str(error), f"set {name} to 0 or 1, or unset it"))
+    return failed
 
 
 def _kernel_aio():
@@ -252,7 +271,7 @@ def folder_checks(folder):
     checks = [_check(name, OK, f"{fs_type} on {device}, {human_size(free)} free")]
     checks.append(_o_direct(folder))
     from ..gpu.discovery import gds_available
-    if gds_available():
+    if not _switches() and gds_available():
         checks.append(cufile_takes_files(folder))
     return checks
 

@@ -11,6 +11,7 @@ import os
 import sys
 
 from .. import _cuda, _cufile
+from ..environment import switch
 
 # Present when the nvidia-fs kernel module is loaded; without it cuFile runs in compat mode.
 NVIDIA_FS = ("/proc/driver/nvidia-fs", "/sys/module/nvidia_fs")
@@ -19,7 +20,7 @@ _state = {}
 
 def hidden_by():
     """The setting that hides cuFile, or None."""
-    if os.environ.get("NVMESWAP_GDS", "").strip().lower() in ("0", "false", "no", "off"):
+    if switch("NVMESWAP_GDS") is False:
         return f"NVMESWAP_GDS={os.environ['NVMESWAP_GDS']}"
     if os.environ.get("NVMESWAP_CUFILE_LIBRARY", "").strip().lower() in ("none", "0", "off"):
         return f"NVMESWAP_CUFILE_LIBRARY={os.environ['NVMESWAP_CUFILE_LIBRARY']}"
