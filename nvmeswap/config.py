@@ -20,9 +20,18 @@ _ALIASES = {
 # Keys of a DeepSpeed "aio" section that say nothing about a handle.
 _IGNORED = {"use_gds"}
 # Keys that make a dict a whole DeepSpeed config: without an "aio" section, the defaults.
-_DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu",
-                   "gradient_accumulation_steps", "zero_optimization", "optimizer",
-                   "scheduler", "fp16", "bf16", "gradient_clipping"}
+_DEEPSPEED_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "amp", "gradient_clipping",
+    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+    "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
+    "sparse_gradients", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+    "comms_logger", "monitor_config", "checkpoint", "data_types", "elasticity",
+    "autotuning", "pipeline", "curriculum_learning", "data_efficiency",
+    "compression_training", "sparse_attention", "progressive_layer_drop", "eigenvalue",
+    "quantize_training", "hybrid_engine", "nebula", "compile", "weight_quantization",
+    "timers", "seq_parallel_communication_data_type", "disable_allgather"}
 
 
 def handle_arguments(config):
@@ -46,7 +55,7 @@ def handle_arguments(config):
         section = {}
     else:
         section = config
-    arguments = {}
+    arguments, given_as = {}, {}
     for key, value in section.items():
         if key in _IGNORED:
             continue
@@ -54,11 +63,13 @@ def handle_arguments(config):
             raise ValueError(f"unknown aio setting {key!r}; known: {sorted(_ALIASES)}")
         name = _ALIASES[key]
         if name in ("single_submit", "overlap_events"):
-            arguments[name] = _boolean(key, value)
-        elif name == "engine":
-            arguments[name] = value         # checked by the handle
-        else:
-            arguments[name] = _integer(key, value)
+            value = _boolean(key, value)
+        elif name != "engine":              # the engine is checked by the handle
+            value = _integer(key, value)
+        if name in arguments and arguments[name] != value:
+            raise ValueError(f"{given_as[name]} and {key} are one setting, given "
+                             f"{arguments[name]!r} and {value!r}")
+        arguments[name], given_as[name] = value, key
     return arguments
 
 

@@ -134,6 +134,9 @@ def test_locked_tensor_lifecycle(handle):
     ({"block_size": 65536, "intra_op_parallelism": 2}, (65536, 128, False, False, 2)),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 3}},       # no "aio": defaults
      (1 << 20, 128, False, False, 1)),
+    ({"steps_per_print": 10, "wall_clock_breakdown": False},            # the same
+     (1 << 20, 128, False, False, 1)),
+    ({"num_threads": 2, "intra_op_parallelism": 2}, (1 << 20, 128, False, False, 2)),
 ])
 def test_from_config(config, expected):
     with nvmeswap.aio_handle.from_config(config) as h:
@@ -149,6 +152,9 @@ def test_from_config_rejects_unknown_keys():
     with pytest.raises(TypeError, match='the "aio" section must be a dict of settings, '
                                         "got NoneType"):
         nvmeswap.aio_handle.from_config('{"aio": null}')
+    with pytest.raises(ValueError, match="num_threads and intra_op_parallelism are one "
+                                         "setting, given 2 and 4"):
+        nvmeswap.aio_handle.from_config({"num_threads": 2, "intra_op_parallelism": 4})
 
 
 def test_compat_builder(tmp_path):

@@ -69,6 +69,11 @@ def test_bench_config_file(tmp_path):
                               "--config", config, "--no-single-submit", "--json", out)
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["config"]["handle"]["single_submit"] is False
+    config.write_text(json.dumps({"aio": {"engine": "nope"}}))     # named by where it is
+    result = nvmeswap_command("bench", "--folder", tmp_path, "--config", config)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"nvmeswap bench: --config {config}: engine nope: engine must be one of aio, "
+        "uring, auto, got 'nope'")
 
 
 def test_bench_refuses_settings_out_of_range_before_any_work(tmp_path):

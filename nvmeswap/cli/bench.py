@@ -177,7 +177,9 @@ def _plan(args):
         if getattr(args, name) is not None:
             handle_args[name] = getattr(args, name)
     _check_settings(handle_args, args)
-    _check_engine(handle_args.get("engine"), "--engine")
+    _check_engine(handle_args.get("engine"),
+                  "--engine" if args.engine is not None or not args.config
+                  else f"--config {args.config}: engine")
     # Only what was asked for: importing torch to count GPUs takes seconds.
     gpus = gpu_count() if (args.gpu or args.gds or args.buffer == "pinned") else 0
     if args.gpu or args.gds:
