@@ -461,3 +461,19 @@ def test_a_ctrl_c_as_packed_writes_are_gathered_leaves_them_for_the_next_call(
             assert torch.equal(swapper.swap_in(key, async_op=False), expected), key
     finally:
         swapper.close()
+
+
+def test_conjugate_and_negative_views_swap_out_as_the_values_they_show(tmp_path):
+    """A conjugate or negative view is written as the values it shows (as a handle
+    writes it); reading into such a view is refused by name."""
+    values = torch.complex(torch.arange(100.0), torch.arange(100.0) * 2)
+    views = {"conj": values.conj(), "neg": torch.arange(100.0)._neg_view()}
+    with TensorSwapper(tmp_path) as swapper:
+        for key, view in views.items():
+            swapper.swap_out(key, view, async_op=False)
+        for key, view in views.items():
+            back = swapper.swap_in(key, async_op=False)
+            assert not back.is_conj() and not back.is_neg()
+            assert torch.equal(back, view.resolve_conj().resolve_neg()), key
+        with pytest.raises(ValueError, match="conjugate or negative view"):
+            swapper.swap_in("conj", out=torch.zeros_like(values).conj())

@@ -178,7 +178,8 @@ class TensorSwapper:
         entry = self._entries.get(key)
         if entry is not None and entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
-        flat = as_bytes(tensor)
+        # A conjugate or negative view goes out as the values it shows, as a handle writes it.
+        flat = as_bytes(tensor.resolve_conj().resolve_neg())
         packed = 0 < flat.numel() < self.pack_below
         if entry is not None:
             self._leave_place(key, entry, packed)
@@ -273,6 +274,9 @@ class TensorSwapper:
         elif tuple(out.shape) != entry.shape:
             raise ValueError(f"swap key {key!r} holds {entry.nbytes} bytes of shape "
                              f"{entry.shape}; the output tensor has shape {tuple(out.shape)}")
+        if out.is_conj() or out.is_neg():
+            raise ValueError(f"swap_in of {key!r}: out is a conjugate or negative view; "
+                             "read into a plain tensor")
         flat = as_bytes(out)
         before = entry.state
         if entry.nbytes == 0:
