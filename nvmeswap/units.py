@@ -8,8 +8,11 @@ nvmeswap's own tables are GB/s with GB = 10^9 bytes (as fio and drive makers cou
 Each output says which it uses.
 """
 import os
+import re
 
 _SCALE = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# ASCII digits only ("²" and other scripts' digits are not sizes); "1KiB", "1kb", "1B".
+_SIZE = re.compile(r"([0-9]+)\s*(?:([KMGT])I?)?B?", re.ASCII | re.IGNORECASE)
 
 #: Bytes in the GB of nvmeswap's tables (decimal, as fio and drive makers count).
 GB = 10**9
@@ -38,13 +41,11 @@ def parse_size(text):
     """
     if isinstance(text, int) and not isinstance(text, bool):
         return text
-    cleaned = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    scale = _SCALE.get(cleaned[-1:], 1)
-    digits = cleaned[:-1] if scale > 1 else cleaned
-    if not digits.isdigit():
+    found = _SIZE.fullmatch(str(text).strip())
+    if found is None:
         raise ValueError(f"not a size: {text!r} (a whole number with an optional K, M, G or T "
                          "suffix; " + SIZE_HELP + ")")
-    return int(digits) * scale
+    return int(found[1]) * _SCALE.get((found[2] or "").upper(), 1)
 
 
 def format_size(n):

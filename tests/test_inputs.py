@@ -240,3 +240,16 @@ def test_a_block_device_at_any_offset(handle, loop_device):
     with pytest.raises(nvmeswap.ShortFileError) as info:     # its end is its size
         handle.sync_pread(bytearray(10), loop_device, 8 * MiB - 5)
     assert info.value.filename == loop_device
+
+
+@pytest.mark.parametrize("text", ["1IB", "2\u00b2", "\u0661\u0662", "0x10", "-1K", "1.5M", "",
+                                  "K", "1KK"])
+def test_a_size_is_ascii_digits_and_one_suffix(text):
+    """Note [units]: a size is ASCII digits and an optional K, M, G or T (KiB, KB...);
+    anything else (a lone "IB", a superscript, another script's digits) is refused."""
+    from nvmeswap.units import parse_size
+
+    assert [parse_size(t) for t in ("7", "1K", "1kib", "2MB", "1B")] == [
+        7, 1024, 1024, 2 << 20, 1]
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
