@@ -477,3 +477,32 @@ def test_conjugate_and_negative_views_swap_out_as_the_values_they_show(tmp_path)
             assert torch.equal(back, view.resolve_conj().resolve_neg()), key
         with pytest.raises(ValueError, match="conjugate or negative view"):
             swapper.swap_in("conj", out=torch.zeros_like(values).conj())
+
+
+def test_the_pack_file_grows_with_the_bytes_held():
+    """Slots never overlap; a key that grows takes the place its old slot and the free
+    space beside it make; released space joins its neighbours and leaves the end: a key
+    grown in 4 KiB steps to 256 KiB ends in 256 KiB, and all released, nothing is held."""
+    import random
+
+    from nvmeswap.training.swap_files import PackFile
+
+    pack = PackFile("unused")
+    for size in range(4096, (256 << 10) + 1, 4096):
+        pack.slot("grown", size)
+    assert pack._end == 256 << 10
+    rng, sizes = random.Random(5), {}
+    for _ in range(3000):
+        key = rng.randrange(60)
+        if key in sizes and rng.random() < 0.3:
+            pack.release(key)
+            del sizes[key]
+        else:
+            sizes[key] = rng.randrange(1, 40_000)
+            pack.slot(key, sizes[key])
+        places = sorted((pack._slots[k][0], pack._slots[k][0] + n) for k, n in sizes.items())
+        assert all(end <= start for (_, end), (start, _) in zip(places, places[1:]))
+        assert all(end <= pack._end for _, end in places)
+    for key in list(sizes) + ["grown"]:
+        pack.release(key)
+    assert pack._end == 0 and not pack._free and not pack._free_ending

@@ -37,31 +37,37 @@ def as_bytes(tensor):
 class PackFile:
     """The file the small tensors share: each key keeps an aligned slot in it while it
     fits, and the writes queued in ``batched`` go out as one write per run of adjacent
-    slots (write-behind batching). A released slot is taken again by the next key it
-    fits, so the file grows with the keys held, not with the keys ever written."""
+    slots (write-behind batching). A released slot joins the free space beside it, and
+    free space at the end is the end no more; a key that outgrows its slot takes the
+    smallest free place that fits (its own, grown, where free space follows it or it is
+    last). So the file grows with the bytes held, not with the keys ever written."""
 
     def __init__(self, path):
         self.path = path
         self._end = 0
         self._slots = {}            # packed key -> (offset, capacity) in the pack file
-        self._free = []             # (capacity, offset) of released slots
+        self._free = {}             # offset -> capacity of free space below the end
+        self._free_ending = {}      # end -> offset of the same
         self.batched = []           # packed keys written at the next write_batches
         self.buffers = []           # staging of the batched writes in flight
 
     def slot(self, key, nbytes):
         """The key's place in the pack file: the one it had if it still fits, else the
-        smallest released one that does, else a new one at the end."""
+        smallest free place that does, else a new one at the end."""
         offset, capacity = self._slots.get(key, (0, 0))
-        if capacity < nbytes:
-            self.release(key)
-            fitting = [free for free in self._free if free[0] >= nbytes]
-            if fitting:
-                capacity, offset = min(fitting)
-                self._free.remove((capacity, offset))
-            else:
-                capacity = round_up(nbytes, ALIGNMENT)
-                offset, self._end = self._end, self._end + capacity
-            self._slots[key] = (offset, capacity)
+        if key in self._slots and capacity >= nbytes:
+            return offset
+        self.release(key)
+        needed = round_up(nbytes, ALIGNMENT)
+        fitting = [(free, at) for at, free in self._free.items() if free >= needed]
+        if fitting:
+            capacity, offset = min(fitting)
+            self._take(offset, capacity)
+            if capacity > needed:
+                self._give(offset + needed, capacity - needed)
+        else:
+            offset, self._end = self._end, self._end + needed
+        self._slots[key] = (offset, needed)
         return offset
 
     def release(self, key):
@@ -70,8 +76,27 @@ class PackFile:
         place = self._slots.pop(key, None)
         if place is None:
             return False
-        self._free.append((place[1], place[0]))
+        self._give(*place)
         return True
+
+    def _give(self, offset, capacity):
+        """Free ``capacity`` bytes at ``offset``, joined to the free space beside them."""
+        before = self._free_ending.get(offset)
+        if before is not None:
+            capacity += self._take(before, offset - before)
+            offset = before
+        after = self._free.get(offset + capacity)
+        if after is not None:
+            capacity += self._take(offset + capacity, after)
+        if offset + capacity == self._end:
+            self._end = offset
+        else:
+            self._free[offset] = capacity
+            self._free_ending[offset + capacity] = offset
+
+    def _take(self, offset, capacity):
+        del self._free[offset], self._free_ending[offset + capacity]
+        return capacity
 
     def write_batches(self, handle, entries, started):
         """Start the batched writes on ``handle`` (each key's bytes are
