@@ -316,18 +316,28 @@ def small_filesystem(tmp_path):
     of its own (``unshare -Urm``, no privilege needed), by a process that holds it while
     the test runs; the test reaches it through that process's root
     (``/proc/<pid>/root``), and the tmpfs goes with the process."""
-    mount_point = tmp_path / "small"
+    yield from _private_mount(tmp_path / "small", "mount -t tmpfs -o size=4m tmpfs")
+
+
+@pytest.fixture
+def filesystem_without_o_direct(tmp_path):
+    """A ramfs of the test's own (which refuses O_DIRECT), made as ``small_filesystem``."""
+    yield from _private_mount(tmp_path / "ramfs", "mount -t ramfs ramfs")
+
+
+def _private_mount(mount_point, mount):
     mount_point.mkdir()
     if shutil.which("unshare") is None:
-        pytest.skip("unshare (util-linux) is not installed: no private tmpfs")
+        pytest.skip("unshare (util-linux) is not installed: no private mount")
     holder = subprocess.Popen(
-        ["unshare", "-Urm", "sh", "-c",
-         'mount -t tmpfs -o size=4m tmpfs "$0" && echo mounted && exec cat', str(mount_point)],
+        ["unshare", "-Urm", "sh", "-c", mount + ' "$0" && echo mounted && exec cat',
+         str(mount_point)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if holder.stdout.readline().strip() != "mounted":
             holder.stdin.close()
-            pytest.skip(f"cannot mount a private tmpfs here: {holder.stderr.read().strip()}")
+            pytest.skip(f"cannot mount a private filesystem here: "
+                        f"{holder.stderr.read().strip()}")
         yield Path(f"/proc/{holder.pid}/root{mount_point}")
     finally:
         if holder.stdin and not holder.stdin.closed:

@@ -253,3 +253,18 @@ def test_a_size_is_ascii_digits_and_one_suffix(text):
         7, 1024, 1024, 2 << 20, 1]
     with pytest.raises(ValueError, match="not a size"):
         parse_size(text)
+
+
+def test_o_direct_required_where_the_filesystem_refuses_it(filesystem_without_o_direct):
+    """o_direct=True on a filesystem that refuses O_DIRECT: an error saying so, naming the
+    file, and no file made by the refused write (Linux makes it, then refuses)."""
+    folder = filesystem_without_o_direct
+    (folder / "old").write_bytes(b"x" * 8192)
+    with nvmeswap.aio_handle(o_direct=True) as h:
+        for call, path in ((h.sync_pwrite, folder / "new"), (h.sync_pread, folder / "old"),
+                           (h.async_pwrite, folder / "new")):
+            with pytest.raises(OSError) as raised:
+                call(np.ones(8192, np.uint8), str(path))
+            assert raised.value.errno == errno.EINVAL and raised.value.filename == str(path)
+            assert "the filesystem refuses O_DIRECT (o_direct=True" in str(raised.value)
+    assert os.listdir(folder) == ["old"]

@@ -8,6 +8,7 @@ through a second, buffered descriptor of the same file. Linux keeps the two cohe
 (direct I/O writes back and invalidates the cached range), no block is ever read,
 patched and rewritten, and the file ends exactly at ``offset + nbytes``.
 """
+import contextlib
 import errno
 import fcntl
 import os
@@ -197,10 +198,12 @@ def _reopen_path(fd, for_write):
 def _open_direct(path, name, flags, o_direct):
     if o_direct is False:
         return _open(path, name, flags), 1
+    if o_direct:
+        return _open_required_direct(path, name, flags), ALIGNMENT
     try:
         return _open(path, name, flags | os.O_DIRECT), ALIGNMENT
     except OSError as error:
-        if error.errno != errno.EINVAL or o_direct:
+        if error.errno != errno.EINVAL:
             raise
     fd = _open(path, name, flags)
     info = os.fstat(fd)
@@ -209,6 +212,35 @@ def _open_direct(path, name, flags, o_direct):
     warn_once(("buffered", info.st_dev), f"{name}: the filesystem refuses O_DIRECT; using "
               "buffered I/O (pass o_direct=True to make this an error)", BufferedIOWarning)
     return fd, 1
+
+
+def _open_required_direct(path, name, flags):
+    """``o_direct=True``: the file opened with O_DIRECT, or an error saying the filesystem
+    refuses it; a file this call made for it is not left behind (Linux makes the file
+    before the filesystem refuses O_DIRECT)."""
+    try:
+        return _open(path, name, (flags & ~os.O_CREAT) | os.O_DIRECT)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+    except OSError as error:
+        raise _refused_direct(error, name) from None
+    try:
+        return _open(path, name, flags | os.O_EXCL | os.O_DIRECT)
+    except FileExistsError:         # made meanwhile by someone else: theirs to keep
+        return _open(path, name, (flags & ~os.O_CREAT) | os.O_DIRECT)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            with contextlib.suppress(OSError):
+                os.unlink(path)     # ours: O_EXCL made it
+        raise _refused_direct(error, name) from None
+
+
+def _refused_direct(error, name):
+    if error.errno != errno.EINVAL:
+        return error
+    return os_error(errno.EINVAL, name, "the filesystem refuses O_DIRECT (o_direct=True; "
+                                        "o_direct=None falls back to buffered I/O)")
 
 
 def _open(path, name, flags):
