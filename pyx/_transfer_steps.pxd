@@ -6,7 +6,8 @@ from libc.errno cimport EINTR, EINVAL
 
 from _check cimport errno_error
 from includes.kernel_aio cimport (
-    aio_context_t, iocb, io_event, nvmeswap_io_setup, nvmeswap_pread, nvmeswap_pwrite,
+    IOCB_CMD_PWRITE, aio_context_t, iocb, io_event, nvmeswap_io_setup, nvmeswap_pread,
+    nvmeswap_pwrite,
 )
 
 
@@ -76,6 +77,22 @@ cdef inline void _plain_transfer(bint is_read, int fd, char *buf, long long nbyt
             _fail(out, 0, offset, nbytes, done)
             return
         done += ret
+
+
+cdef inline bint _write_rest(int fd, char *buf, long long offset, long long nbytes,
+                             long long wrote, Outcome *out) noexcept nogil:
+    """Note [short writes]: the kernel cuts a write request short where a limit falls
+    inside it (the filesystem's largest file, the file-size limit, the disk's room), and a
+    short count does not say which. Asked again, the rest is refused with the limit's own
+    errno (EFBIG, ENOSPC, EDQUOT), as the synchronous road reports it. So a request that
+    wrote ``wrote`` of its ``nbytes`` has the rest written here with pwrite: True if it
+    went, else ``out`` says how it failed."""
+    cdef Outcome rest
+    rest.failed = False
+    _plain_transfer(False, fd, buf + wrote, nbytes - wrote, offset + wrote, &rest)
+    if rest.failed:
+        out[0] = rest
+    return not rest.failed
 
 
 cdef inline void _move_edges(bint is_read, int buffered_fd, size_t address, size_t nbytes,
@@ -151,10 +168,14 @@ cdef inline aio_context_t _aio_context(int nr_events) except? 0:
 
 
 cdef inline bint _failed(io_event *event, iocb *cb, Outcome *out) noexcept nogil:
-    """Whether a completed request failed or came back short; if so, ``out`` says how."""
+    """Whether a completed request failed or came back short (a write's rest is tried
+    again first: ``_write_rest``); if so, ``out`` says how."""
     cdef long long expected = <long long>cb.aio_nbytes
     if event.res == expected:
         return False
+    if event.res >= 0 and cb.aio_lio_opcode == IOCB_CMD_PWRITE:
+        return not _write_rest(<int>cb.aio_fildes, <char *><size_t>cb.aio_buf, cb.aio_offset,
+                               expected, event.res, out)
     if event.res < 0:
         _fail(out, <int>-event.res, cb.aio_offset, expected, 0)
     else:

@@ -18,7 +18,7 @@ from posix.types cimport pid_t
 from posix.unistd cimport close, getpid, read
 
 from _check cimport errno_error
-from _transfer_steps cimport Transfer, _count_many, _fail
+from _transfer_steps cimport Outcome, Transfer, _count_many, _fail, _write_rest
 from _transfer_table cimport _table_ended
 from nvmeswap._transfers cimport completion
 from nvmeswap._queues cimport TransferEngine
@@ -371,7 +371,12 @@ cdef class UringEngine(TransferEngine):
             cqe = nvmeswap_uring_cqe(&self.ring, i)
             slot = <int>cqe.user_data
             t = &self.table.transfers[self.owner[slot]]
-            if not t.out.failed and cqe.res != <int>self.slot_nbytes[slot]:
+            if t.out.failed or cqe.res == <int>self.slot_nbytes[slot]:
+                pass
+            elif cqe.res >= 0 and not t.is_read:
+                _write_rest(t.fd, t.buf + (self.slot_offset[slot] - t.offset),
+                            self.slot_offset[slot], self.slot_nbytes[slot], cqe.res, &t.out)
+            else:
                 _fail(&t.out, -cqe.res if cqe.res < 0 else 0, self.slot_offset[slot],
                       self.slot_nbytes[slot], cqe.res if cqe.res > 0 else 0)
             t.completed += 1
@@ -400,6 +405,8 @@ cdef class UringQueue:
     cdef unsigned int *chunks
     cdef long long *offsets
     cdef unsigned *sizes
+    cdef size_t *addresses
+    cdef int *write_fds         # a write's descriptor (its rest, if cut short: _write_rest)
     cdef nvmeswap_ring_submitter *submitter
     cdef bint submitter_tried
     cdef pid_t creator
@@ -420,7 +427,10 @@ cdef class UringQueue:
         self.chunks = <unsigned int *>malloc(sizeof(unsigned int) * capacity)
         self.offsets = <long long *>malloc(sizeof(long long) * capacity)
         self.sizes = <unsigned *>malloc(sizeof(unsigned) * capacity)
-        if not (self.free_slots and self.op_ids and self.chunks and self.offsets and self.sizes):
+        self.addresses = <size_t *>malloc(sizeof(size_t) * capacity)
+        self.write_fds = <int *>malloc(sizeof(int) * capacity)
+        if not (self.free_slots and self.op_ids and self.chunks and self.offsets and self.sizes
+                and self.addresses and self.write_fds):
             raise MemoryError()
         self.capacity = capacity
         cdef int i
@@ -446,6 +456,8 @@ cdef class UringQueue:
         free(self.chunks)
         free(self.offsets)
         free(self.sizes)
+        free(self.addresses)
+        free(self.write_fds)
 
     def close(self):
         """Submit what is posted, wait for the requests in flight and free the ring;
@@ -530,6 +542,8 @@ cdef class UringQueue:
         self.chunks[slot] = chunk
         self.offsets[slot] = offset
         self.sizes[slot] = <unsigned>nbytes
+        self.addresses[slot] = address
+        self.write_fds[slot] = -1 if is_read else fd
         self.in_flight += 1
         return slot
 
@@ -573,13 +587,23 @@ cdef class UringQueue:
         cdef unsigned i, n = nvmeswap_uring_cq_ready(&self.ring)
         cdef nvmeswap_io_uring_cqe *cqe
         cdef int slot, res
+        cdef Outcome rest
         for i in range(n):
             cqe = nvmeswap_uring_cqe(&self.ring, i)
             slot = <int>cqe.user_data
             res = cqe.res
-            done.append(completion(self.op_ids[slot], self.chunks[slot],
-                                   -res if res < 0 else 0, self.offsets[slot],
-                                   self.sizes[slot], res if res > 0 else 0))
+            rest.failed = False
+            if self.write_fds[slot] >= 0 and 0 <= res < <int>self.sizes[slot] and _write_rest(
+                    self.write_fds[slot], <char *>self.addresses[slot], self.offsets[slot],
+                    self.sizes[slot], res, &rest):
+                res = <int>self.sizes[slot]
+            if rest.failed:
+                done.append(completion(self.op_ids[slot], self.chunks[slot], rest.err,
+                                       rest.at_offset, rest.requested, rest.got))
+            else:
+                done.append(completion(self.op_ids[slot], self.chunks[slot],
+                                       -res if res < 0 else 0, self.offsets[slot],
+                                       self.sizes[slot], res if res > 0 else 0))
             self.free_slots[self.n_free] = slot
             self.n_free += 1
         nvmeswap_uring_cq_advance(&self.ring, n)

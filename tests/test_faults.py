@@ -220,6 +220,49 @@ def test_huge_offsets(handle, tmp_path):
     assert (tmp_path / "f").read_bytes() == b"q" * 100
 
 
+def _largest_file(path):
+    """The largest size the filesystem of ``path`` lets a file have (ftruncate past it is
+    EFBIG), found by bisection on a scratch file."""
+    fits, too_far = 0, 1 << 63
+    with open(path, "wb") as f:
+        while too_far - fits > 1:
+            middle = (fits + too_far) // 2
+            try:
+                os.truncate(f.fileno(), middle)
+                fits = middle
+            except OSError as error:
+                assert error.errno in (errno.EFBIG, errno.EINVAL), error
+                too_far = middle
+    os.unlink(path)
+    return fits
+
+
+@pytest.mark.parametrize("engine", ["aio", "uring"])
+def test_an_async_write_across_the_largest_file_says_efbig(handle_factory, tmp_path, engine):
+    """Note [short writes] in pyx/_transfer_steps.pxd: the kernel cuts an aligned request
+    that crosses the filesystem's largest file short; what fails is the rest, with EFBIG
+    (not a guessed "no space" on a disk with room), as a synchronous write says; the file
+    keeps the size it had."""
+    largest = _largest_file(tmp_path / "probe")
+    if largest % 4096 or largest > 1 << 62:
+        pytest.skip(f"this filesystem's largest file ({largest} bytes) is not a whole "
+                    "number of 4 KiB blocks below 2**62, as on ext4 and xfs")
+    h = handle_factory(engine=engine, intra_op_parallelism=2)
+    locked = h.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
+    path = tmp_path / "edge"
+    for buffer in (torch.ones(16384, dtype=torch.uint8), locked[:16384], locked[:256 << 10]):
+        for asynchronous in (False, True):
+            with pytest.raises(OSError) as info:
+                if asynchronous:
+                    h.async_pwrite(buffer, path, largest - 8192)
+                    h.wait()
+                else:
+                    h.sync_pwrite(buffer, path, largest - 8192)
+            assert info.value.errno == errno.EFBIG and info.value.filename == str(path)
+            assert "largest file" in str(info.value)
+            assert os.path.getsize(path) == 0
+
+
 def test_wait_from_another_thread_while_submitting(handle_factory, tmp_path):
     h = handle_factory(intra_op_parallelism=2)
     pieces = [random_bytes(4096 + i, seed=i) for i in range(300)]
