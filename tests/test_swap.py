@@ -126,6 +126,27 @@ def test_synchronize_checks_counts_and_bytes(tmp_path, monkeypatch):
         assert torch.equal(swapper.swap_in("b", async_op=False), torch.full((5000,), 2.0))
 
 
+def test_synchronize_checks_every_striped_part(tmp_path, monkeypatch):
+    """A part cut short on one device fails its key, though the part after it (whose end
+    says where the file ends) is whole."""
+    folders = [tmp_path / "d0", tmp_path / "d1", tmp_path / "d2"]
+    with TensorSwapper(folders, stripe_bytes=4096) as swapper:
+        swapper.swap_out("a", torch.arange(3000, dtype=torch.float32))   # 12000 bytes
+        real_wait = swapper.write_handle.wait
+
+        def wait_then_cut_the_first_part():
+            done = real_wait()
+            os.truncate(swapper._stripes.paths(swapper._entries["a"].path)[0], 100)
+            return done
+        monkeypatch.setattr(swapper.write_handle, "wait", wait_then_cut_the_first_part)
+        with pytest.raises(SwapError, match=r"part .*d0.* has 100 bytes, expected 4096"):
+            swapper.synchronize_writes()
+        monkeypatch.undo()
+        assert swapper.state("a") is SwapState.FAILED
+        swapper.swap_out("a", torch.full((3000,), 2.0), async_op=False)
+        assert torch.equal(swapper.swap_in("a", async_op=False), torch.full((3000,), 2.0))
+
+
 def _adam_steps(optimizer_factory, steps=6):
     """Adam steps on a small model's parameters, with the same gradients in every run.
 

@@ -152,6 +152,20 @@ class StripeSet:
             raise missing[0]
         return end
 
+    def short_part(self, filename: Any, nbytes: int, offset: int) -> tuple[str, int, int] | None:
+        """The first part of ``filename`` that ends before the last byte of
+        ``[offset, offset + nbytes)`` it holds, as ``(path, its size, the size needed)``;
+        None if every part holds its share. (``size`` says where the last part ends: a
+        part on another device may still be short.)"""
+        paths, needed = self.paths(filename), {}
+        for device, device_offset, _, length in self.pieces(nbytes, offset):
+            needed[device] = max(needed.get(device, 0), device_offset + length)
+        for device, end in sorted(needed.items()):
+            held = os.stat(paths[device]).st_size
+            if held < end:
+                return paths[device], held, end
+        return None
+
     def makedirs(self, folder: Any) -> None:
         """Make ``folder`` (inside the first folder) and its twin in every other one."""
         for path in self.paths(folder):

@@ -375,10 +375,7 @@ class TensorSwapper:
                 _fail(entry, problems[0])
                 continue
             try:
-                size = (self._stripes.size(entry.path) if self._stripes is not None
-                        else os.stat(entry.path).st_size) - entry.offset
-                message = None if size >= entry.nbytes else \
-                    f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
+                message = self._short_file(entry)
             except OSError as error:
                 message = f"swap file {entry.path} cannot be checked: {error}"
             except BaseException as error:
@@ -391,6 +388,17 @@ class TensorSwapper:
                 problems.append(message)
                 _fail(entry, message)
         return problems
+
+    def _short_file(self, entry):
+        """What is missing from ``entry``'s swap file (or its part on one of the striped
+        devices), or None."""
+        if self._stripes is not None:
+            short = self._stripes.short_part(entry.path, entry.nbytes, entry.offset)
+            return None if short is None else \
+                f"swap file part {short[0]} has {short[1]} bytes, expected {short[2]}"
+        size = os.stat(entry.path).st_size - entry.offset
+        return None if size >= entry.nbytes else \
+            f"swap file {entry.path} has {size} bytes, expected {entry.nbytes}"
 
     def synchronize_reads(self) -> int:
         """Wait for every swap_in; check the count and that every byte arrived.
