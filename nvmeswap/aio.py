@@ -405,14 +405,14 @@ class aio_handle:
 
     # -- delegation ----------------------------------------------------------------------
     def _call(self, buffer, target, validate, async_op, file_offset, *, is_read):
-        if async_op:
+        if checked_bool("async_op", async_op):
             return self._submit(buffer, target, file_offset, is_read=is_read, validate=validate)
         return self._run(buffer, target, file_offset, is_read=is_read, validate=validate)
 
     def _run(self, buffer, target, file_offset, *, is_read, validate=False):
         self._scheduler.check_usable()
         return self._scheduler.run(buffer, target, file_offset, is_read=is_read,
-                                   validate=validate)
+                                   validate=checked_bool("validate", validate))
 
     def _submit_future(self, buffer, target, file_offset, *, is_read):
         self._scheduler.check_usable()
@@ -425,7 +425,8 @@ class aio_handle:
 
     def _submit(self, buffer, target, file_offset, *, is_read, validate=False):
         self._scheduler.check_usable()
-        self._scheduler.submit(buffer, target, file_offset, is_read=is_read, validate=validate)
+        self._scheduler.submit(buffer, target, file_offset, is_read=is_read,
+                               validate=checked_bool("validate", validate))
         return 0
 
 
@@ -444,4 +445,4 @@ def _target(filename, fd):
 def _async_keyword(async_op, kwargs):
     if set(kwargs) - {"async"}:
         raise TypeError(f"unexpected keyword arguments: {sorted(set(kwargs) - {'async'})}")
-    return bool(kwargs.get("async", async_op))
+    return checked_bool("async", kwargs["async"]) if "async" in kwargs else async_op

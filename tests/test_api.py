@@ -3,6 +3,7 @@ import gc
 import json
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch)")
@@ -273,6 +274,22 @@ def test_keyword_arguments_are_deepnvmes(handle_factory, tmp_path):
     assert torch.equal(back, data)
     assert h.is_pinned(buffer=locked) and not h.is_pinned(buffer=back)
     assert h.free_cpu_locked_tensor(tensor=locked) is True
+
+
+def test_flags_that_are_not_bools_are_refused_before_any_io(handle, tmp_path):
+    """``validate`` and ``async_op`` (``async``) take what DeepSpeed's pybind signatures
+    take for a bool; a string or a count is a mistake, named at the call."""
+    path = tmp_path / "f"
+    for call in (lambda: handle.pwrite(bytearray(10), path, validate="yes"),
+                 lambda: handle.pwrite(bytearray(10), path, async_op=2),
+                 lambda: handle.pread(bytearray(10), path, **{"async": "no"}),
+                 lambda: handle.write(bytearray(10), path, validate=None),
+                 lambda: handle.read(bytearray(10), path, validate=0.5)):
+        with pytest.raises(TypeError, match=r"(validate|async_op|async) must be a bool"):
+            call()
+    assert not path.exists() and handle.wait() == 0
+    assert handle.pwrite(bytearray(b"abc"), path, validate=np.bool_(True), async_op=1) == 0
+    assert handle.wait() == 1 and path.read_bytes() == b"abc"
 
 
 def test_async_pwrite_target_mistakes_are_type_errors(handle, tmp_path):

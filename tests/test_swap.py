@@ -99,6 +99,11 @@ def test_swapper_refuses_what_would_lose_data(tmp_path):
             swapper.swap_in("t", out=torch.empty(1000, dtype=torch.int32))
         with pytest.raises(ValueError, match="contiguous"):
             swapper.swap_out("u", torch.ones(10, 10).t())
+        with pytest.raises(TypeError, match="async_op must be a bool"):
+            swapper.swap_out("u", torch.ones(10), async_op="no")
+        with pytest.raises(TypeError, match="async_op must be a bool"):
+            swapper.swap_in("t", async_op=None)
+        assert "u" not in swapper
 
 
 def test_synchronize_checks_counts_and_bytes(tmp_path, monkeypatch):

@@ -256,6 +256,9 @@ def checked_int(name, value, low, high):
 
 
 def checked_bool(name, value):
+    """``value`` as a bool: True, False, 1, 0 or a numpy bool (what pybind11 takes)."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
     if not isinstance(value, (bool, int)) or value not in (0, 1):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)

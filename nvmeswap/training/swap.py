@@ -20,6 +20,7 @@ from ..aio import aio_handle
 from ..checkpoint.commit import names_by_writer, writer_gone, writer_name
 from ..io import process_state
 from ..io.interrupts import deferred_interrupts
+from ..io.operation import checked_bool
 from .swap_files import PackFile, as_bytes, file_name
 from .swap_pool import SwapBufferPool
 
@@ -175,6 +176,7 @@ class TensorSwapper:
         be started, the key is left ``FAILED`` and the error raised.
         """
         self._check_open()
+        async_op = checked_bool("async_op", async_op)
         entry = self._entries.get(key)
         if entry is not None and entry.state in (SwapState.WRITING, SwapState.READING):
             raise RuntimeError(f"swap key {key!r} is {entry.state.value}; synchronize first")
@@ -257,6 +259,7 @@ class TensorSwapper:
         """
         import torch
         self._check_open()
+        async_op = checked_bool("async_op", async_op)
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"nothing swapped out under {key!r}")
