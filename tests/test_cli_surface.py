@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs_torch
 
 import nvmeswap
 from nvmeswap.cli.main import build_parser
@@ -73,6 +74,46 @@ def test_ctrl_c_without_traceback(tmp_path):
             "from nvmeswap.cli.main import main; sys.exit(main(sys.argv[1:]))")
     result = run_cli("report", code=code)
     assert result.returncode == 130
+    assert result.stderr.strip().splitlines() == ["nvmeswap report: interrupted"]
+
+
+def test_ctrl_c_python_drops_still_ends_the_command_with_130():
+    """An interrupt that lands in a weakref callback is dropped by Python ("Exception
+    ignored"); the command still ends with status 130, once it has finished."""
+    code = ("import os, signal, sys, weakref\n"
+            "import nvmeswap.cli.report as report\n"
+            "class Thing: pass\n"
+            "def dropped(args):\n"
+            "    thing = Thing()\n"
+            "    ref = weakref.ref(thing, lambda _: os.kill(os.getpid(), signal.SIGINT))\n"
+            "    del thing\n"
+            "    print('finished')\n"
+            "    return 0\n"
+            "report.run = dropped\n"
+            "from nvmeswap.cli.main import command; sys.exit(command())")
+    result = run_cli("report", code=code)
+    assert result.stdout == "finished\n" and "Exception ignored" in result.stderr
+    assert result.returncode == 130
+    assert result.stderr.strip().splitlines()[-1] == "nvmeswap: interrupted"
+
+
+@needs_torch
+def test_ctrl_c_while_torch_loads_waits_until_it_is_loaded():
+    """A Ctrl-C inside torch's import can abort the process (a C++ exception where none
+    may pass): the command holds SIGINT until torch is loaded, then stops with 130."""
+    code = ("import os, signal, sys\n"
+            "class InterruptAtDistributed:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch.distributed':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, InterruptAtDistributed())\n"
+            "from nvmeswap.cli.main import command\n"
+            "code = command()\n"
+            "torch = sys.modules.get('torch')\n"
+            "print('torch loaded' if torch is not None and hasattr(torch, 'Tensor') else '-')\n"
+            "sys.exit(code)")
+    result = run_cli("report", code=code)
+    assert result.returncode == 130 and result.stdout == "torch loaded\n"
     assert result.stderr.strip().splitlines() == ["nvmeswap report: interrupted"]
 
 

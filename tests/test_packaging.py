@@ -161,3 +161,30 @@ def _stub_members(class_node, stub):
         if found:
             members |= _stub_members(found[0], home)
     return members
+
+
+def test_the_top_level_loads_its_modules_on_first_use():
+    """Note [lazy top level] in nvmeswap/__init__.py: ``import nvmeswap`` loads no handle
+    or checkpoint module; each public name loads its own, is what its module defines, and
+    is listed by ``dir``; a name it does not have is an AttributeError."""
+    code = """if True:
+        import sys
+        import nvmeswap
+        loaded = sorted(m for m in sys.modules if m.startswith("nvmeswap."))
+        print(loaded)
+        assert "nvmeswap.aio" not in sys.modules and "nvmeswap.checkpoint" not in sys.modules
+        from nvmeswap.aio import aio_handle
+        from nvmeswap.checkpoint import save
+        assert nvmeswap.aio_handle is aio_handle and nvmeswap.save is save
+        assert set(nvmeswap.__all__) <= set(dir(nvmeswap))
+        assert all(getattr(nvmeswap, name) is not None for name in nvmeswap.__all__)
+        try:
+            nvmeswap.no_such_name
+        except AttributeError as error:
+            print("refused:", error)
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "['nvmeswap.errors']", "refused: module 'nvmeswap' has no attribute 'no_such_name'"]

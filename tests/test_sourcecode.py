@@ -106,6 +106,7 @@ def readme_note_index():
     index = {}
     for entry in " ".join(found.group(1).split()).rstrip(".").split(";"):
         names, _, place = entry.strip().rpartition(" in ")
+        place = place.strip("`")    # `__init__.py`: underscores that markdown would eat
         path = place if (ROOT / place).exists() else f"nvmeswap/{place}"
         for name in re.findall(r"\[([^\[\]]+)\]", names):
             index[name_of(name)] = path

@@ -1,10 +1,11 @@
 """The ``nvmeswap`` command: bench (ds_io), tune (ds_nvme_tune), report (ds_report)."""
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from .. import __version__
-from . import bench, report, tune
 from .options import Formatter, UsageError
 
 DESCRIPTION = """\
@@ -19,6 +20,8 @@ except the Task/E2E lines, which keep ds_io's GB = 2^30 bytes."""
 
 
 def build_parser():
+    from . import bench, report, tune  # here: a Ctrl-C while they load is main()'s to answer
+
     parser = argparse.ArgumentParser(prog="nvmeswap", description=DESCRIPTION,
                                      formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"nvmeswap {__version__}")
@@ -35,18 +38,21 @@ def build_parser():
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    command = "nvmeswap"
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        command = f"nvmeswap {args.command_name}"
+        _load_torch_uninterrupted()
         return args.run(args)
     except UsageError as error:
-        print(f"nvmeswap {args.command_name}: {error}", file=sys.stderr)
+        print(f"{command}: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"nvmeswap {args.command_name}: interrupted", file=sys.stderr)
+        print(f"{command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`nvmeswap bench | head`): say nothing more, as cat does.
@@ -55,5 +61,44 @@ def main(argv=None):
         return 1
 
 
+def _load_torch_uninterrupted():
+    """Import torch (where installed) with SIGINT held: a Ctrl-C that lands in torch's own
+    import can abort the process (a C++ exception thrown where none may pass); held, it
+    lands once torch is loaded, as a KeyboardInterrupt."""
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def command():
+    """The ``nvmeswap`` command: ``main`` on the process's arguments, exit 130 on Ctrl-C.
+
+    Python drops an interrupt that lands in a callback it cannot raise from (a weakref's,
+    a finalizer's: "Exception ignored"), and the command would go on as if none came: so
+    each one is counted here as well. Once the command has answered, a Ctrl-C is ignored:
+    the interpreter would end itself by SIGINT on one it did not catch while shutting
+    down, and the exit status would no longer say how the command ended."""
+    interrupts = []
+
+    def count_and_interrupt(signum, frame):
+        interrupts.append(signum)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, count_and_interrupt)
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if interrupts and code != 130:
+        print("nvmeswap: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())
