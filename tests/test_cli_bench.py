@@ -345,3 +345,25 @@ def test_random_options_are_checked(tmp_path):
                            "smaller than --io-size")):
         result = run_cli("bench", "--folder", tmp_path, *args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+
+
+def test_table_columns_stay_apart_whatever_the_figures(tmp_path):
+    """A run of one byte takes a scheduler tick of CPU over almost nothing: its CPU s/GB
+    (or any figure too wide for its column) is printed shorter, never run into the next."""
+    import io
+
+    from nvmeswap.cli.bench_summary import print_report
+    out = tmp_path / "b.json"
+    result = run_cli("bench", "--folder", tmp_path, "--io-size", "1", "--loops", 1,
+                     "--warmup-loops", 0, "--json", out)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    summary["jobs"]["write"].update(cpu_seconds_per_gb=12345678.9, latency_p99_s=123456.0)
+    summary["jobs"]["read"].update(cpu_seconds_per_gb=0.0123, gb_per_s=123456789.0)
+    table = io.StringIO()
+    print_report(summary, out=table)
+    rows = {line.split()[0]: line.split() for line in table.getvalue().splitlines()
+            if line.split()[:2] in (["write", "all"], ["read", "all"])}
+    assert rows["write"][6] == "1.2e+07" and rows["write"][5] == "1.2e+08"
+    assert rows["read"][3] == "1.2e+08" and rows["read"][6] == "0.012"
+    assert all(len(row) == 8 and row[7] == "1" for row in rows.values())

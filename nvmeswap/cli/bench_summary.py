@@ -82,9 +82,11 @@ def print_report(summary, out=None):
         if len(figures["per_rank_gb_per_s"]) > 1:
             for rank, rate in enumerate(figures["per_rank_gb_per_s"]):
                 print(f"{job:<7}{rank:>6}{'':>7}{rate:>9.2f}", file=out)
-        print(f"{job:<7}{'all':>6}{figures['loops']:>7}{figures['gb_per_s']:>9.2f}"
-              f"{figures['latency_p50_s'] * 1e3:>10.1f}{figures['latency_p99_s'] * 1e3:>10.1f}"
-              f"{figures['cpu_seconds_per_gb']:>10.3f}{figures['bytes']:>15}", file=out)
+        print(f"{job:<7}{'all':>6}{figures['loops']:>7}{_cell(figures['gb_per_s'], 9, '.2f')}"
+              f"{_cell(figures['latency_p50_s'] * 1e3, 10, '.1f')}"
+              f"{_cell(figures['latency_p99_s'] * 1e3, 10, '.1f')}"
+              f"{_cell(figures['cpu_seconds_per_gb'], 10, '.3f')}{figures['bytes']:>15}",
+              file=out)
         if config["pattern"] == "rand":
             print(f"{job:<7}{'all':>6}{'':>7}{figures['ops_per_s']:>9.0f} requests/s", file=out)
     # The lines that scripts written for ds_io parse, with ds_io's meanings and its GB (2^30).
@@ -96,3 +98,13 @@ def print_report(summary, out=None):
         print(f"Task {name} Speed = {figures['ds_io_task_gb_per_s']} GB/sec", file=out)
         print(f"E2E {name} Latency = {figures['e2e_latency_s']} sec", file=out)
         print(f"E2E {name} Speed = {figures['ds_io_e2e_gb_per_s']} GB/sec", file=out)
+
+
+def _cell(value, width, spec):
+    """``value`` right-aligned in ``width`` columns, with one space before it at least:
+    in a shorter form if ``spec`` does not fit (the CPU time of a run of a few bytes is a
+    scheduler tick over almost nothing)."""
+    text = format(value, spec)
+    if len(text) >= width:
+        text = format(value, ".2g")
+    return text.rjust(width)
