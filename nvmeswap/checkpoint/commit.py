@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 
 from ..errors import os_error
 from ..io.files import NO_ROOM
-from ..io.regions import file_size_limit
+from ..io.regions import beyond_file_size_limit
 
 TEMPORARY = ".nvmeswap-tmp-"
 _saves = itertools.count()
@@ -162,8 +162,8 @@ def create(path: str, size: int) -> None:
     the direct writes then land in blocks the file already has, and a full disk or a
     file-size limit is reported before any write. (A filesystem without fallocate
     writes as it would have.) On a failure nothing is left."""
-    limit = file_size_limit()
-    if limit is not None and size > limit:      # refused before SIGXFSZ could come
+    limit = beyond_file_size_limit(size)
+    if limit is not None:       # refused before SIGXFSZ could come
         raise os_error(errno.EFBIG, path, f"cannot allocate {size} bytes"
                                           f"{NO_ROOM[errno.EFBIG]}, {limit} bytes")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

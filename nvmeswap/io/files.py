@@ -17,7 +17,7 @@ import stat
 from .._transfers import preallocate
 from ..errors import BufferedIOWarning, os_error, short_file_error, warn_once
 from ..units import ALIGNMENT
-from .regions import file_size_limit
+from .regions import beyond_file_size_limit
 
 
 class TargetFile:
@@ -91,9 +91,8 @@ class TargetFile:
         limit (`ulimit -f`), or None. Known before any I/O, and raised then: the kernel
         would cut an O_DIRECT request at the limit (to an unaligned length: EINVAL) and
         send SIGXFSZ, fatal to a program that restored that signal's default action."""
-        limit = file_size_limit()
-        if limit is None or offset + nbytes <= limit \
-                or not stat.S_ISREG(os.fstat(self.direct_fd).st_mode):
+        limit = beyond_file_size_limit(offset + nbytes)
+        if limit is None or not stat.S_ISREG(os.fstat(self.direct_fd).st_mode):
             return None
         return os_error(errno.EFBIG, self.name, f"write of {nbytes} bytes at offset {offset}; "
                                                 f"beyond the file-size limit (`ulimit -f`, "

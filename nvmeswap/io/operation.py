@@ -9,7 +9,7 @@ from ..errors import error_from_code, os_error, short_file_error
 from .buffers import IoBuffer, io_buffer
 from .files import NO_ROOM, open_target
 from .process_state import shared
-from .regions import file_size_limit
+from .regions import beyond_file_size_limit
 
 MAX_FILE_END = (1 << 63) - 1
 
@@ -108,9 +108,8 @@ def transfer_error(name, is_read, err, at_offset, requested, got):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         where += (f"; descriptors in flight to the workers ran out under RLIMIT_NOFILE "
                   f"{soft}: raise it with `ulimit -n`")
-    limit = file_size_limit()
-    if err in (0, errno.EINVAL) and not is_read and limit is not None \
-            and at_offset + requested > limit:
+    if err in (0, errno.EINVAL) and not is_read \
+            and beyond_file_size_limit(at_offset + requested) is not None:
         err = errno.EFBIG   # the kernel writes up to the limit, then refuses (or cuts an
         # O_DIRECT request to an unaligned length: EINVAL); the limit was lowered since
     if err in NO_ROOM:

@@ -80,8 +80,8 @@ class Arena:
     __slots__ = ("extents", "fd")
 
     def __init__(self, nbytes):
-        limit = file_size_limit()
-        if limit is not None and nbytes > limit:    # refused before SIGXFSZ could come
+        limit = beyond_file_size_limit(nbytes)
+        if limit is not None:       # refused before SIGXFSZ could come
             raise _past_file_size_limit(nbytes, limit)
         self.fd = _memfd_create()
         try:
@@ -112,6 +112,12 @@ def file_size_limit():
     so both are made no larger than it."""
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def beyond_file_size_limit(end):
+    """The file-size limit, if a file that reaches ``end`` bytes would pass it; else None."""
+    limit = file_size_limit()
+    return limit if limit is not None and end > limit else None
 
 
 def _memfd_create():
