@@ -487,12 +487,14 @@ data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
 data.tofile(folder + "/source")
 with open(folder + "/cross", "wb") as f:
     f.write(b"A" * 3000)
+with open(folder + "/inside", "wb") as f:       # long, made before the limit
+    f.write(b"B" * (256 << 10))
 
-def attempt(label, call):
+def attempt(label, call, name="/cross"):
     try:
         print(label, call())
     except OSError as error:
-        print(label, errno.errorcode[error.errno], error.filename == folder + "/cross",
+        print(label, errno.errorcode[error.errno], error.filename == folder + name,
               "100000 bytes" in str(error))
 
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
@@ -510,6 +512,10 @@ attempt("batch", lambda: h.async_pwrite_many(locked, folder + "/cross",
                                              [(k + 1) * 4096 for k in range(24)],
                                              lengths=[4096] * 24))
 print("size", os.path.getsize(folder + "/cross"))
+# In place, inside a file that is longer than the limit: the kernel's SIGXFSZ all the same.
+attempt("quick inside", lambda: h.sync_pwrite(locked[:4096], folder + "/inside", 196608),
+        "/inside")
+print("inside kept", open(folder + "/inside", "rb").read() == b"B" * (256 << 10))
 h.close()
 for limit in (12288, 4096):
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
@@ -539,7 +545,8 @@ def test_odd_file_size_limits_fail_writes_past_them_naming_the_limit(tmp_path):
     assert result.stdout.splitlines() == [
         "locked EFBIG True",
         "sync EFBIG True True", "async EFBIG True True", "quick EFBIG True True",
-        "batch EFBIG True True", "size 3000", "12288 read True", "4096 read EFBIG True"]
+        "batch EFBIG True True", "size 3000", "quick inside EFBIG True True",
+        "inside kept True", "12288 read True", "4096 read EFBIG True"]
 
 
 def _unprivileged_python():

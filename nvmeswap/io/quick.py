@@ -59,6 +59,7 @@ from ..units import ALIGNMENT
 from .buffers import IoBuffer, io_buffer
 from .files import TargetFile
 from .operation import MAX_FILE_END, Operation, writes
+from .regions import beyond_file_size_limit
 
 
 def candidate(buffer, target, file_offset, *, writable):
@@ -85,6 +86,9 @@ def quick_transfer(buf, path, file_offset, is_read):
     if is_read:
         return _transfers.quick_transfer(True, path, buf.address, buf.nbytes,
                                          file_offset) is not None
+    if beyond_file_size_limit(file_offset + buf.nbytes) is not None:
+        return False    # the kernel would send SIGXFSZ, in the file or not: the ordinary
+        # road refuses it first
     try:
         info = os.stat(path)
     except (OSError, ValueError):
