@@ -263,6 +263,70 @@ def test_an_async_write_across_the_largest_file_says_efbig(handle_factory, tmp_p
             assert os.path.getsize(path) == 0
 
 
+@pytest.mark.parametrize("engine", ["aio", "uring"])
+def test_a_batch_that_fails_part_way_keeps_the_requests_that_went(handle_factory, tmp_path,
+                                                                   engine):
+    """Note [shared growth]: each request of a batch is an operation to wait(); those that
+    succeeded stay on disk when a later one fails (at the filesystem's largest file here),
+    and the file is cut back to where they end, not to its size before the batch."""
+    largest = _largest_file(tmp_path / "probe")
+    if largest % 4096 or largest > 1 << 62:
+        pytest.skip(f"this filesystem's largest file ({largest} bytes) is not a whole "
+                    "number of 4 KiB blocks below 2**62, as on ext4 and xfs")
+    h = handle_factory(engine=engine)
+    size, count = 64 << 10, 16
+    base = largest - 5 * size - (32 << 10)      # requests 0-4 fit, 5 crosses, 6-15 beyond
+    path = tmp_path / "batch"
+    for kind in ("locked", "plain"):
+        with open(path, "wb") as f:
+            f.truncate(base)
+        data = (h.new_cpu_locked_tensor(count * size, torch.empty(0, dtype=torch.uint8))
+                if kind == "locked" else torch.empty(count * size, dtype=torch.uint8))
+        for k in range(count):
+            data[k * size:(k + 1) * size] = k + 1
+        h.async_pwrite_many(data, path, [base + k * size for k in range(count)],
+                            lengths=[size] * count)
+        with pytest.raises(OSError) as info:
+            h.wait()
+        assert info.value.errno == errno.EFBIG and info.value.failed_operations == 11
+        assert os.path.getsize(path) == base + 5 * size, kind
+        with open(path, "rb") as f:
+            f.seek(base)
+            assert f.read() == b"".join(bytes([k + 1]) * size for k in range(5)), kind
+        os.unlink(path)
+
+
+def test_writes_that_all_fail_leave_the_file_as_before(handle_factory, small_filesystem):
+    """Two writes of one file in flight together, both failing on a full disk: neither
+    may keep the other's growth as if it had succeeded (Note [shared growth]); the file
+    is cut back to its size before, and the disk's room comes back."""
+    warnings.simplefilter("ignore", nvmeswap.BufferedIOWarning)   # tmpfs before Linux 6.6
+    for engine in ("aio", "uring"):
+        h = handle_factory(engine=engine)
+        for kind in ("locked", "plain"):
+            for name in os.listdir(small_filesystem):
+                os.unlink(small_filesystem / name)
+            room = os.statvfs(small_filesystem)
+            (small_filesystem / "filler").write_bytes(
+                b"\0" * (room.f_bavail * room.f_frsize - (96 << 10)))
+            size = 256 << 10
+            first, second = (
+                (h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8)).fill_(9)
+                 if kind == "locked" else torch.full((size,), 9, dtype=torch.uint8))
+                for _ in range(2))
+            target = small_filesystem / "target"
+            target.write_bytes(b"kept" * 1024)
+            free_before = os.statvfs(small_filesystem).f_bavail
+            h.async_pwrite(first, target, 4096)
+            h.async_pwrite(second, target, 4096 + size)
+            with pytest.raises(OSError) as info:
+                h.wait()
+            assert info.value.errno == errno.ENOSPC and info.value.failed_operations == 2
+            assert target.read_bytes() == b"kept" * 1024, (engine, kind)
+            assert os.statvfs(small_filesystem).f_bavail == free_before, (engine, kind)
+            del first, second
+
+
 def test_wait_from_another_thread_while_submitting(handle_factory, tmp_path):
     h = handle_factory(intra_op_parallelism=2)
     pieces = [random_bytes(4096 + i, seed=i) for i in range(300)]

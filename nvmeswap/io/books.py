@@ -343,6 +343,11 @@ class Books:
             if op is None:
                 continue
             if op.staged is None and op.copier is None and not done.failed:
+                if op.count > 1 and not op.is_read:
+                    # A batch's request, an operation to wait(): its bytes stay, whatever
+                    # the others' fate (Note [shared growth]).
+                    start, length = op.chunks[done.chunk]
+                    op.kept_end = max(op.kept_end, op.file_offset + start + length)
                 self._count_out(op, 1)  # zero-copy and done: nothing to copy or give back
             else:
                 self.complete_chunk(op, done)
@@ -409,8 +414,12 @@ class Books:
                 validate(op, self.placement.bytes_reader(op))
             except (ValidationError, OSError) as error:
                 op.error = error
-        if writes().end(op) and op.error is not None:
-            op.file.undo_growth(op.file_offset + op.buffer.nbytes, op.overlapped_end)
+        if not op.is_read:
+            failed = op.error is not None
+            cut = writes().end(op, failed, op.kept_end if failed else
+                               op.file_offset + op.buffer.nbytes)
+            if cut is not None:
+                op.file.cut_back(*cut)
         self._release_memory(op)
         op.buffer = op.region = op.copier = None
         op.done = True
@@ -450,8 +459,9 @@ class Books:
     def abandon(self, op):
         """Give back what an operation that never started holds."""
         with deferred_interrupts(), self.cond:
-            if writes().end(op):    # preallocated
-                op.file.undo_growth(op.file_offset + op.buffer.nbytes, op.overlapped_end)
+            cut = writes().end(op, True, 0)     # its preallocation may have grown the file
+            if cut is not None:
+                op.file.cut_back(*cut)
             op.done = True
             self._release_memory(op)
             self.feed_staged()     # the room it held may be what another one waits for

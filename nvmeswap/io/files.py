@@ -98,30 +98,43 @@ class TargetFile:
                                                 f"beyond the file-size limit (`ulimit -f`, "
                                                 f"RLIMIT_FSIZE) of {limit} bytes")
 
-    def undo_growth(self, end, others_end=0):
-        """After a failed write that would have ended at ``end``: cut the file back to
-        where it was, so that it cannot look complete and its blocks go back to the
-        filesystem; no lower than ``others_end``, where the writes that overlapped it end
-        (Note [shared growth]), and not at all if something else has grown it beyond this
-        write since."""
-        if self.direct_fd < 0:
-            return
-        floor = max(self.size_before, others_end)
-        try:
-            if floor < os.fstat(self.direct_fd).st_size <= end:
-                os.ftruncate(self.direct_fd, floor)
-        except OSError:
-            pass
+    def cut_back(self, floor, ceiling):
+        """Undo a failed write's growth (Note [shared growth]): cut the file to ``floor``
+        if it is longer, and no longer than ``ceiling`` (beyond, something else grew it)."""
+        if self.direct_fd >= 0:
+            _cut_back(self.direct_fd, floor, ceiling)
 
     def close(self, keep_for_undo=False):
         """Close our descriptors (idempotent); the workers hold their own copies. With
-        ``keep_for_undo``, a write keeps one until it ends, for ``undo_growth``."""
+        ``keep_for_undo``, a write keeps one until it ends, for ``cut_back``."""
         if self.buffered_fd >= 0:
             os.close(self.buffered_fd)
             self.buffered_fd = -1
         if self.direct_fd >= 0 and not keep_for_undo:
             os.close(self.direct_fd)
             self.direct_fd = -1
+
+
+def cut_back_path(path, identity, floor, ceiling):
+    """``TargetFile.cut_back`` for the file at ``path``, if it is still ``identity``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) == identity:
+            _cut_back(fd, floor, ceiling)
+    finally:
+        os.close(fd)
+
+
+def _cut_back(fd, floor, ceiling):
+    try:
+        if floor < os.fstat(fd).st_size <= ceiling:
+            os.ftruncate(fd, floor)
+    except OSError:
+        pass    # the growth stays: the failure reported is the write's own
 
 
 #: The errnos that say a write cannot have its space, and what to change.

@@ -7,7 +7,7 @@ import threading
 
 from ..errors import error_from_code, os_error, short_file_error
 from .buffers import IoBuffer, io_buffer
-from .files import NO_ROOM, open_target
+from .files import NO_ROOM, cut_back_path, open_target
 from .process_state import shared
 from .regions import beyond_file_size_limit
 
@@ -29,8 +29,8 @@ class Operation:
         "file_offset",
         "is_async",
         "is_read",
+        "kept_end",
         "op_id",
-        "overlapped_end",
         "owns_region",
         "region",
         "region_offset",
@@ -60,7 +60,7 @@ class Operation:
         self.error = None
         self.done = False
         self.started = False    # the scheduler's books hold it: it completes from there
-        self.overlapped_end = 0     # Note [shared growth]
+        self.kept_end = 0       # a failed batch: where its requests that succeeded end
         self.road = None            # Note [roads]: set when it is routed
         self.is_async = False
         self.starter = None         # the thread whose wait() counts it, if any
@@ -125,77 +125,107 @@ def transfer_error(name, is_read, err, at_offset, requested, got):
 class ConcurrentWrites:
     """The writes in flight in this process, by file, whichever handle runs them.
 
-    Note [shared growth]: a failed write cuts its file back to the size it had before
-    (``TargetFile.undo_growth``), which must not cut away what another write put there.
-    So each write keeps the end of every write of the same file that overlapped it in
-    time (from its opening, before its file was grown, to its end), through any handle:
-    ``overlapped_end``. A failed write cuts the file back no lower than that, nor than
-    the size the file had once it was registered (which holds every write that ended
-    before); what lies above, only it can have grown (a preallocation that failed half
-    way moves the file's size too).
+    Note [shared growth]: a failed write cuts its file back to the size it had before,
+    so that it cannot look complete and its blocks go back to the filesystem; but never
+    below what another write put there. So the writes of one file that overlap in time
+    (from their opening, before the file was grown, to their end), through any handle,
+    one after another, are one group: its ``base`` is the file's size when the first
+    began (which holds every write that ended before), ``kept_end`` the end of the
+    furthest bytes its writes that succeeded put there (for a batch, its requests that
+    succeeded: each is an operation to ``wait()``). A failed write's growth can only be
+    undone once its group has ended: until then, another write of the group may still
+    put bytes beyond it (a write that also fails puts none that count). The last write of
+    the group to end then cuts the file back to ``max(base, kept_end)``, if it is no
+    longer than the group's writes could have made it (else something else grew it
+    since). A preallocation that failed half way moves the file's size too: it is a
+    failed write's growth like any other.
     """
 
     def __init__(self):
-        self._by_file = {}      # file identity -> write operations in flight
+        self._by_file = {}      # file identity -> _Group of the writes in flight
         self._lock = threading.Lock()
 
     def start(self, op):
         if not op.is_read:
-            self._add(op.file.identity, op, op.file_offset + op.buffer.nbytes)
+            self._join(op.file.identity, op, op.file_offset + op.buffer.nbytes,
+                       op.file.direct_fd)
             # Measured again once registered: a write of this file that ended between
-            # our opening and now has grown it, and a failure of ours must not cut that
-            # away; any that ends later overlapped us (a test that lost the race lost
-            # another write's bytes).
+            # our opening and now has grown it (where preallocation starts).
             op.file.size_before = os.fstat(op.file.direct_fd).st_size
 
-    def end(self, op):
-        """Forget ``op``; True if it is a write (whose failure then undoes its growth)."""
+    def end(self, op, failed, kept_end):
+        """Forget the write ``op``, which ``failed`` or not, and whose bytes up to
+        ``kept_end`` are to stay; ``(floor, ceiling)`` if it was the last of its group to
+        end and the file is to be cut back (``TargetFile.cut_back``), else None."""
         if op.is_read:
-            return False
-        self._discard(op.file.identity, op)
-        return True
+            return None
+        return self._leave(op.file.identity, op, failed, kept_end)
 
-    def in_place(self, identity, end):
-        """A write inside the file ``identity`` names, ending at ``end``, while the
-        ``with`` block runs: it never grows the file, so it has nothing to undo, but a
-        failed write that overlaps it must not cut it away (Note [quick synchronous
-        operations] in io/quick.py)."""
-        return _InPlaceWrite(self, identity, end)
+    def in_place(self, identity, end, path):
+        """A write inside the file ``identity`` names (``path``), ending at ``end``, while
+        the ``with`` block runs: it never grows the file, but a failed write of a group it
+        joins must not cut it away (Note [quick synchronous operations] in io/quick.py)."""
+        return _InPlaceWrite(self, identity, end, path)
 
-    def _add(self, identity, write, end):
+    def _join(self, identity, write, end, fd):
         with self._lock:
-            writes = self._by_file.setdefault(identity, {})
-            for other, other_end in writes.items():
-                other.overlapped_end = max(other.overlapped_end, end)
-                write.overlapped_end = max(write.overlapped_end, other_end)
-            writes[write] = end
+            group = self._by_file.get(identity)
+            if group is None:
+                group = self._by_file[identity] = _Group(os.fstat(fd).st_size)
+            group.members.add(write)
+            group.ceiling = max(group.ceiling, end)
 
-    def _discard(self, identity, write):
+    def _leave(self, identity, write, failed, kept_end):
         with self._lock:
-            writes = self._by_file.get(identity)
-            if writes is not None and write in writes:
-                del writes[write]
-                if not writes:
-                    del self._by_file[identity]
+            group = self._by_file.get(identity)
+            if group is None or write not in group.members:
+                return None
+            group.members.discard(write)
+            group.failed = group.failed or failed
+            group.kept_end = max(group.kept_end, kept_end)
+            if group.members:
+                return None
+            del self._by_file[identity]
+            return (max(group.base, group.kept_end), group.ceiling) if group.failed else None
+
+
+class _Group:
+    """Writes of one file that overlap in time, one after another (Note [shared growth])."""
+
+    __slots__ = ("base", "ceiling", "failed", "kept_end", "members")
+
+    def __init__(self, base):
+        self.base = base
+        self.ceiling = base     # the furthest its writes could have grown the file
+        self.kept_end = 0
+        self.failed = False
+        self.members = set()
 
 
 class _InPlaceWrite:
     """``ConcurrentWrites.in_place``: a class, not a generator: it runs on every quick write."""
 
-    __slots__ = ("_end", "_identity", "_writes", "overlapped_end")
+    __slots__ = ("_end", "_identity", "_path", "_writes")
 
-    def __init__(self, writes, identity, end):
-        self.overlapped_end = 0
+    def __init__(self, writes, identity, end, path):
         self._writes = writes
         self._identity = identity
         self._end = end
+        self._path = path
 
     def __enter__(self):
-        self._writes._add(self._identity, self, self._end)
+        # Alone, it needs no group: a write that starts later measures a base that holds
+        # it (it never grows the file). In one, it keeps its bytes from the cut.
+        with self._writes._lock:
+            group = self._writes._by_file.get(self._identity)
+            if group is not None:
+                group.members.add(self)
         return self
 
     def __exit__(self, *exc_info):
-        self._writes._discard(self._identity, self)
+        cut = self._writes._leave(self._identity, self, False, self._end)
+        if cut is not None:     # the last of a group with a failed write
+            cut_back_path(self._path, self._identity, *cut)
         return False
 
 
@@ -226,18 +256,24 @@ def open_operation(op_id, buffer, target, file_offset, *, is_read, validate, o_d
             file.preallocate(file_offset + buf.nbytes)
         except OSError as error:
             if error.errno not in NO_ROOM:
-                writes().end(op)
-                file.close()
+                _end_failed_write(op)
                 raise
             # The write's failure, reported where its I/O would be; without the traceback,
             # whose frames hold the operation (Note [no reference cycle]).
             error.__context__ = None
             op.error = error.with_traceback(None)
         except BaseException:
-            writes().end(op)
-            file.close()
+            _end_failed_write(op)
             raise
     return op
+
+
+def _end_failed_write(op):
+    """A write that failed before any I/O: its preallocation may have grown the file."""
+    cut = writes().end(op, True, 0)
+    if cut is not None:
+        op.file.cut_back(*cut)
+    op.file.close()
 
 
 def checked_int(name, value, low, high):

@@ -93,7 +93,7 @@ def quick_transfer(buf, path, file_offset, is_read):
         info = os.stat(path)
     except (OSError, ValueError):
         return False
-    with writes().in_place((info.st_dev, info.st_ino), file_offset + buf.nbytes):
+    with writes().in_place((info.st_dev, info.st_ino), file_offset + buf.nbytes, path):
         # The file must still be the one registered: a name replaced since goes the
         # ordinary way.
         return _transfers.quick_transfer(False, path, buf.address, buf.nbytes, file_offset,

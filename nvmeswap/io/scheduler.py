@@ -129,7 +129,7 @@ class Scheduler:
             if op.road is Road.BATCH:
                 self.books.book(op, is_async=True)
                 return
-        writes().end(op)    # nothing of it has started, nor grown the file
+        writes().end(op, False, 0)      # nothing of it has started, nor grown the file
         op.file.close()
         op.done = True
         for request in op.requests:
