@@ -26,6 +26,9 @@ class ValidationError(Exception):
         self.filename = filename
         self.offset = offset
 
+    def __reduce__(self):   # from another process (a pool's worker) as it was raised
+        return type(self), (self.args[0], self.filename, self.offset)
+
 
 class MemoryBudgetError(MemoryError):
     """A handle was asked to lock or map more than its ``memory_budget``."""
@@ -62,6 +65,8 @@ class CuFileError(OSError):
 
     def __init__(self, code, call, cuda_error=0):
         self.code = code
+        self.call = call
+        self.cuda_error = cuda_error
         self.name = self.NAMES.get(code, f"cuFile error {code}")
         detail = f" (CUDA error {cuda_error})" if code == 5011 and cuda_error else ""
         super().__init__(f"{call} failed: {self.name}{detail}")
@@ -69,14 +74,21 @@ class CuFileError(OSError):
     def __str__(self):
         return self.args[0]
 
+    def __reduce__(self):
+        return type(self), (self.code, self.call, self.cuda_error)
+
 
 class CudaError(RuntimeError):
     """A CUDA driver call failed; ``name`` is the driver's name for ``code`` (CUDA_ERROR_...)."""
 
     def __init__(self, code, call, name):
         self.code = code
+        self.call = call
         self.name = name
         super().__init__(f"{call} failed: {name}")
+
+    def __reduce__(self):
+        return type(self), (self.code, self.call, self.name)
 
 
 class GdsFallbackWarning(RuntimeWarning):

@@ -10,6 +10,7 @@ import pytest
 from conftest import needs_torch, random_bytes, without_file_privileges
 
 import nvmeswap
+from nvmeswap.errors import short_file_error
 
 
 def test_missing_file(handle, tmp_path):
@@ -224,3 +225,21 @@ def test_fork_child_cannot_use_the_handle(handle, tmp_path):
     assert not (tmp_path / "child").exists()
     handle.sync_pwrite(bytearray(b"p" * 10), tmp_path / "parent")   # the parent's is fine
     assert (tmp_path / "parent").read_bytes() == b"p" * 10
+
+
+def test_every_error_crosses_a_process_boundary_as_it_was_raised():
+    """A pool's worker sends its exception back pickled: each of the package's errors
+    comes back the same type, message and fields (else the pool's result thread dies on
+    it, and ``get()`` waits for ever)."""
+    import pickle
+
+    errors = [nvmeswap.ValidationError("bytes differ at offset 8", "/f", 8),
+              nvmeswap.CuFileError(5011, "cuFileRead", 700),
+              nvmeswap.CudaError(2, "cuMemAlloc", "CUDA_ERROR_OUT_OF_MEMORY"),
+              short_file_error("/f", "short read: got 0 of 10 bytes"),
+              nvmeswap.WorkerDied("worker 1 died"),
+              nvmeswap.MemoryBudgetError("over the budget")]
+    for error in errors:
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error)
+        assert vars(back) == vars(error) and back.args == error.args
