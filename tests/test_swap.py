@@ -451,6 +451,27 @@ def test_equal_keys_share_one_file_and_close_leaves_nothing(tmp_path, keys):
     assert os.listdir(tmp_path) == []
 
 
+class _PrintsAlike:
+    def __repr__(self):
+        return "K"
+
+
+@pytest.mark.parametrize("make_key", [
+    lambda: torch.nn.Parameter(torch.zeros(4)), lambda: float("nan"), _PrintsAlike],
+    ids=["equal-parameters", "nan", "same-repr"])
+def test_different_keys_that_print_alike_have_files_of_their_own(tmp_path, make_key):
+    """Two keys the swapper tells apart (by hash and equality) keep their own bytes, and
+    releasing one leaves the other readable, however alike they print."""
+    first, second = make_key(), make_key()
+    with TensorSwapper(tmp_path) as swapper:
+        swapper.swap_out(first, torch.arange(1000.0), async_op=False)
+        swapper.swap_out(second, -torch.arange(1000.0), async_op=False)
+        assert len(swapper) == 2 and len(os.listdir(swapper.directory)) == 2
+        assert torch.equal(swapper.swap_in(first, async_op=False), torch.arange(1000.0))
+        swapper.release(second)
+        assert torch.equal(swapper.swap_in(first, async_op=False), torch.arange(1000.0))
+
+
 def test_a_ctrl_c_as_packed_writes_are_gathered_leaves_them_for_the_next_call(
         tmp_path, monkeypatch):
     """A Ctrl-C in synchronize_writes while the packed keys' bytes are gathered: the

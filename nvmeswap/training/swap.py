@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import os
 import shutil
 import tempfile
@@ -132,6 +133,7 @@ class TensorSwapper:
             self._rmdir()
             raise
         self._entries = {}
+        self._serials = itertools.count()   # of the swap files' names
         self._reading = []
         self._writing = []
         self._writes_started = 0    # writes started since the last synchronize_writes
@@ -191,7 +193,8 @@ class TensorSwapper:
             path, offset = entry.path, 0    # its own file, named once: equal keys (1, True,
             # 1.0) have one entry, whatever each one's name would be
         else:
-            path, offset = os.path.join(self.directory, file_name(key)), 0
+            path = os.path.join(self.directory, file_name(key, next(self._serials)))
+            offset = 0
         entry = _Entry(path, offset, tuple(tensor.shape), tensor.dtype, flat.numel())
         self._entries[key] = entry
         if entry.nbytes == 0:

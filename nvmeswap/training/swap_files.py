@@ -6,7 +6,6 @@ after its key (``file_name``), unless it is small: then it goes into a slot of t
 """
 from __future__ import annotations
 
-import hashlib
 import re
 
 from ..io.interrupts import deferred_interrupts
@@ -16,13 +15,14 @@ from ..units import ALIGNMENT, round_up
 NAME_PREFIX = 64
 
 
-def file_name(key):
-    """A safe file name for any key: a cleaned prefix of it and a hash of all of it."""
+def file_name(key, serial):
+    """A safe file name for any key, unique in its swapper: a cleaned prefix of the key,
+    to recognise it, and the swapper's ``serial`` number for it. (Not a digest of the
+    key's text: keys that print alike, two tensors of equal values or NaNs, are
+    different keys.)"""
     text = key if isinstance(key, str) else f"{type(key).__name__}:{key!r}"
-    tagged = ("str:" + key) if isinstance(key, str) else text
-    digest = hashlib.sha256(tagged.encode("utf-8", "surrogatepass")).hexdigest()[:24]
     readable = re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:NAME_PREFIX]
-    return f"{readable}.{digest}.swp"
+    return f"{readable}.{serial}.swp"
 
 
 def as_bytes(tensor):
