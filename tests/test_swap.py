@@ -400,6 +400,24 @@ def test_a_ctrl_c_while_closing_leaves_no_file(tmp_path, monkeypatch):
     assert swapper.closed and os.listdir(tmp_path) == []
 
 
+def test_a_ctrl_c_while_one_handle_closes_still_closes_the_other(tmp_path, monkeypatch):
+    """Each handle closes, whatever happened to the other's close: no worker is left."""
+    swapper = TensorSwapper(tmp_path)
+    swapper.swap_out("k", torch.randn(100_000), async_op=False)
+    close = swapper.read_handle.close
+
+    def interrupted_after_closing():
+        close()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(swapper.read_handle, "close", interrupted_after_closing)
+    with pytest.raises(KeyboardInterrupt):
+        swapper.close()
+    for handle in (swapper.read_handle, swapper.write_handle):
+        with pytest.raises(ValueError, match="closed"):
+            handle.wait()
+    assert swapper.closed and os.listdir(tmp_path) == []
+
+
 def test_a_new_swapper_removes_what_swappers_of_killed_processes_left(tmp_path):
     import subprocess
 

@@ -522,9 +522,17 @@ class TensorSwapper:
                 shutil.rmtree(folder)
 
     def _close_handles(self):
+        """Close the handles it owns, each one even if closing the other raised (a Ctrl-C
+        in one leaves that one closed, and the other must be too); then raise that."""
+        first = None
         for own, handle in zip(self._own, (self.read_handle, self.write_handle)):
             if own and handle is not None:
-                handle.close()
+                try:
+                    handle.close()
+                except BaseException as error:
+                    first = first or error
+        if first is not None:
+            raise first
 
     def _check_open(self):
         if self._closed:
