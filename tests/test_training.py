@@ -146,6 +146,41 @@ def test_bit_identical_with_a_step_lr_schedule(tmp_path, name):
         assert_same_state_dict(optimizer.state_dict(), plain.state_dict())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_parameters_in_other_layouts_are_bit_identical(tmp_path, fused):
+    """A channels_last convolution's or a transposed weight's state is made in its
+    parameter's layout; a fused optimizer walks its memory in order: the state comes back
+    in that layout (stored contiguous in its memory order), so every step is the plain
+    optimizer's, bit for bit."""
+    def run(offload):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(8, 16, 3).to(memory_format=torch.channels_last)
+        transposed = torch.nn.Parameter(torch.randn(12, 20).t())
+        params = [conv.weight, conv.bias, transposed]
+        optimizer = torch.optim.Adam(params, lr=1e-2, fused=fused)
+        if offload:
+            optimizer = OffloadedOptimizer(optimizer, tmp_path)
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).as_strided(
+                    p.shape, p.stride()) if p.dim() > 1 else torch.randn(p.shape)
+            optimizer.step()
+        state = optimizer.state_dict()["state"]
+        strides = [optimizer.state[p]["exp_avg"].stride() for p in params]
+        if offload:
+            optimizer.close()
+        return [p.detach().clone() for p in params], state, strides
+
+    plain, plain_state, plain_strides = run(False)
+    offloaded, state, strides = run(True)
+    assert_same(offloaded, plain)
+    assert strides == plain_strides and strides[0] == (72, 1, 24, 8) and strides[2] == (1, 20)
+    for index, values in plain_state.items():
+        for name, value in values.items():
+            assert torch.equal(state[index][name], value), (index, name)
+
+
 def test_bit_identical_with_one_cycle_lr_and_cycling_betas(tmp_path):
     def run(make):
         layers = make_layers()

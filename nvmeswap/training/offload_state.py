@@ -40,7 +40,9 @@ class StateOffloading:
     """
 
     def _init_records(self):
-        self._records = {}      # param -> {name: (key, shape, dtype)}: offloaded state
+        # param -> {name: (key, shape, dtype, dims)}: offloaded state, stored contiguous in
+        # the order of its dims ``dims`` (``_stored_dims``) with that ``shape``
+        self._records = {}
         self._order = {}        # param -> its state's names in the optimizer's order
         self._serials = {}      # param -> number in its swap keys
         self._buffers = []      # every swap buffer
@@ -77,8 +79,8 @@ class StateOffloading:
         """Where each offloaded state tensor of the group goes in its swap buffer."""
         plan, offset = [], 0
         for param in group["params"]:
-            for name, (key, shape, dtype) in self._records.get(param, {}).items():
-                plan.append((param, name, key, offset, shape, dtype))
+            for name, (key, shape, dtype, dims) in self._records.get(param, {}).items():
+                plan.append((param, name, key, offset, shape, dtype, dims))
                 offset += round_up(math.prod(shape) * dtype.itemsize, ALIGNMENT)
         return plan
 
@@ -88,7 +90,7 @@ class StateOffloading:
             return
         buffer = self._take_buffer(_plan_bytes(plan))
         self._arriving = (plan, buffer)
-        for param, name, key, offset, shape, dtype in plan:
+        for param, name, key, offset, shape, dtype, _ in plan:
             self.swapper.swap_in(key, out=_view(buffer, offset, shape, dtype))
 
     def _arrive(self):
@@ -103,8 +105,9 @@ class StateOffloading:
             self._free.append(buffer)
             raise
         arrived = {}
-        for param, name, key, offset, shape, dtype in plan:
-            arrived.setdefault(param, {})[name] = _view(buffer, offset, shape, dtype)
+        for param, name, key, offset, shape, dtype, dims in plan:
+            arrived.setdefault(param, {})[name] = _restored(
+                _view(buffer, offset, shape, dtype), dims)
         for param, views in arrived.items():
             state = self.optimizer.state[param]
             order = self._order.get(param, [])
@@ -132,7 +135,9 @@ class StateOffloading:
             for name, value in state.items():
                 check_state(self.optimizer, name, value)
                 if isinstance(value, torch.Tensor) and value.numel() >= SMALL_STATE:
-                    layout.append((param, name, offset, tuple(value.shape), value.dtype))
+                    dims = _stored_dims(value)
+                    layout.append((param, name, offset, tuple(value.permute(dims).shape),
+                                   value.dtype, dims))
                     offset += round_up(value.numel() * value.element_size(), ALIGNMENT)
         for param in group["params"]:           # entries the optimizer dropped
             names = {name for p, name, *_ in layout if p is param}
@@ -143,25 +148,26 @@ class StateOffloading:
                 self._free.append(buffer)
             return
         same = buffer is not None and len(layout) == len(plan) and all(
-            p is q and n == m and s == t and d == e
+            p is q and n == m and s == t and d == e and i == j
             and self.optimizer.state[p][n].data_ptr() == buffer.data_ptr() + o
-            for (p, n, o, s, d), (q, m, _, _, t, e) in zip(layout, plan))
+            for (p, n, o, s, d, i), (q, m, _, _, t, e, j) in zip(layout, plan))
         if not same:
             target = self._take_buffer(offset)
-            for param, name, at, shape, dtype in layout:
+            for param, name, at, shape, dtype, dims in layout:
                 view = _view(target, at, shape, dtype)
-                view.copy_(self.optimizer.state[param][name])
-                self.optimizer.state[param][name] = view
+                view.copy_(self.optimizer.state[param][name].permute(dims))
+                self.optimizer.state[param][name] = _restored(view, dims)
             if buffer is not None:
                 self._free.append(buffer)
             buffer = target
         items = []
-        for param, name, at, shape, dtype in layout:
+        for param, name, at, shape, dtype, _ in layout:
             items.append((param, name, self._key(param, name), _view(buffer, at, shape, dtype)))
         self._leaving.append((buffer, items))
-        for param, name, key, view in items:
+        for (param, name, key, view), (*_, dims) in zip(items, layout):
             self.swapper.swap_out(key, view)
-            self._records.setdefault(param, {})[name] = (key, tuple(view.shape), view.dtype)
+            self._records.setdefault(param, {})[name] = (key, tuple(view.shape), view.dtype,
+                                                         dims)
         for param in {id(p): p for p, *_ in items}.values():
             state = self.optimizer.state[param]
             self._order[param] = list(state)
@@ -256,8 +262,8 @@ class StateOffloading:
         if not records:
             return
         state = self.optimizer.state[param]
-        read = {name: self.swapper.swap_in(key, async_op=False)
-                for name, (key, _, _) in records.items()}
+        read = {name: _restored(self.swapper.swap_in(key, async_op=False), dims)
+                for name, (key, _, _, dims) in records.items()}
         merged = {**read, **state}
         order = self._order.get(param, [])
         self.optimizer.state[param] = {**{n: merged[n] for n in order if n in merged},
@@ -271,13 +277,14 @@ class StateOffloading:
         pending = {}
         for param, state in self.optimizer.state.items():
             records = self._records.get(param, {})
-            pending[param] = {name: self.swapper.swap_in(key)
-                              for name, (key, _, _) in records.items()}
+            pending[param] = {name: (self.swapper.swap_in(key), dims)
+                              for name, (key, _, _, dims) in records.items()}
             snapshot[param] = state
         if pending:
             self.swapper.synchronize_reads()
         for param, state in snapshot.items():
-            merged = {**pending[param], **state}
+            read = {name: _restored(tensor, dims) for name, (tensor, dims) in pending[param].items()}
+            merged = {**read, **state}
             order = self._order.get(param, [])
             snapshot[param] = {**{n: merged[n] for n in order if n in merged}, **merged}
         return snapshot
@@ -346,10 +353,24 @@ def check_state(optimizer, name, value):
 
 
 def _plan_bytes(plan):
-    _, _, _, offset, shape, dtype = plan[-1]
+    _, _, _, offset, shape, dtype, _ = plan[-1]
     return offset + math.prod(shape) * dtype.itemsize
 
 
 def _view(buffer, offset, shape, dtype):
     nbytes = math.prod(shape) * dtype.itemsize
     return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def _stored_dims(tensor):
+    """The order of ``tensor``'s dims in memory, outermost first: the state of a
+    channels_last or transposed parameter is made in its layout, and a fused optimizer
+    walks its memory in order, so it is stored contiguous in that order and comes back
+    in its layout (``_restored``). The identity for a contiguous or a not dense tensor."""
+    dims = tuple(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))
+    return dims if tensor.permute(dims).is_contiguous() else tuple(range(tensor.dim()))
+
+
+def _restored(stored, dims):
+    """A tensor stored with ``_stored_dims`` ``dims``, in its own shape and layout."""
+    return stored.permute(sorted(range(len(dims)), key=lambda d: dims[d]))
