@@ -549,6 +549,36 @@ def test_odd_file_size_limits_fail_writes_past_them_naming_the_limit(tmp_path):
         "inside kept True", "12288 read True", "4096 read EFBIG True"]
 
 
+_FILE_SIZE_LIMIT_RAISED = r"""
+import os, resource, sys
+import numpy as np, torch, nvmeswap
+folder = sys.argv[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (1048676, resource.RLIM_INFINITY))   # unaligned
+h = nvmeswap.aio_handle(intra_op_parallelism=2)
+h.sync_pwrite(np.ones(512 << 10, np.uint8), folder + "/start")      # the workers are up
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+data = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+locked = h.new_cpu_locked_tensor(4 << 20, torch.empty(0, dtype=torch.uint8))
+locked.numpy()[:] = data
+for kind, buffer in (("plain", data), ("locked", locked)):
+    h.async_pwrite(buffer, folder + "/" + kind)
+    print(kind, h.wait(), np.array_equal(np.fromfile(folder + "/" + kind, np.uint8), data))
+h.close()
+"""
+
+
+@needs_torch
+def test_a_file_size_limit_raised_after_the_workers_started_binds_them_no_more(tmp_path):
+    """The workers take the hard limit: the parent, which refuses writes past its own
+    limit before any I/O, may raise it later, and its writes then go through whole
+    (they used to meet the workers' copy of the old limit: a bare EINVAL)."""
+    result = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMIT_RAISED, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, check=False,
+                            env=package_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["plain 1 True", "locked 1 True"]
+
+
 def _unprivileged_python():
     """A command that runs this Python as an unprivileged user, or None. (The process
     limit does not bind root: the kernel exempts it.)"""

@@ -28,6 +28,7 @@ def main(argv):
     ring, registry_fd = protocol.ring_from_argv(argv[2 + len(settings):])
     _exit_with_parent(parent_pid)
     _raise_descriptor_limit()
+    _take_the_hard_file_size_limit()
     # Ctrl-C goes to the whole process group; the parent decides what it means. (It was
     # blocked from before our start, workers/pool.py.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -48,6 +49,16 @@ def _raise_descriptor_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _take_the_hard_file_size_limit():
+    """The parent refuses a write past its own file-size limit before any I/O, and may
+    raise that limit after the workers started: a worker takes the hard limit, so that
+    no write the parent let through meets the worker's copy of an older soft one (a
+    bare EINVAL, or EFBIG, the parent could not explain)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 
 
 def _exit_with_parent(parent_pid):
