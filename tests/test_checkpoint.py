@@ -564,6 +564,28 @@ def _vm_locked_kib():
         return next(int(line.split()[1]) for line in status if line.startswith("VmLck"))
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["snapshot", "background"])
+def test_an_async_save_to_a_relative_path_writes_where_it_was_called(tmp_path, monkeypatch,
+                                                                      background):
+    """The path is made absolute at the call: a chdir before the save is written (a
+    launcher, a library) neither sends it elsewhere, over another run's file, nor fails
+    it for a folder that exists only where the call was made."""
+    (tmp_path / "a" / "ckpts").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    torch.save({"owner": "b"}, tmp_path / "b" / "ckpt.pt")
+    state = {"owner": "a", "w": torch.randn(100_000)}
+    monkeypatch.chdir(tmp_path / "a")
+    futures = [nvmeswap.async_save(state, name, background_snapshot=background)
+               for name in ("ckpt.pt", os.path.join("ckpts", "step1.pt"))]
+    monkeypatch.chdir(tmp_path / "b")
+    for future in futures:
+        assert future.result() is None
+    for name in ("ckpt.pt", os.path.join("ckpts", "step1.pt")):
+        assert torch.equal(torch.load(tmp_path / "a" / name)["w"], state["w"])
+    assert torch.load(tmp_path / "b" / "ckpt.pt") == {"owner": "b"}
+    assert sorted(os.listdir(tmp_path / "b")) == ["ckpt.pt"]
+
+
 @pytest.mark.parametrize("road", ["own queue", "handle"])
 def test_one_call_async_save_snapshots_into_plain_memory(tmp_path, monkeypatch, road,
                                                          request):

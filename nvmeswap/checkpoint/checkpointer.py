@@ -41,9 +41,10 @@ HANDLE_ARGS = {"intra_op_parallelism": 2}
 
 
 def checked_path(path: Any, *, writing: bool) -> str:
-    """``path`` as a str (to write: the file a symbolic link names); before any I/O, the
-    error that the I/O would meet (naming the file or folder) for a missing file to read
-    or a missing folder to write into."""
+    """``path`` as a str (to write: absolute, as the working folder is at the call, and
+    the file a symbolic link names); before any I/O, the error that the I/O would meet
+    (naming the file or folder) for a missing file to read or a missing folder to write
+    into."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"a checkpoint path must be a str or os.PathLike, got "
                         f"{type(path).__name__}")
@@ -58,7 +59,10 @@ def checked_path(path: Any, *, writing: bool) -> str:
             # As torch.save, whose open() follows the link: the file it names is replaced
             # (renamed over in its own folder), the link kept.
             path = os.path.realpath(path)
-        folder = os.path.dirname(os.path.abspath(path))
+        # Absolute now: an async save writes after its call, wherever the process has
+        # gone since.
+        path = os.path.abspath(path)
+        folder = os.path.dirname(path)
         if not os.path.isdir(folder):
             raise FileNotFoundError(2, "No such folder to write the checkpoint into", folder)
         if os.path.isdir(path):
