@@ -402,6 +402,22 @@ def test_load_into_refuses_a_tensor_running_past_its_storage_s_record(tmp_path, 
     assert not into["a"].any() and not into["b"].any()
 
 
+@pytest.mark.parametrize("record", [0, 8, 4096])
+def test_load_refuses_a_tensor_running_past_its_storage_s_record(tmp_path, record):
+    """An archive (torch's own) whose tensor runs past its storage's record, empty or
+    not: refused as torch.load refuses it, never a tensor showing memory not read from
+    the file (an empty storage that could grow would have given one)."""
+    tensor = torch.full((2000,), 7.0)
+    tensor.untyped_storage().resize_(record)
+    path = tmp_path / "short.pt"
+    torch.save({"t": tensor, "other": torch.full((2000,), 5.0)}, path)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        torch.load(path)
+    for weights_only in (True, False):
+        with pytest.raises(ValueError, match="short.pt: its pickle .*not resizable"):
+            nvmeswap.load(path, weights_only=weights_only)
+
+
 @pytest.mark.parametrize("damage", ["signature", "name", "extra length"])
 @pytest.mark.parametrize("road", ["own queue", "handle"])
 @pytest.mark.parametrize("call", ["load", "load_into"])

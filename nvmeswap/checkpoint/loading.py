@@ -74,6 +74,16 @@ def _restored(path: str, restore: Any, storage: Any, location: str) -> Any:
         raise RuntimeError(f"{path}: {error}") from error
 
 
+def _empty_storage():
+    """An empty storage that cannot grow, as torch.load's: a tensor that runs past it (a
+    damaged file) is refused, where ``set_`` would grow a resizable one and the tensor
+    would show memory never read from the file."""
+    import numpy
+    import torch
+
+    return torch.from_numpy(numpy.empty(0, numpy.uint8)).untyped_storage()
+
+
 def _storage_dtype(storage_type):
     import torch
 
@@ -382,7 +392,7 @@ def load_locked(path: str, handle: Any, map_location: Any, weights_only: bool) -
                                  f"{path}: storage {key} holds {record[1]} bytes, the pickle "
                                  f"says {nbytes}")
             if nbytes == 0:
-                return _restored(path, restore, torch.UntypedStorage(0), location)
+                return _restored(path, restore, _empty_storage(), location)
             start = entries.storage_start(f"data/{key}", pieces.read_at)
             index = pieces.ready(start, nbytes)
             if handle is None and index not in registered and \
