@@ -362,10 +362,12 @@ def test_a_packed_snapshot_saves_the_state_at_the_call(tmp_path, monkeypatch, fo
     assert_saved_as_at_the_call(tmp_path / "packed.pt", at_the_call)
 
 
-def test_a_storage_resized_before_the_write_fails_the_save(tmp_path, monkeypatch):
+@pytest.mark.parametrize("size", [10, 0], ids=["shrunk", "freed"])
+def test_a_storage_resized_before_the_write_fails_the_save(tmp_path, monkeypatch, size):
     """A storage grown or shrunk between the call and the layout would not match the
     bytes packed at the call: the save fails, naming the file, and the previous
-    checkpoint stays."""
+    checkpoint stays. Freed (resized to nothing, as FSDP frees), it lays out no bytes at
+    all: it fails too (it used to replace the checkpoint with one torch.load refuses)."""
     path = tmp_path / "ckpt.pt"
     nvmeswap.save({"before": torch.ones(3)}, path)
     before = path.read_bytes()
@@ -374,7 +376,7 @@ def test_a_storage_resized_before_the_write_fails_the_save(tmp_path, monkeypatch
     _layouts_on(monkeypatch, go)
     with nvmeswap.Checkpointer() as checkpointer:
         future = checkpointer.async_save(state, path)
-        state["layers"][3].untyped_storage().resize_(10)
+        state["layers"][3].untyped_storage().resize_(size)
         go.set()
         with pytest.raises(RuntimeError, match="storage was resized") as info:
             future.result(60)

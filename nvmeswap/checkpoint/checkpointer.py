@@ -440,12 +440,16 @@ class Checkpointer:
         taken from its place in ``snapshot``, written through the ring (Note [packed
         snapshot])."""
         image = layout(state)
+        laid_out = set()
         for run in image.tensor_runs():
-            start, nbytes = places[run.source.untyped_storage()._cdata]
+            key = run.source.untyped_storage()._cdata
+            start, nbytes = places[key]
             if nbytes != run.nbytes:
-                raise RuntimeError(f"{path}: not saved: a tensor's storage was resized "
-                                   "before the save was written")
+                raise _resized(path)
             run.source = snapshot[start:start + nbytes]
+            laid_out.add(key)
+        if any(nbytes and key not in laid_out for key, (_, nbytes) in places.items()):
+            raise _resized(path)    # to nothing (freed, as FSDP frees): no run, no bytes
         self.write_image(image, path)
 
     def _save_in_background(self, image, path, future, one_off, take, write):
@@ -564,3 +568,7 @@ class Checkpointer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+
+def _resized(path):
+    return RuntimeError(f"{path}: not saved: a tensor's storage was resized (or freed) "
+                        "before the save was written; resize storages after result()")
