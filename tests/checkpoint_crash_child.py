@@ -68,7 +68,7 @@ def main():
     striped = mode == "striped"
     import torch  # noqa: F401  (imported before the forks: each round starts at once)
 
-    import nvmeswap  # noqa: F401
+    import nvmeswap.checkpoint  # noqa: F401  (the top level loads it on first use only)
 
     chosen = random.Random(seed)
     delays = []
