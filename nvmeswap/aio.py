@@ -262,13 +262,15 @@ class aio_handle:
 
     def read(self, buffer: Buffer, filename: Target, validate: bool = False,
              file_offset: int = 0) -> int:
-        """DeepNVMe's synchronous read; returns 1."""
-        return self._run(buffer, filename, file_offset, is_read=True, validate=validate)
+        """DeepNVMe's synchronous read; returns 0, as DeepNVMe's does (its ``pread`` 1)."""
+        self._run(buffer, filename, file_offset, is_read=True, validate=validate)
+        return 0
 
     def write(self, buffer: Buffer, filename: Target, validate: bool = False,
               file_offset: int = 0) -> int:
-        """DeepNVMe's synchronous write; returns 1."""
-        return self._run(buffer, filename, file_offset, is_read=False, validate=validate)
+        """DeepNVMe's synchronous write; returns 0, as DeepNVMe's does."""
+        self._run(buffer, filename, file_offset, is_read=False, validate=validate)
+        return 0
 
     def wait(self) -> int:
         """Wait for the operations this thread started; return how many completed (0 if
