@@ -51,7 +51,14 @@ def test_refusals_before_any_measuring(tmp_path):
     budget = run_cli("tune", "--folder", tmp_path, "--budget-seconds", "0")
     assert budget.returncode == 2 and "argument --budget-seconds: must be more than 0" \
         in budget.stderr
-    assert sorted(os.listdir(tmp_path)) == ["other"]
+    # Sizes that do not fit: refused up front (a 4 TiB one was an OOM kill, no word).
+    huge = run_cli("tune", "--folder", tmp_path, "--io-size", "4T")
+    assert huge.returncode == 2 and "lower --io-size" in huge.stderr, huge.stderr
+    rand = run_cli("tune", "--folder", tmp_path, "--pattern", "rand", "--file-size", "4000T")
+    assert rand.returncode == 2 and "free; the run needs" in rand.stderr, rand.stderr
+    stripes = run_cli("bench", "--stripe", f"{tmp_path},{other}", "--io-size", "4T")
+    assert stripes.returncode == 2 and "lower --io-size" in stripes.stderr, stripes.stderr
+    assert sorted(os.listdir(tmp_path)) == ["other"] and os.listdir(other) == []
 
 
 @needs_torch

@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from ..units import GB, human_size
-from .options import UsageError, check_folder, write_json
+from .options import UsageError, check_folder, check_room, write_json
 
 JOBS = ("write", "read")
 
@@ -71,6 +71,9 @@ def run_stripes(args, plan, stripe_bytes):
     from ..checkpoint.stripes import StripedHandle
 
     folders = stripe_folders(args.stripe)
+    for folder in folders:      # its own file, its part of the striped one; three buffers
+        check_room(folder, args.io_size + args.io_size // len(folders) + stripe_bytes,
+                   3 * args.io_size, "lower --io-size")
     handle_args, jobs = plan["handle"], [job for job in JOBS if job in plan["jobs"]]
     work = [tempfile.mkdtemp(prefix="nvmeswap-stripe-", dir=folder) for folder in folders]
     rows = []

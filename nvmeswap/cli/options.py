@@ -2,9 +2,12 @@
 up-front check of output paths, and the one-line errors the commands end with."""
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
+
+from ..units import human_size
 
 
 class UsageError(Exception):
@@ -157,3 +160,17 @@ class StopOnInterrupt:
     def __exit__(self, *exc_info):
         if self._previous is not None and signal.getsignal(signal.SIGINT) == self._handler:
             signal.signal(signal.SIGINT, self._previous)
+
+
+def check_room(folder, disk_bytes, memory_bytes, lower):
+    """The folder's free space and the free memory, checked before any work (a size too
+    large for memory was an OOM kill, with no word); ``lower`` says what to change."""
+    from .bench import available_memory  # bench imports this module
+    free = shutil.disk_usage(folder).free
+    if disk_bytes > free:
+        raise UsageError(f"--folder {folder} has {human_size(free)} free; the run needs "
+                         f"{human_size(disk_bytes)}: {lower} or free some space")
+    available = available_memory()
+    if memory_bytes > available:
+        raise UsageError(f"the run needs {human_size(memory_bytes)} of memory and "
+                         f"{human_size(max(available, 0))} is available: {lower}")

@@ -26,6 +26,7 @@ from .options import (
     UsageError,
     check_folder,
     check_output_path,
+    check_room,
     positive_float,
     positive_int,
     torch_available,
@@ -95,6 +96,7 @@ def run(args):
         raise UsageError("--file-size goes with --pattern rand")
     if args.io_size is None:
         args.io_size = 256 * M
+    check_room(folder, args.io_size, args.io_size, "lower --io-size")
     started = time.monotonic()
     tuner = Tuner(folder, args.io_size, args.loops, engines)
     planned = len(full_grid(engines)) if args.exhaustive else tuner.planned_search()
@@ -163,6 +165,8 @@ def _run_random(args, folder, engines):
     if io_size % 4096 or file_size < io_size:
         raise UsageError(f"--pattern rand needs an --io-size that is a multiple of 4096 "
                          f"and a --file-size of at least it (got {io_size} and {file_size})")
+    check_room(folder, file_size, len(engines) * tune_random.buffer_bytes(io_size),
+                "lower --file-size or --io-size")
     started = time.monotonic()
     stop = threading.Event()
     with StopOnInterrupt(stop):

@@ -18,6 +18,11 @@ from .bench_ranks import RANDOM_WAIT_EVERY, fill, make_file, random_loop
 BATCHES = (1, 16, 64, 256)
 
 
+def buffer_bytes(io_size):
+    """The locked buffer each engine's measurement holds."""
+    return io_size * max(RANDOM_WAIT_EVERY, *BATCHES)
+
+
 def measure(folder, io_size, file_size, ops, loops, engines, stop):
     """``{(engine, batch): [reads per second, one per loop]}`` for every configuration
     (fewer loops if ``stop``, an Event, is set meanwhile)."""
@@ -33,7 +38,7 @@ def measure(folder, io_size, file_size, ops, loops, engines, stop):
         for engine in engines:
             handle = aio_handle(engine=engine)
             handles[engine] = (handle, None)
-            buffer = handle.new_cpu_locked_tensor(io_size * max(RANDOM_WAIT_EVERY, *BATCHES),
+            buffer = handle.new_cpu_locked_tensor(buffer_bytes(io_size),
                                                   torch.empty(0, dtype=torch.uint8))
             handles[engine] = (handle, buffer)
         first_handle, first_buffer = handles[engines[0]]
