@@ -17,6 +17,10 @@ _ALIASES = {
     "memory_budget": "memory_budget",
     "engine": "engine",                     # nvmeswap's own (Note [engines])
 }
+# What DeepSpeed's get_aio_config takes for a setting its "aio" section leaves out: the
+# settings its swappers run with, so the ones a handle from the same config must have.
+_DEEPSPEED_DEFAULTS = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+                       "single_submit": False, "overlap_events": True}
 # Keys of a DeepSpeed "aio" section that say nothing about a handle.
 _IGNORED = {"use_gds"}
 # Keys that make a dict a whole DeepSpeed config: without an "aio" section, the defaults.
@@ -40,7 +44,8 @@ def handle_arguments(config):
     Accepts ``{"aio": {...}}`` (a whole DeepSpeed config, whose missing ``"aio"``
     section means the defaults) or the section itself, DeepSpeed's legacy names
     (``num_threads``, ``thread_count``), ``"true"``/``"false"`` strings and sizes
-    such as ``"1M"``.
+    such as ``"1M"``. A setting left out takes DeepSpeed's default (queue depth 8,
+    overlapped events), as DeepSpeed's swappers would run with the same config.
     """
     if isinstance(config, (str, bytes)):
         config = json.loads(config)
@@ -70,7 +75,7 @@ def handle_arguments(config):
             raise ValueError(f"{given_as[name]} and {key} are one setting, given "
                              f"{arguments[name]!r} and {value!r}")
         arguments[name], given_as[name] = value, key
-    return arguments
+    return {**_DEEPSPEED_DEFAULTS, **arguments}
 
 
 def _boolean(key, value):

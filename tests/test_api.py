@@ -133,12 +133,13 @@ def test_locked_tensor_lifecycle(handle):
      (262144, 32, False, True, 2)),
     (('{"aio": {"single_submit": "true", "overlap_events": "false", "num_threads": 1, '
       '"block_size": "1M", "queue_depth": 8}}'), (1 << 20, 8, True, False, 1)),
-    ({"block_size": 65536, "intra_op_parallelism": 2}, (65536, 128, False, False, 2)),
+    # What a config leaves out: DeepSpeed's defaults, as its swappers would run with.
+    ({"block_size": 65536, "intra_op_parallelism": 2}, (65536, 8, False, True, 2)),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 3}},       # no "aio": defaults
-     (1 << 20, 128, False, False, 1)),
+     (1 << 20, 8, False, True, 1)),
     ({"steps_per_print": 10, "wall_clock_breakdown": False},            # the same
-     (1 << 20, 128, False, False, 1)),
-    ({"num_threads": 2, "intra_op_parallelism": 2}, (1 << 20, 128, False, False, 2)),
+     (1 << 20, 8, False, True, 1)),
+    ({"num_threads": 2, "intra_op_parallelism": 2}, (1 << 20, 8, False, True, 2)),
 ])
 def test_from_config(config, expected):
     with nvmeswap.aio_handle.from_config(config) as h:

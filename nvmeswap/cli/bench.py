@@ -119,7 +119,9 @@ def add_arguments(parser):
                              "(default: %(default)s)")
     parser.add_argument("--config", metavar="FILE",
                         help="handle settings from a tuner result or a DeepSpeed 'aio' section; "
-                             "options given here override it (default: the handle's defaults)")
+                             "options given here override it, and what it leaves out is "
+                             "DeepSpeed's default, as its swappers run (default: no file, "
+                             "the handle's defaults)")
 
 
 def run(args):
