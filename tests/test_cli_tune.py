@@ -58,6 +58,15 @@ def test_refusals_before_any_measuring(tmp_path):
     assert rand.returncode == 2 and "free; the run needs" in rand.stderr, rand.stderr
     stripes = run_cli("bench", "--stripe", f"{tmp_path},{other}", "--io-size", "4T")
     assert stripes.returncode == 2 and "lower --io-size" in stripes.stderr, stripes.stderr
+    # Options that would be accepted and ignored are refused, naming what they go with.
+    for args, message in (
+            (("bench", "--ops", "16"), "--ops go with --pattern rand"),
+            (("bench", "--stripe-size", "8K"), "--stripe-size goes with --stripe"),
+            (("tune", "--ops", "16"), "--ops go with --pattern rand"),
+            (("tune", "--pattern", "rand", "--budget-seconds", "5"),
+             "--budget-seconds go with --pattern seq")):
+        ignored = run_cli(*args, "--folder", tmp_path)
+        assert ignored.returncode == 2 and message in ignored.stderr, (args, ignored.stderr)
     assert sorted(os.listdir(tmp_path)) == ["other"] and os.listdir(other) == []
 
 

@@ -35,8 +35,9 @@ def test_tune_rand_measures_every_engine_and_batch_and_picks_the_fastest(tmp_pat
 def test_tune_rand_refuses_what_it_cannot_measure(tmp_path):
     for args, says in [(("--io-size", "1000"), "multiple of 4096"),
                        (("--file-size", "2K"), "--file-size of at least"),
-                       (("--exhaustive",), "--exhaustive and --plot go with --pattern seq")]:
+                       (("--exhaustive",),
+                        "--exhaustive, --plot and --budget-seconds go with --pattern seq")]:
         result = _tune("--folder", tmp_path, "--pattern", "rand", *args)
         assert result.returncode != 0 and says in result.stderr, result.stderr
     seq = _tune("--folder", tmp_path, "--file-size", "8M")
-    assert seq.returncode != 0 and "--file-size goes with --pattern rand" in seq.stderr
+    assert seq.returncode != 0 and "--file-size and --ops go with --pattern rand" in seq.stderr

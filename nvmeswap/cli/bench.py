@@ -104,8 +104,9 @@ def add_arguments(parser):
     parser.add_argument("--file-size", type=size_argument, default=None, metavar="SIZE",
                         help="with --pattern rand: the file the requests fall in "
                              "(default: 1G)")
-    parser.add_argument("--ops", type=positive_int, default=4096, metavar="N",
-                        help="with --pattern rand: requests per timed loop and rank")
+    parser.add_argument("--ops", type=positive_int, default=None, metavar="N",
+                        help="with --pattern rand: requests per timed loop and rank "
+                             "(default: 4096)")
     parser.add_argument("--batch", type=non_negative_int, default=0, metavar="N",
                         help="with --pattern rand: start N requests in one call "
                              "(async_pread_many / async_pwrite_many) and wait for them; 0: "
@@ -114,9 +115,9 @@ def add_arguments(parser):
                         help="measure each folder's device alone, then one transfer striped "
                              "over all of them (per-device and aggregate GB/s; default: no "
                              "striping, the usual test)")
-    parser.add_argument("--stripe-size", type=size_argument, default="4M", metavar="SIZE",
+    parser.add_argument("--stripe-size", type=size_argument, default=None, metavar="SIZE",
                         help="bytes per stripe with --stripe, a multiple of 4096 "
-                             "(default: %(default)s)")
+                             "(default: 4M)")
     parser.add_argument("--config", metavar="FILE",
                         help="handle settings from a tuner result or a DeepSpeed 'aio' section; "
                              "options given here override it, and what it leaves out is "
@@ -130,7 +131,9 @@ def run(args):
     if args.stripe is not None:
         from .bench_stripes import run_stripes
         _check_stripe_options(args)
-        return run_stripes(args, plan, args.stripe_size)
+        return run_stripes(args, plan, args.stripe_size or 4 << 20)
+    if args.stripe_size is not None:
+        raise UsageError("--stripe-size goes with --stripe")
     made_folder = None
     if not plan["folders"]:
         try:
@@ -208,8 +211,8 @@ def _plan(args):
     check_output_path(args.json, "--json")
     jobs = [job for job, wanted in (("write", args.write), ("read", args.read)) if wanted]
     random = args.pattern == "rand"
-    if not random and (args.file_size is not None or args.batch):
-        raise UsageError("--file-size and --batch go with --pattern rand")
+    if not random and (args.file_size is not None or args.batch or args.ops is not None):
+        raise UsageError("--file-size, --batch and --ops go with --pattern rand")
     if random:
         if args.validate or args.gpu or args.gds:
             raise UsageError("--pattern rand moves host memory without --validate; "
@@ -237,7 +240,7 @@ def _plan(args):
         "progress": sys.stderr.isatty(),
         "pattern": args.pattern,
         "file_size": file_size if random else args.io_size,
-        "ops": args.ops if random else 1,
+        "ops": (args.ops or 4096) if random else 1,
         "batch": args.batch,
     }
 
@@ -260,7 +263,7 @@ def _check_settings(handle_args, args):
 def _check_stripe_options(args):
     """--stripe measures one host buffer on one rank, its folders its own: refuse what it
     would not do, before any work."""
-    if args.stripe_size % 4096:
+    if args.stripe_size is not None and args.stripe_size % 4096:
         raise UsageError(f"--stripe-size must be a multiple of 4096, got {args.stripe_size}")
     unused = [option for option, given in (
         ("--folder", args.folders), ("--ranks", args.ranks != 1), ("--buffer", args.buffer),

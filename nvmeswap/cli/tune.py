@@ -51,8 +51,8 @@ def add_arguments(parser):
                              "--io-size in a --file-size file)")
     parser.add_argument("--file-size", type=size_argument, default=None, metavar="SIZE",
                         help="with --pattern rand: the file the reads fall in (default: 1G)")
-    parser.add_argument("--ops", type=positive_int, default=8192, metavar="N",
-                        help="with --pattern rand: reads per timed loop")
+    parser.add_argument("--ops", type=positive_int, default=None, metavar="N",
+                        help="with --pattern rand: reads per timed loop (default: 8192)")
     parser.add_argument("--loops", type=positive_int, default=2, metavar="N",
                         help="timed loops per configuration")
     parser.add_argument("--exhaustive", action="store_true", help="measure the whole grid")
@@ -60,9 +60,10 @@ def add_arguments(parser):
                         help="tune this engine only (auto: the one aio_handle(engine='auto') "
                              "would run; default: both kernel AIO and io_uring, io_uring "
                              "where it works)")
-    parser.add_argument("--budget-seconds", type=positive_float, default=50.0, metavar="S",
-                        help="stop the search (not --exhaustive) after this many seconds; "
-                             "the confirming round comes after")
+    parser.add_argument("--budget-seconds", type=positive_float, default=None, metavar="S",
+                        help="stop the search (not --exhaustive, nor --pattern rand) after "
+                             "this many seconds; the confirming round comes after "
+                             "(default: 50)")
     parser.add_argument("--json", metavar="FILE",
                         help="write the result to FILE (default: to standard output, alone; "
                              "everything else goes to standard error)")
@@ -92,8 +93,8 @@ def run(args):
     engines = _engines(args.engine)
     if args.pattern == "rand":
         return _run_random(args, folder, engines)
-    if args.file_size is not None:
-        raise UsageError("--file-size goes with --pattern rand")
+    if args.file_size is not None or args.ops is not None:
+        raise UsageError("--file-size and --ops go with --pattern rand")
     if args.io_size is None:
         args.io_size = 256 * M
     check_room(folder, args.io_size, args.io_size, "lower --io-size")
@@ -106,7 +107,7 @@ def run(args):
             if args.exhaustive:
                 tuner.measure_all(full_grid(engines))
             else:
-                tuner.search(deadline=started + args.budget_seconds)
+                tuner.search(deadline=started + (args.budget_seconds or 50.0))
             if tuner.progress is not None:
                 tuner.progress.total = tuner.progress.n + tuner.planned_confirm()
                 tuner.progress.refresh()
@@ -158,10 +159,11 @@ def run(args):
 
 def _run_random(args, folder, engines):
     """``--pattern rand`` (cli/tune_random.py): engine x batch size for small reads."""
-    if args.exhaustive or args.plot:
-        raise UsageError("--exhaustive and --plot go with --pattern seq")
+    if args.exhaustive or args.plot or args.budget_seconds is not None:
+        raise UsageError("--exhaustive, --plot and --budget-seconds go with --pattern seq")
     io_size = args.io_size if args.io_size is not None else 4 * K
     file_size = args.file_size if args.file_size is not None else GB
+    ops = args.ops if args.ops is not None else 8192
     if io_size % 4096 or file_size < io_size:
         raise UsageError(f"--pattern rand needs an --io-size that is a multiple of 4096 "
                          f"and a --file-size of at least it (got {io_size} and {file_size})")
@@ -170,9 +172,9 @@ def _run_random(args, folder, engines):
     started = time.monotonic()
     stop = threading.Event()
     with StopOnInterrupt(stop):
-        rates = tune_random.measure(folder, io_size, file_size, args.ops, args.loops,
+        rates = tune_random.measure(folder, io_size, file_size, ops, args.loops,
                                     engines, stop)
-    result = tune_random.result(rates, io_size, file_size, args.ops, engines,
+    result = tune_random.result(rates, io_size, file_size, ops, engines,
                                 time.monotonic() - started, stop.is_set())
     if result["best"] is None:
         print("nvmeswap tune: interrupted before any configuration was measured",
