@@ -100,7 +100,7 @@ def test_ctrl_c_python_drops_still_ends_the_command_with_130():
 @needs_torch
 def test_ctrl_c_while_torch_loads_waits_until_it_is_loaded():
     """A Ctrl-C inside torch's import can abort the process (a C++ exception where none
-    may pass): the command holds SIGINT until torch is loaded, then stops with 130."""
+    may pass): report holds SIGINT until torch is loaded, then stops with 130."""
     code = ("import os, signal, sys\n"
             "class InterruptAtDistributed:\n"
             "    def find_spec(self, name, path=None, target=None):\n"

@@ -3,7 +3,6 @@ import argparse
 import os
 import signal
 import sys
-import threading
 
 from .. import __version__
 from .options import Formatter, UsageError
@@ -46,7 +45,6 @@ def main(argv=None):
             parser.print_help()
             return 0
         command = f"nvmeswap {args.command_name}"
-        _load_torch_uninterrupted()
         return args.run(args)
     except UsageError as error:
         print(f"{command}: {error}", file=sys.stderr)
@@ -59,21 +57,6 @@ def main(argv=None):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
-
-
-def _load_torch_uninterrupted():
-    """Import torch (where installed) with SIGINT held: a Ctrl-C that lands in torch's own
-    import can abort the process (a C++ exception thrown where none may pass); held, it
-    lands once torch is loaded, as a KeyboardInterrupt."""
-    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def command():

@@ -174,3 +174,20 @@ def check_room(folder, disk_bytes, memory_bytes, lower):
     if memory_bytes > available:
         raise UsageError(f"the run needs {human_size(memory_bytes)} of memory and "
                          f"{human_size(max(available, 0))} is available: {lower}")
+
+
+def load_torch_uninterrupted():
+    """Import torch (where installed) with SIGINT held: a Ctrl-C that lands in torch's own
+    import can abort the process (a C++ exception thrown where none may pass); held, it
+    lands once torch is loaded, as a KeyboardInterrupt. (Not for bench and tune: their
+    own handler, which only asks them to stop after what they measure, is in place
+    before they load torch.)"""
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)

@@ -14,7 +14,7 @@ from .. import mounts
 from ..deepspeed import deepspeed_status
 from ..io.engines import URING_MEMLOCK, has_cap_ipc_lock
 from ..units import human_size
-from .options import check_output_path, write_json
+from .options import check_output_path, load_torch_uninterrupted, write_json
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 DEFAULT_EVENTS_PER_HANDLE = 128     # aio-nr counts each context's queue depth
@@ -30,6 +30,7 @@ def add_arguments(parser):
 
 def run(args):
     check_output_path(args.json, "--json")
+    load_torch_uninterrupted()
     found = versions()
     print("versions: " + ", ".join(f"{name} {value}" for name, value in found.items()))
     print(deepspeed_status())
