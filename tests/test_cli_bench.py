@@ -347,6 +347,7 @@ def test_random_options_are_checked(tmp_path):
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
 
 
+@needs_torch
 def test_table_columns_stay_apart_whatever_the_figures(tmp_path):
     """A run of one byte takes a scheduler tick of CPU over almost nothing: its CPU s/GB
     (or any figure too wide for its column) is printed shorter, never run into the next."""

@@ -51,6 +51,13 @@ def test_refusals_before_any_measuring(tmp_path):
     budget = run_cli("tune", "--folder", tmp_path, "--budget-seconds", "0")
     assert budget.returncode == 2 and "argument --budget-seconds: must be more than 0" \
         in budget.stderr
+    assert sorted(os.listdir(tmp_path)) == ["other"]
+
+
+@needs_torch
+def test_sizes_that_do_not_fit_and_unused_options_are_refused(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
     # Sizes that do not fit: refused up front (a 4 TiB one was an OOM kill, no word).
     huge = run_cli("tune", "--folder", tmp_path, "--io-size", "4T")
     assert huge.returncode == 2 and "lower --io-size" in huge.stderr, huge.stderr
